@@ -1,0 +1,49 @@
+"""shareddata: load a dataset once into shared memory for every DataLoader worker and rank.
+
+Example:
+    >>> import numpy as np, shareddata as sd
+    >>> ds = sd.NumpyDataset(np.arange(12, dtype=np.float32).reshape(6, 2))
+    >>> ds[0]
+    {'data': tensor([0., 1.])}
+"""
+
+from ._dataset import NumpyDataset
+from ._sampler import IndexBatchSampler
+from ._storage import SharedArray
+from .errors import (
+    AttachError,
+    ColumnLengthError,
+    DuplicationError,
+    MissingColumnError,
+    MissingDependencyError,
+    MissingFileError,
+    NullValuesError,
+    SharedDataError,
+    SharedMemoryFullError,
+    SourceReadError,
+    UnsupportedDtypeError,
+)
+from .memory import MemoryReport, ProcessMemory, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttachError",
+    "ColumnLengthError",
+    "DuplicationError",
+    "IndexBatchSampler",
+    "MemoryReport",
+    "MissingColumnError",
+    "MissingDependencyError",
+    "MissingFileError",
+    "NullValuesError",
+    "NumpyDataset",
+    "ProcessMemory",
+    "SharedArray",
+    "SharedDataError",
+    "SharedMemoryFullError",
+    "SourceReadError",
+    "UnsupportedDtypeError",
+    "__version__",
+    "verify",
+]

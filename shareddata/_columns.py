@@ -1,0 +1,197 @@
+"""Columns: typed views over shared arrays that fetch one row or gather a batch.
+
+A source describes each column with a :class:`ColumnSpec` (name, rows, dtype,
+row shape, kind). The loader asks the column class for the buffers that kind
+needs (:meth:`Column.layout`), allocates all of a dataset's buffers in one shared
+segment, lets the source fill them, and builds the column over them.
+
+Kinds (``Column.kind``, registered in :data:`COLUMN_KINDS`):
+
+* ``"tensor"``: fixed-shape numeric rows in one ``(rows, *shape)`` array.
+
+Columns never hand out views of shared memory: a fetched row or batch is a
+fresh tensor, so a sample that a worker (or the user) writes to cannot change the
+data that other processes read.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ._storage import SharedArray, to_numpy_dtype
+
+__all__ = ["COLUMN_KINDS", "Column", "ColumnSpec", "TensorColumn", "shared_empty"]
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """What a source says about one column before anything is allocated.
+
+    Attributes:
+        name: column name.
+        rows: number of rows.
+        dtype: element dtype (numpy).
+        shape: shape of one row (``()`` for a scalar column).
+        kind: which :class:`Column` class stores it (a key of :data:`COLUMN_KINDS`).
+        values: for variable-length kinds, the total number of value elements.
+    """
+
+    name: str
+    rows: int
+    dtype: np.dtype
+    shape: tuple[int, ...] = ()
+    kind: str = "tensor"
+    values: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this column takes in shared memory."""
+        return sum(
+            math.prod(shape) * to_numpy_dtype(dtype).itemsize
+            for shape, dtype in COLUMN_KINDS[self.kind].layout(self).values()
+        )
+
+    def describe(self) -> str:
+        """A short human description, e.g. ``float32 (3, 32, 32)``."""
+        return f"{self.dtype} {self.shape}" if self.kind == "tensor" else self.kind
+
+
+class Column(ABC):
+    """One column of a dataset, over buffers in shared memory.
+
+    Subclasses define :meth:`layout` (the buffers a spec needs), :meth:`get`
+    (one row), :meth:`gather` (a batch for int64 indices already checked against
+    ``len``) and :meth:`split` (a gathered batch back into per-row values).
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, spec: ColumnSpec, arrays: dict[str, SharedArray]) -> None:
+        self.spec = spec
+        self.arrays = arrays
+
+    @staticmethod
+    @abstractmethod
+    def layout(spec: ColumnSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """The named buffers (shape, dtype) this kind needs for ``spec``."""
+
+    @abstractmethod
+    def get(self, index: int) -> Any:
+        """The value of row ``index`` (0 <= index < len)."""
+
+    @abstractmethod
+    def gather(self, indices: torch.Tensor, shared: bool = False) -> Any:
+        """The batched values of rows ``indices`` (int64, in range).
+
+        Args:
+            indices: 1-D int64 tensor of row numbers.
+            shared: put the batch in shared memory (it is about to leave a worker).
+        """
+
+    @abstractmethod
+    def split(self, batch: Any) -> list[Any]:
+        """Per-row values of a batch returned by :meth:`gather`."""
+
+    @property
+    def name(self) -> str:
+        """The column's name."""
+        return self.spec.name
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in shared memory."""
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def __len__(self) -> int:
+        return self.spec.rows
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"spec": self.spec, "arrays": self.arrays}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["spec"], state["arrays"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.spec.describe()}, rows={len(self)})"
+
+
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor in torch's shared memory, as ``default_collate`` makes in workers.
+
+    A batch built there travels from a DataLoader worker to the main process
+    without another copy.
+    """
+    numel = math.prod(shape)
+    proto = torch.empty(0, dtype=dtype)
+    storage = proto._typed_storage()._new_shared(numel, device="cpu")
+    return proto.new(storage).view(shape) if numel else torch.empty(shape, dtype=dtype)
+
+
+def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns that the numpy buffer is read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+class TensorColumn(Column):
+    """Fixed-shape numeric rows: row ``i`` is ``data[i]``.
+
+    Example:
+        >>> col = TensorColumn.from_array("x", np.arange(6, dtype=np.int32).reshape(3, 2))
+        >>> col.get(1)
+        tensor([2, 3], dtype=torch.int32)
+        >>> col.gather(torch.tensor([2, 0]))
+        tensor([[4, 5],
+                [0, 1]], dtype=torch.int32)
+    """
+
+    kind = "tensor"
+
+    def __init__(self, spec: ColumnSpec, arrays: dict[str, SharedArray]) -> None:
+        super().__init__(spec, arrays)
+        self._data = _readonly_tensor(arrays["data"].numpy())
+        self._np = arrays["data"].numpy()
+        self._torch_gather = True
+
+    @staticmethod
+    def layout(spec: ColumnSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """One array of shape ``(rows, *shape)``."""
+        return {"data": ((spec.rows, *spec.shape), spec.dtype)}
+
+    @classmethod
+    def from_array(cls, name: str, array: np.ndarray) -> TensorColumn:
+        """A column holding a copy of ``array`` (for tests and small data)."""
+        spec = ColumnSpec(name, len(array), array.dtype, tuple(array.shape[1:]))
+        data = SharedArray.from_array(array)
+        return cls(spec, {"data": data.readonly()})
+
+    def get(self, index: int) -> torch.Tensor:
+        """A copy of row ``index`` (a 0-d tensor for a scalar column)."""
+        return self._data[index].clone()
+
+    def gather(self, indices: torch.Tensor, shared: bool = False) -> torch.Tensor:
+        """Rows ``indices`` stacked, in one ``index_select``."""
+        out = shared_empty((len(indices), *self.spec.shape), self._data.dtype) if shared else None
+        if self._torch_gather:
+            try:
+                return torch.index_select(self._data, 0, indices, out=out)
+            except (RuntimeError, NotImplementedError):  # dtype without a torch kernel
+                self._torch_gather = False
+        batch = torch.from_numpy(np.take(self._np, indices.numpy(), axis=0))
+        if out is None:
+            return batch
+        return out.copy_(batch)
+
+    def split(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        """Views of each row of the batch."""
+        return list(batch.unbind(0))
+
+
+COLUMN_KINDS: dict[str, type[Column]] = {TensorColumn.kind: TensorColumn}

@@ -1,0 +1,324 @@
+"""The common Dataset over shared columns, and the one loader every source goes through.
+
+Data flows one way: a source (``sources/``) sizes its columns -> :func:`load_columns`
+allocates every buffer in one shared segment and lets the source fill it -> the
+columns (``_columns.py``) index it -> :class:`ColumnDataset` serves samples and
+batches, and pickles into workers as handles (``_storage.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from ._columns import COLUMN_KINDS, Column, ColumnSpec
+from ._storage import _fmt, allocate
+from .errors import ColumnLengthError
+
+__all__ = ["ColumnDataset", "NumpyDataset", "Source", "load_columns"]
+
+Output = Literal["dict", "tuple"]
+
+
+class Source(Protocol):
+    """What a format module implements: size the columns, then fill given buffers.
+
+    Sharing, indexing and pickling are not a source's business; see ``load_columns``.
+    """
+
+    label: str
+    """The file (or object) the data comes from, for messages."""
+
+    def specs(self) -> list[ColumnSpec]:
+        """Describe every selected column, with exact sizes, before any allocation."""
+        ...
+
+    def read(
+        self, spec: ColumnSpec, buffers: dict[str, np.ndarray], progress: Callable[[int], None]
+    ) -> None:
+        """Fill ``buffers`` (laid out as ``COLUMN_KINDS[spec.kind].layout(spec)``).
+
+        Call ``progress(nbytes)`` as data arrives.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release file handles (called after loading, also on error)."""
+        ...
+
+
+@contextmanager
+def _progress_bar(total: int, desc: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+    if not enabled or not sys.stderr.isatty() or total == 0:
+        yield lambda n: None
+        return
+    from tqdm.auto import tqdm
+
+    # delay: only loads that take more than ~2 s show a bar
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=2) as bar:
+        yield bar.update
+
+
+def check_lengths(specs: Sequence[ColumnSpec], label: str) -> int:
+    """The common row count of ``specs``, or :class:`ColumnLengthError` naming each."""
+    rows = {s.rows for s in specs}
+    if len(rows) > 1:
+        listing = ", ".join(f"{s.name!r}: {s.rows} rows" for s in specs)
+        raise ColumnLengthError(
+            f"columns of {label} have different lengths ({listing}); every column of a "
+            "dataset needs one value per row. Select columns of equal length "
+            "(columns=[...]) or trim them to the same number of rows."
+        )
+    return rows.pop() if rows else 0
+
+
+def load_columns(
+    source: Source,
+    *,
+    storage_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> dict[str, Column]:
+    """Size ``source``'s columns, allocate them in one segment, and fill them.
+
+    If anything fails (a read error, Ctrl-C), everything allocated is freed
+    before the error propagates.
+
+    Args:
+        source: a format reader.
+        storage_dir: ``None`` for RAM; a directory for file-backed storage.
+        progress: show a progress bar for loads longer than ~2 s (on a terminal).
+
+    Returns:
+        The columns, read-only, by name in source order.
+    """
+    try:
+        specs = source.specs()
+        check_lengths(specs, source.label)
+        layouts = [(spec, COLUMN_KINDS[spec.kind].layout(spec)) for spec in specs]
+        flat = [shape_dtype for _, layout in layouts for shape_dtype in layout.values()]
+        arrays = allocate(flat, storage_dir, what=source.label)
+        total = sum(a.nbytes for a in arrays)
+        grouped: list[dict[str, Any]] = []
+        it = iter(arrays)
+        for _, layout in layouts:
+            grouped.append({key: next(it) for key in layout})
+        del it
+        try:
+            desc = f"loading {os.path.basename(source.label) or source.label} ({_fmt(total)})"
+            with _progress_bar(total, desc, progress) as update:
+                for (spec, _), group in zip(layouts, grouped):
+                    source.read(spec, {k: a.numpy() for k, a in group.items()}, update)
+        except BaseException as error:
+            # Free the segment now: drop our arrays and the finished frames' locals
+            # (the traceback would otherwise keep the buffers mapped).
+            del arrays, grouped
+            traceback.clear_frames(error.__traceback__.tb_next) if error.__traceback__ else None
+            raise
+    finally:
+        source.close()
+    return {
+        spec.name: COLUMN_KINDS[spec.kind](spec, {k: a.readonly() for k, a in group.items()})
+        for (spec, _), group in zip(layouts, grouped)
+    }
+
+
+def _is_int(index: Any) -> bool:
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        return True
+    return isinstance(index, (torch.Tensor, np.ndarray)) and index.ndim == 0 and (
+        not index.dtype.is_floating_point if isinstance(index, torch.Tensor) else
+        np.issubdtype(index.dtype, np.integer)
+    )
+
+
+class ColumnDataset(Dataset):
+    """A map-style Dataset over columns in shared memory.
+
+    Subclasses (one per source format) only build the columns; everything a
+    user indexes, batches and pickles is here.
+
+    Args:
+        columns: the columns by name (all of one length).
+        transform: applied to each sample, in the worker, after indexing.
+        output: ``"dict"`` for ``{column: value}`` samples, ``"tuple"`` for values in
+            column order (what ``TensorDataset`` users unpack as ``x, y``).
+    """
+
+    def __init__(
+        self,
+        columns: dict[str, Column],
+        *,
+        transform: Callable[[Any], Any] | None = None,
+        output: Output = "dict",
+    ) -> None:
+        if output not in ("dict", "tuple"):
+            raise ValueError(f"output must be 'dict' or 'tuple', got {output!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable, got {type(transform).__name__}")
+        self._columns = columns
+        self._names = list(columns)
+        self._len = check_lengths([c.spec for c in columns.values()], type(self).__name__)
+        self.transform = transform
+        self.output: Output = output
+
+    # -- what users read -------------------------------------------------------------
+    @property
+    def columns(self) -> list[str]:
+        """Column names, in sample order."""
+        return list(self._names)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in shared memory."""
+        return sum(c.nbytes for c in self._columns.values())
+
+    @property
+    def specs(self) -> dict[str, ColumnSpec]:
+        """Each column's spec (dtype, row shape, kind)."""
+        return {n: c.spec for n, c in self._columns.items()}
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        cols = ", ".join(f"{n}: {c.spec.describe()}" for n, c in self._columns.items())
+        return f"{type(self).__name__}(rows={self._len}, {_fmt(self.nbytes)}, columns={{{cols}}})"
+
+    # -- indexing ----------------------------------------------------------------------
+    def _pack(self, values: Sequence[Any]) -> Any:
+        return dict(zip(self._names, values)) if self.output == "dict" else tuple(values)
+
+    def _check_index(self, index: Any) -> int:
+        i = int(index)
+        n = self._len
+        if not -n <= i < n:
+            raise IndexError(f"index {i} is out of range for {type(self).__name__} of {n} rows")
+        return i + n if i < 0 else i
+
+    def _indices(self, indices: Any) -> torch.Tensor:
+        if isinstance(indices, slice):
+            return torch.arange(*indices.indices(self._len), dtype=torch.int64)
+        idx = torch.as_tensor(np.asarray(indices) if isinstance(indices, list) else indices)
+        if idx.dtype == torch.bool:
+            raise TypeError("boolean masks are not supported as indices; use mask.nonzero()")
+        if idx.is_floating_point() or idx.is_complex():
+            raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
+        idx = idx.reshape(-1).to(torch.int64)
+        n = self._len
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < -n or hi >= n:
+                bad = lo if lo < -n else hi
+                raise IndexError(
+                    f"index {bad} is out of range for {type(self).__name__} of {n} rows"
+                )
+            if lo < 0:
+                idx = torch.where(idx < 0, idx + n, idx)
+        return idx
+
+    def __getitem__(self, index: Any) -> Any:
+        """One sample for an int; a batch (values stacked per column) for indices.
+
+        ``ds[[3, 1, 4]]``, ``ds[2:10]``, ``ds[tensor]`` gather every column once and
+        return a batch shaped like the default collate's output. A ``transform`` is
+        applied per sample, then the samples are collated.
+        """
+        if _is_int(index):
+            i = self._check_index(index)
+            sample = self._pack([c.get(i) for c in self._columns.values()])
+            return sample if self.transform is None else self.transform(sample)
+        if self.transform is not None:
+            from torch.utils.data import default_collate
+
+            return default_collate(self.__getitems__(self._indices(index).tolist()))
+        idx = self._indices(index)
+        shared = get_worker_info() is not None  # leaving a worker: build it in shared memory
+        return self._pack([c.gather(idx, shared=shared) for c in self._columns.values()])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The samples ``indices``, gathering each column once (what the DataLoader calls).
+
+        The default collate gives the same batch as fetching each sample alone.
+        """
+        idx = self._indices(indices)
+        per_column = [c.split(c.gather(idx)) for c in self._columns.values()]
+        if self.output == "dict":
+            samples = [dict(zip(self._names, row)) for row in zip(*per_column)]
+        else:
+            samples = list(zip(*per_column))
+        if not per_column:
+            samples = [self._pack([]) for _ in range(len(idx))]
+        if self.transform is not None:
+            samples = [self.transform(s) for s in samples]
+        return samples
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(self._len):
+            yield self[i]
+
+    # -- pickling: handles, never data -------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {"columns": self._columns, "transform": self.transform, "output": self.output}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        ColumnDataset.__init__(
+            self, state["columns"], transform=state["transform"], output=state["output"]
+        )
+
+
+class NumpyDataset(ColumnDataset):
+    """A dataset of NumPy arrays, loaded once into shared memory.
+
+    Args:
+        source: a ``.npy`` or ``.npz`` path, a folder of ``.npy`` files (one column
+            per file, named by its stem, in sorted order), a numpy array or tensor
+            (column ``"data"``), or a mapping ``{column: array | tensor | path}``.
+        columns: names of the columns to load, in sample order (default: all).
+        transform: applied to each sample in the worker, after indexing.
+        output: ``"dict"`` (``{column: tensor}``) or ``"tuple"`` (column order).
+        storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
+            anonymous file there, mapped shared (for a small RAM or memory limit).
+        progress: show a progress bar for loads longer than ~2 s.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        KeyError: a requested column does not exist (the message lists those that do).
+        ValueError: columns have different lengths.
+        TypeError: a column's dtype cannot be stored (object, structured, strings).
+        MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
+
+    Example:
+        >>> import numpy as np, shareddata as sd
+        >>> ds = sd.NumpyDataset({"x": np.ones((4, 3), np.float32), "y": np.arange(4)},
+        ...                      output="tuple")
+        >>> len(ds), ds.columns
+        (4, ['x', 'y'])
+        >>> x, y = ds[-1]
+        >>> x.shape, int(y)
+        (torch.Size([3]), 3)
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        columns: Sequence[str] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        output: Output = "dict",
+        storage_dir: str | os.PathLike[str] | None = None,
+        progress: bool = True,
+    ) -> None:
+        from .sources.npy import NumpySource
+
+        loaded = load_columns(
+            NumpySource(source, columns), storage_dir=storage_dir, progress=progress
+        )
+        super().__init__(loaded, transform=transform, output=output)

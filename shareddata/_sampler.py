@@ -1,0 +1,78 @@
+"""The fast path: a sampler that yields whole batches of indices as one tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["IndexBatchSampler"]
+
+
+class IndexBatchSampler(Sampler[torch.Tensor]):
+    """Yields each batch of indices as one int64 tensor, with no per-sample Python work.
+
+    Use it as the ``sampler`` of a DataLoader with ``batch_size=None``: the dataset
+    then receives a tensor of indices and gathers every column once
+    (``dataset[indices]``), and the DataLoader neither samples nor collates per
+    sample. Batches are the same shape as the default collate's.
+
+    Args:
+        data_source: the dataset (or its length).
+        batch_size: samples per batch.
+        shuffle: a new random order every epoch (see :meth:`set_epoch`).
+        drop_last: drop the last incomplete batch.
+        seed: base seed of the shuffle; epoch ``e`` uses ``seed + e``.
+
+    Example:
+        >>> import numpy as np, shareddata as sd
+        >>> from torch.utils.data import DataLoader
+        >>> ds = sd.NumpyDataset(np.arange(10))
+        >>> loader = DataLoader(ds, sampler=sd.IndexBatchSampler(ds, 4), batch_size=None)
+        >>> [b["data"].tolist() for b in loader]
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    """
+
+    def __init__(
+        self,
+        data_source: Sized | int,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        self.n = data_source if isinstance(data_source, int) else len(data_source)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = seed
+        self.epoch = 0
+        self._epoch_set = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fix the shuffle to that of ``epoch``, as for ``DistributedSampler``.
+
+        Without calls to it, every pass over the sampler takes the next epoch's order.
+        """
+        self.epoch = epoch
+        self._epoch_set = True
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.n, generator=g)
+            if not self._epoch_set:
+                self.epoch += 1
+        else:
+            order = torch.arange(self.n)
+        stop = self.n - self.n % self.batch_size if self.drop_last else self.n
+        yield from order[:stop].split(self.batch_size)
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.n // self.batch_size
+        return (self.n + self.batch_size - 1) // self.batch_size

@@ -1,0 +1,616 @@
+"""Shared memory segments and the arrays laid over them.
+
+Note [How shared segments are made, shared and freed]
+=====================================================
+A segment is an *anonymous* file: ``memfd_create`` (RAM) or ``O_TMPFILE`` in
+``storage_dir`` (a disk, mapped shared so every process reads one copy through
+the page cache). Neither ever has a name in ``/dev/shm`` or in the directory, so
+nothing can be left behind whatever kills which process: the kernel frees the
+pages when the last descriptor and the last mapping are gone.
+
+Other choices, and why not (measured facts in FACTS.md):
+
+* ``multiprocessing.shared_memory`` / named ``/dev/shm`` files leak when the
+  process that would unlink them (the creator or the resource tracker) is
+  SIGKILLed, and on Python < 3.13 every attaching process unlinks on exit
+  (cpython#82300). They are also bound by the size of the ``/dev/shm`` mount
+  (64 MiB by default in Docker), where ``ftruncate`` + touching pages ends in an
+  uncatchable SIGBUS.
+* torch's ``share_memory_()`` handles cannot cross ``torchrun`` ranks (different
+  authkeys; a pickled fd can be redeemed once) and one fd per storage runs out of
+  descriptors.
+
+A memfd is not counted against ``/dev/shm``; its limit is RAM and the memory
+cgroup, which :func:`check_capacity` reads before allocating. The space is then
+reserved with ``posix_fallocate`` (ENOSPC is raised at once, never SIGBUS later)
+and the page tables are populated up front (``MADV_POPULATE_WRITE``), which makes
+the first write run at memcpy speed instead of one page fault per 4 KiB.
+
+Sharing: a segment pickles as a *handle* ``(pid, fd, dev, inode, size)``. The
+receiving process opens ``/proc/<pid>/fd/<fd>``, which gives it its own
+descriptor of the same file (checked by device and inode), and maps it. This
+works for ``fork``, ``spawn`` and ``forkserver`` children and for unrelated
+processes of the same user (another ``torchrun`` rank). A process that attached
+hands out its own ``(pid, fd)`` in turn, so attaching never depends on the
+creator staying alive: it only needs the *sender* to hold the segment until the
+receiver has mapped it. Within one process a segment is mapped once, however
+many arrays refer to it (see ``_ATTACHED``).
+
+Read-only handles (the datasets' columns) are mapped copy-on-write
+(``MAP_PRIVATE``) by the receiver: reads map the same physical pages, and a write
+forced through can never reach another process.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import AttachError, SharedMemoryFullError, UnsupportedDtypeError
+
+__all__ = ["Segment", "SharedArray", "available_memory", "check_capacity", "to_numpy_dtype"]
+
+_ALIGN = 64  # bytes; every array in a segment starts on a cache line
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; mmap module names it only on 3.13+
+_STORAGE_ENV = "SHAREDDATA_STORAGE_DIR"
+
+_ATTACHED: weakref.WeakValueDictionary[tuple[str, bool], Segment] = weakref.WeakValueDictionary()
+_ATTACH_LOCK = threading.Lock()
+
+
+def _fmt(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes} B"  # pragma: no cover
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text)
+
+
+def _cgroup_available() -> int | None:
+    """Bytes the memory cgroup of this process can still take, or None if unlimited."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best: int | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: walk up the hierarchy, keep the tightest limit
+            parts = [p for p in path.split("/") if p]
+            for depth in range(len(parts), -1, -1):
+                base = os.path.join("/sys/fs/cgroup", *parts[:depth])
+                limit = _read_int(os.path.join(base, "memory.max"))
+                used = _read_int(os.path.join(base, "memory.current"))
+                if limit is not None and used is not None:
+                    free = limit - used + _reclaimable(os.path.join(base, "memory.stat"))
+                    best = free if best is None else min(best, free)
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base = "/sys/fs/cgroup/memory"
+            limit = _read_int(os.path.join(base, "memory.limit_in_bytes"))
+            used = _read_int(os.path.join(base, "memory.usage_in_bytes"))
+            if limit is not None and used is not None and limit < (1 << 60):
+                free = limit - used + _reclaimable(os.path.join(base, "memory.stat"))
+                best = free if best is None else min(best, free)
+    return best
+
+
+def _reclaimable(stat_path: str) -> int:
+    """Inactive page cache in a cgroup: the kernel drops it before failing an allocation."""
+    try:
+        with open(stat_path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file"):
+                    return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def available_memory(storage_dir: str | os.PathLike[str] | None = None) -> int:
+    """Bytes that a new segment can take without running the machine out of room.
+
+    Args:
+        storage_dir: ``None`` for RAM (memfd): the smaller of ``MemAvailable`` and
+            what the memory cgroup still allows; a directory: its free disk space.
+
+    Returns:
+        The number of bytes.
+
+    Example:
+        >>> available_memory() > 0
+        True
+    """
+    if storage_dir is not None:
+        st = os.statvfs(storage_dir)
+        return st.f_bavail * st.f_frsize
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        import psutil
+
+        avail = psutil.virtual_memory().available
+    cgroup = _cgroup_available()
+    return avail if cgroup is None else min(avail, cgroup)
+
+
+def _full_error(needed: int, free: int, storage_dir: str | None, what: str) -> SharedMemoryFullError:
+    where = f"the file system of storage_dir={storage_dir!r}" if storage_dir else "RAM"
+    fixes = (
+        "free disk space or choose another storage_dir"
+        if storage_dir
+        else "load fewer columns; raise the container's memory limit (Docker `--memory`, "
+        "Kubernetes `resources.limits.memory`; a memory-backed `emptyDir` counts against "
+        "it too); or put the data in files on a local disk with storage_dir='/path' "
+        f"(or the {_STORAGE_ENV} environment variable)"
+    )
+    return SharedMemoryFullError(
+        f"{what} needs {_fmt(needed)} ({needed} bytes) of shared memory but only "
+        f"{_fmt(free)} ({free} bytes) is free in {where}. Nothing was loaded. Fix: {fixes}."
+    )
+
+
+def check_capacity(
+    nbytes: int, storage_dir: str | os.PathLike[str] | None = None, what: str = "this allocation"
+) -> None:
+    """Raise :class:`~shareddata.SharedMemoryFullError` if ``nbytes`` do not fit.
+
+    Args:
+        nbytes: bytes about to be allocated.
+        storage_dir: where they would go (``None``: RAM).
+        what: how to name the allocation in the message (e.g. a file name).
+
+    Raises:
+        SharedMemoryFullError: with the bytes needed and free, and the fixes.
+
+    Example:
+        >>> check_capacity(1024)
+        >>> check_capacity(1 << 62)
+        Traceback (most recent call last):
+        ...
+        shareddata.errors.SharedMemoryFullError: this allocation needs 4096.0 TiB ...
+    """
+    free = available_memory(storage_dir)
+    if nbytes > free:
+        raise _full_error(nbytes, free, None if storage_dir is None else str(storage_dir), what)
+
+
+def _resolve_storage_dir(storage_dir: str | os.PathLike[str] | None) -> str | None:
+    if storage_dir is None:
+        storage_dir = os.environ.get(_STORAGE_ENV) or None
+    if storage_dir is None:
+        return None
+    path = os.fspath(storage_dir)
+    if not os.path.isdir(path):
+        from .errors import MissingFileError
+
+        raise MissingFileError(
+            f"storage_dir={path!r} is not a directory. Create it, or pass storage_dir=None "
+            "to keep the data in RAM."
+        )
+    return path
+
+
+class Segment:
+    """One anonymous shared file, mapped into this process.
+
+    Use :meth:`create` or unpickle a handle; do not call the constructor directly.
+    The segment is freed by the kernel when every process has dropped it.
+    """
+
+    def __init__(self, fd: int, size: int, token: str, writable: bool = True) -> None:
+        self.fd = fd
+        self.size = size
+        self.token = token
+        self.writable = writable
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY
+        self.mmap = mmap.mmap(fd, size, access=access)
+        st = os.fstat(fd)
+        self._ident = (st.st_dev, st.st_ino)
+        self._finalizer = weakref.finalize(self, _close_fd, fd)
+
+    @classmethod
+    def create(
+        cls,
+        nbytes: int,
+        storage_dir: str | os.PathLike[str] | None = None,
+        what: str = "this allocation",
+    ) -> Segment:
+        """Allocate a segment of ``nbytes``, reserving every page before returning.
+
+        Args:
+            nbytes: size in bytes (0 is allowed and takes one page).
+            storage_dir: ``None`` for RAM; a directory for a file-backed segment.
+                Defaults to the ``SHAREDDATA_STORAGE_DIR`` environment variable.
+            what: how to name the allocation in errors.
+
+        Raises:
+            SharedMemoryFullError: before anything is written, when there is no room.
+        """
+        directory = _resolve_storage_dir(storage_dir)
+        size = max(int(nbytes), 1)
+        check_capacity(size, directory, what)
+        if directory is None:
+            fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
+        else:
+            fd = _open_tmpfile(directory)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                    raise _full_error(size, available_memory(directory), directory, what) from e
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)  # file system without fallocate: capacity checked above
+            segment = cls(fd, size, secrets.token_hex(8))
+        except BaseException:
+            os.close(fd)
+            raise
+        segment._populate()
+        return segment._register()
+
+    def _populate(self) -> None:
+        try:
+            self.mmap.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):  # older kernel: pages fault in on first write
+            pass
+
+    def handle(self) -> tuple[Any, ...]:
+        """What pickling sends: enough for another process to open and map this file."""
+        return (os.getpid(), self.fd, self._ident, self.size, self.token)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_attach, (*self.handle(), self.writable))
+
+    def _register(self) -> Segment:
+        with _ATTACH_LOCK:
+            _ATTACHED[(self.token, self.writable)] = self
+        return self
+
+    def close(self) -> None:
+        """Unmap and close now (arrays over the segment must be gone)."""
+        _ATTACHED.pop((self.token, self.writable), None)
+        try:
+            self.mmap.close()
+        except BufferError:  # views still exist: they keep the mapping alive
+            return
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"Segment(size={self.size}, fd={self.fd}, token={self.token!r})"
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _open_tmpfile(directory: str) -> int:
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    # File systems without O_TMPFILE: create a name and unlink it at once.
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix=".shareddata-", dir=directory)
+    os.unlink(path)
+    return fd
+
+
+def _attach(
+    pid: int, fd: int, ident: tuple[int, int], size: int, token: str, writable: bool = True
+) -> Segment:
+    """Map the segment that process ``pid`` holds as descriptor ``fd`` (unpickling)."""
+    with _ATTACH_LOCK:
+        # A writable mapping serves read-only arrays too; a copy-on-write one never
+        # serves writable arrays (their writes must reach the other processes).
+        existing = _ATTACHED.get((token, True)) or (None if writable else _ATTACHED.get((token, False)))
+        if existing is not None:
+            return existing
+        if pid == os.getpid():
+            raise AttachError(
+                f"shared segment {token} is no longer held by this process (fd {fd}); "
+                "keep the SharedArray or dataset alive while its pickle is in use."
+            )
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            new_fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        except FileNotFoundError as e:
+            raise AttachError(
+                f"cannot attach shared segment {token}: process {pid}, which sent it, no "
+                f"longer holds it ({path} is gone). Keep the dataset or SharedArray alive in "
+                "the sending process until every receiver has unpickled it."
+            ) from e
+        except PermissionError as e:
+            raise AttachError(
+                f"cannot attach shared segment {token}: opening {path} was refused ({e}). "
+                f"Attaching needs the same user as process {pid} and read access to its /proc "
+                "entry (ptrace read); a hardened /proc (hidepid) or a setuid/non-dumpable "
+                "sender prevents it."
+            ) from e
+        try:
+            st = os.fstat(new_fd)
+            if (st.st_dev, st.st_ino) != tuple(ident):
+                raise AttachError(
+                    f"cannot attach shared segment {token}: {path} now refers to another "
+                    "file (the sender closed the segment and reused the descriptor)."
+                )
+            segment = Segment(new_fd, size, token, writable=writable)
+        except BaseException:
+            os.close(new_fd)
+            raise
+        _ATTACHED[(token, writable)] = segment
+        return segment
+
+
+_TORCH_TO_NUMPY = {
+    torch.bool: np.bool_,
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _TORCH_TO_NUMPY[getattr(torch, _name)] = getattr(np, _name)
+
+
+def to_numpy_dtype(dtype: Any) -> np.dtype:
+    """Normalise a numpy or torch dtype (or anything ``np.dtype`` takes) to ``np.dtype``.
+
+    Example:
+        >>> to_numpy_dtype(torch.int32), to_numpy_dtype("float32")
+        (dtype('int32'), dtype('float32'))
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_TO_NUMPY:
+            raise UnsupportedDtypeError(
+                f"torch dtype {dtype} has no numpy equivalent and cannot be stored; "
+                "convert it first (e.g. bfloat16 -> float32 or view it as int16)."
+            )
+        return np.dtype(_TORCH_TO_NUMPY[dtype])
+    return np.dtype(dtype)
+
+
+def aligned(offset: int) -> int:
+    """Round ``offset`` up to the alignment of arrays inside a segment."""
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class SharedArray:
+    """An n-dimensional array in shared memory, pickled by handle, never by value.
+
+    Every process that unpickles it maps the same pages, under ``fork``,
+    ``spawn`` and ``forkserver`` alike, including DataLoader workers and
+    ``multiprocessing`` pools. It is writable, so processes can build results in
+    place; concurrent writes are the caller's to coordinate (a
+    ``multiprocessing.Lock``, disjoint slices per process, or accepted races for
+    statistics that tolerate them).
+
+    Args:
+        segment: the segment holding the data.
+        offset: byte offset of the first element in the segment.
+        shape: the array's shape.
+        dtype: numpy dtype.
+        writable: ``False`` for read-only views (dataset columns).
+
+    Example:
+        >>> a = SharedArray.empty((2, 3), "float32")
+        >>> a.numpy()[:] = 1.5
+        >>> a.torch().sum().item()
+        9.0
+        >>> b = SharedArray.from_array(np.arange(4))
+        >>> b.shape, b.dtype, b.nbytes
+        ((4,), dtype('int64'), 32)
+    """
+
+    __slots__ = ("_array", "_tensor", "dtype", "offset", "segment", "shape", "writable")
+
+    def __init__(
+        self,
+        segment: Segment,
+        offset: int,
+        shape: Sequence[int],
+        dtype: Any,
+        writable: bool = True,
+    ) -> None:
+        self.segment = segment
+        self.offset = int(offset)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = to_numpy_dtype(dtype)
+        self.writable = writable
+        count = math.prod(self.shape)
+        if self.offset + count * self.dtype.itemsize > segment.size:
+            raise ValueError(
+                f"array of shape {self.shape} and dtype {self.dtype} at offset {offset} "
+                f"does not fit in a segment of {segment.size} bytes"
+            )
+        array = np.frombuffer(segment.mmap, self.dtype, count, self.offset).reshape(self.shape)
+        if not writable:
+            array.flags.writeable = False
+        self._array = array
+        self._tensor: torch.Tensor | None = None
+
+    @classmethod
+    def empty(
+        cls,
+        shape: int | Sequence[int],
+        dtype: Any,
+        *,
+        storage_dir: str | os.PathLike[str] | None = None,
+    ) -> SharedArray:
+        """Allocate an uninitialised (zero-filled) shared array.
+
+        Args:
+            shape: the shape.
+            dtype: a numpy or torch dtype.
+            storage_dir: ``None`` for RAM; a directory for a file-backed array.
+
+        Raises:
+            SharedMemoryFullError: when there is no room, before anything is written.
+        """
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        dtype = to_numpy_dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        segment = Segment.create(nbytes, storage_dir, what=f"SharedArray{shape} {dtype}")
+        return cls(segment, 0, shape, dtype)
+
+    @classmethod
+    def from_array(
+        cls, array: Any, *, storage_dir: str | os.PathLike[str] | None = None
+    ) -> SharedArray:
+        """Copy a numpy array or CPU tensor into a new shared array.
+
+        Args:
+            array: anything ``np.asarray`` takes, or a ``torch.Tensor``.
+            storage_dir: ``None`` for RAM; a directory for a file-backed array.
+        """
+        if isinstance(array, torch.Tensor):
+            array = array.detach().cpu().numpy()
+        array = np.asarray(array)
+        if array.dtype.hasobject:
+            raise UnsupportedDtypeError(
+                "SharedArray.from_array got an object array; shared memory holds fixed-size "
+                "numeric data. Convert it to a numeric dtype (or use a SharedList)."
+            )
+        out = cls.empty(array.shape, array.dtype.newbyteorder("="), storage_dir=storage_dir)
+        copy_chunked(out.numpy(), array)
+        return out
+
+    def numpy(self) -> np.ndarray:
+        """A zero-copy numpy view (read-only if the array is)."""
+        return self._array
+
+    def torch(self) -> torch.Tensor:
+        """A zero-copy ``torch.Tensor`` view (do not write to it if the array is read-only)."""
+        if self._tensor is None:
+            if self.writable:
+                self._tensor = torch.from_numpy(self._array)
+            else:
+                import warnings
+
+                with warnings.catch_warnings():  # torch warns that the buffer is read-only
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._tensor = torch.from_numpy(self._array)
+        return self._tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data."""
+        return int(self._array.nbytes)
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d SharedArray")
+        return self.shape[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self._array if dtype is None else self._array.astype(dtype)
+
+    def readonly(self) -> SharedArray:
+        """A read-only view of the same memory (what datasets hand to workers)."""
+        return SharedArray(self.segment, self.offset, self.shape, self.dtype, writable=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Receivers of read-only arrays map copy-on-write: Note [How shared segments ...].
+        handle = (*self.segment.handle(), self.writable)
+        return (_rebuild, (handle, self.offset, self.shape, self.dtype.str, self.writable))
+
+    def __repr__(self) -> str:
+        flag = "" if self.writable else ", read-only"
+        return f"SharedArray(shape={self.shape}, dtype={self.dtype}{flag})"
+
+
+def _rebuild(
+    handle: tuple[Any, ...], offset: int, shape: tuple[int, ...], dtype: str, writable: bool
+) -> SharedArray:
+    return SharedArray(_attach(*handle), offset, shape, dtype, writable)
+
+
+def allocate(
+    layouts: Sequence[tuple[Sequence[int], Any]],
+    storage_dir: str | os.PathLike[str] | None = None,
+    what: str = "this dataset",
+) -> list[SharedArray]:
+    """Allocate several arrays in ONE segment (one descriptor, one capacity check).
+
+    Args:
+        layouts: ``(shape, dtype)`` of each array.
+        storage_dir: ``None`` for RAM; a directory for file-backed arrays.
+        what: how to name the allocation in errors.
+
+    Returns:
+        The arrays, writable, in the order given.
+    """
+    offsets, end = [], 0
+    norm = []
+    for shape, dtype in layouts:
+        shape, dtype = tuple(int(s) for s in shape), to_numpy_dtype(dtype)
+        end = aligned(end)
+        offsets.append(end)
+        end += math.prod(shape) * dtype.itemsize
+        norm.append((shape, dtype))
+    segment = Segment.create(end, storage_dir, what=what)
+    return [SharedArray(segment, o, s, d) for o, (s, d) in zip(offsets, norm)]
+
+
+_CHUNK = 64 << 20
+
+
+def copy_chunked(dest: np.ndarray, src: np.ndarray, progress: Any = None) -> None:
+    """Copy ``src`` into ``dest`` row block by row block (no full temporary)."""
+    if dest.shape != src.shape:
+        raise ValueError(f"shape mismatch: {src.shape} into {dest.shape}")
+    if dest.ndim == 0 or dest.shape[0] == 0:
+        dest[...] = src
+        return
+    row_bytes = max(1, dest.nbytes // dest.shape[0])
+    step = max(1, _CHUNK // row_bytes)
+    for start in range(0, dest.shape[0], step):
+        stop = min(start + step, dest.shape[0])
+        dest[start:stop] = src[start:stop]
+        if progress is not None:
+            progress((stop - start) * row_bytes)
