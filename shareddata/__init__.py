@@ -7,7 +7,6 @@ Example:
     {'data': tensor([0., 1.])}
 """
 
-from ._dataset import NumpyDataset
 from ._sampler import IndexBatchSampler
 from ._storage import SharedArray
 from .errors import (
@@ -24,6 +23,7 @@ from .errors import (
     UnsupportedDtypeError,
 )
 from .memory import MemoryReport, ProcessMemory, verify
+from .sources.npy import NumpyDataset
 
 __version__ = "0.1.0"
 

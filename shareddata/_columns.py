@@ -8,6 +8,11 @@ segment, lets the source fill them, and builds the column over them.
 Kinds (``Column.kind``, registered in :data:`COLUMN_KINDS`):
 
 * ``"tensor"``: fixed-shape numeric rows in one ``(rows, *shape)`` array.
+* ``"ragged"``, ``"str"``, ``"bytes"``: variable-length rows in Arrow's layout, an
+  ``offsets`` array (int64, ``rows + 1``) into one ``values`` buffer; row ``i`` is
+  ``values[offsets[i]:offsets[i + 1]]`` (numbers for ``ragged``, UTF-8 or raw
+  bytes for the others). No Python object per row exists in any process, which is
+  what keeps memory flat under ``fork`` (pytorch/pytorch#13246).
 
 Columns never hand out views of shared memory: a fetched row or batch is a
 fresh tensor, so a sample that a worker (or the user) writes to cannot change the
@@ -27,7 +32,16 @@ import torch
 
 from ._storage import SharedArray, to_numpy_dtype
 
-__all__ = ["COLUMN_KINDS", "Column", "ColumnSpec", "TensorColumn", "shared_empty"]
+__all__ = [
+    "COLUMN_KINDS",
+    "BytesColumn",
+    "Column",
+    "ColumnSpec",
+    "RaggedColumn",
+    "StringColumn",
+    "TensorColumn",
+    "shared_empty",
+]
 
 
 @dataclass(frozen=True)
@@ -194,4 +208,112 @@ class TensorColumn(Column):
         return list(batch.unbind(0))
 
 
-COLUMN_KINDS: dict[str, type[Column]] = {TensorColumn.kind: TensorColumn}
+class _VarColumn(Column):
+    """Rows ``values[offsets[i]:offsets[i + 1]]``; subclasses turn a slice into a value."""
+
+    def __init__(self, spec: ColumnSpec, arrays: dict[str, SharedArray]) -> None:
+        super().__init__(spec, arrays)
+        self._offsets = arrays["offsets"].numpy()
+        self._values = arrays["values"].numpy()
+
+    @staticmethod
+    def layout(spec: ColumnSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """``offsets`` (int64, rows + 1) and ``values`` (spec.values elements)."""
+        return {"offsets": ((spec.rows + 1,), np.int64), "values": ((spec.values,), spec.dtype)}
+
+    def _make(self, values: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def get(self, index: int) -> Any:
+        """The value of row ``index``."""
+        return self._make(self._values[self._offsets[index] : self._offsets[index + 1]].copy())
+
+    def gather(self, indices: torch.Tensor, shared: bool = False) -> list[Any]:
+        """The rows ``indices`` as a list, read with one vectorised gather of the values."""
+        idx = indices.numpy()
+        starts = self._offsets[idx]
+        lengths = self._offsets[idx + 1] - starts
+        total = int(lengths.sum())
+        if total == 0:
+            flat = self._values[:0].copy()
+        else:
+            # position j of the flat output reads values[starts[row(j)] + (j - first(row(j)))]
+            firsts = np.cumsum(lengths) - lengths
+            flat = self._values[np.arange(total) + np.repeat(starts - firsts, lengths)]
+        cuts = np.cumsum(lengths)[:-1]
+        return [self._make(part) for part in np.split(flat, cuts)]
+
+    def split(self, batch: list[Any]) -> list[Any]:
+        """A gathered batch is already a list of rows."""
+        return batch
+
+    @classmethod
+    def from_parts(cls, name: str, parts: list[np.ndarray], dtype: np.dtype) -> Any:
+        """A column over a copy of ``parts`` (one array per row)."""
+        offsets = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([len(p) for p in parts], out=offsets[1:])
+        values = np.concatenate(parts) if parts else np.zeros(0, dtype)
+        spec = ColumnSpec(name, len(parts), dtype, (), cls.kind, int(offsets[-1]))
+        arrays = {
+            "offsets": SharedArray.from_array(offsets),
+            "values": SharedArray.from_array(values),
+        }
+        return cls(spec, {k: a.readonly() for k, a in arrays.items()})
+
+
+class RaggedColumn(_VarColumn):
+    """Variable-length numeric rows, each a 1-D tensor.
+
+    Example:
+        >>> col = RaggedColumn.from_lists("t", [[1, 2], [], [3]], np.int32)
+        >>> col.get(0)
+        tensor([1, 2], dtype=torch.int32)
+        >>> col.gather(torch.tensor([2, 1]))
+        [tensor([3], dtype=torch.int32), tensor([], dtype=torch.int32)]
+    """
+
+    kind = "ragged"
+
+    def _make(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values)
+
+    @classmethod
+    def from_lists(cls, name: str, rows: list[Any], dtype: Any) -> RaggedColumn:
+        """A column holding ``rows`` (for tests and small data)."""
+        parts = [np.asarray(r, dtype=dtype).reshape(-1) for r in rows]
+        return cls.from_parts(name, parts, np.dtype(dtype))
+
+
+class StringColumn(_VarColumn):
+    """UTF-8 text rows, each a ``str``.
+
+    Example:
+        >>> col = StringColumn.from_strings("s", ["héllo", "", "x"])
+        >>> col.get(0), col.gather(torch.tensor([2, 1]))
+        ('héllo', ['x', ''])
+    """
+
+    kind = "str"
+
+    def _make(self, values: np.ndarray) -> str:
+        return values.tobytes().decode("utf-8")
+
+    @classmethod
+    def from_strings(cls, name: str, rows: list[str]) -> StringColumn:
+        """A column holding ``rows`` (for tests and small data)."""
+        parts = [np.frombuffer(r.encode("utf-8"), np.uint8) for r in rows]
+        return cls.from_parts(name, parts, np.dtype(np.uint8))
+
+
+class BytesColumn(_VarColumn):
+    """Binary rows, each ``bytes``."""
+
+    kind = "bytes"
+
+    def _make(self, values: np.ndarray) -> bytes:
+        return values.tobytes()
+
+
+COLUMN_KINDS: dict[str, type[Column]] = {
+    cls.kind: cls for cls in (TensorColumn, RaggedColumn, StringColumn, BytesColumn)
+}

@@ -161,7 +161,9 @@ def available_memory(storage_dir: str | os.PathLike[str] | None = None) -> int:
     return avail if cgroup is None else min(avail, cgroup)
 
 
-def _full_error(needed: int, free: int, storage_dir: str | None, what: str) -> SharedMemoryFullError:
+def _full_error(
+    needed: int, free: int, storage_dir: str | None, what: str
+) -> SharedMemoryFullError:
     where = f"the file system of storage_dir={storage_dir!r}" if storage_dir else "RAM"
     fixes = (
         "free disk space or choose another storage_dir"
@@ -336,7 +338,9 @@ def _attach(
     with _ATTACH_LOCK:
         # A writable mapping serves read-only arrays too; a copy-on-write one never
         # serves writable arrays (their writes must reach the other processes).
-        existing = _ATTACHED.get((token, True)) or (None if writable else _ATTACHED.get((token, False)))
+        existing = _ATTACHED.get((token, True)) or (
+            None if writable else _ATTACHED.get((token, False))
+        )
         if existing is not None:
             return existing
         if pid == os.getpid():

@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from .._columns import ColumnSpec
+from .._dataset import ColumnDataset, Output, load_columns
 from .._storage import copy_chunked
 from ..errors import MissingColumnError, MissingFileError, SourceReadError, UnsupportedDtypeError
 
-__all__ = ["NumpySource"]
+__all__ = ["NumpyDataset", "NumpySource"]
 
 _CHUNK = 64 << 20
 PathLike = str | os.PathLike
@@ -281,3 +282,51 @@ class NumpySource:
         for archive in self._archives:
             archive.close()
         self._archives.clear()
+
+
+class NumpyDataset(ColumnDataset):
+    """A dataset of NumPy arrays, loaded once into shared memory.
+
+    Args:
+        source: a ``.npy`` or ``.npz`` path, a folder of ``.npy`` files (one column
+            per file, named by its stem, in sorted order), a numpy array or tensor
+            (column ``"data"``), or a mapping ``{column: array | tensor | path}``.
+        columns: names of the columns to load, in sample order (default: all).
+        transform: applied to each sample in the worker, after indexing.
+        output: ``"dict"`` (``{column: tensor}``) or ``"tuple"`` (column order).
+        storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
+            anonymous file there, mapped shared (for a small RAM or memory limit).
+        progress: show a progress bar for loads longer than ~2 s.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        KeyError: a requested column does not exist (the message lists those that do).
+        ValueError: columns have different lengths.
+        TypeError: a column's dtype cannot be stored (object, structured, strings).
+        MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
+
+    Example:
+        >>> import numpy as np, shareddata as sd
+        >>> ds = sd.NumpyDataset({"x": np.ones((4, 3), np.float32), "y": np.arange(4)},
+        ...                      output="tuple")
+        >>> len(ds), ds.columns
+        (4, ['x', 'y'])
+        >>> x, y = ds[-1]
+        >>> x.shape, int(y)
+        (torch.Size([3]), 3)
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        columns: Sequence[str] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        output: Output = "dict",
+        storage_dir: str | os.PathLike[str] | None = None,
+        progress: bool = True,
+    ) -> None:
+        loaded = load_columns(
+            NumpySource(source, columns), storage_dir=storage_dir, progress=progress
+        )
+        super().__init__(loaded, transform=transform, output=output)
