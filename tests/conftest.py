@@ -1,0 +1,90 @@
+"""Shared test helpers: start methods, an isolated /dev/shm, and a leak check."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shm_names() -> set[str]:
+    """Files in /dev/shm other than multiprocessing's short-lived semaphores."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.")}
+    except FileNotFoundError:
+        return set()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def can_unshare() -> bool:
+    if os.geteuid() != 0:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True
+    )
+    return probe.returncode == 0
+
+
+@dataclass
+class IsolatedRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    leftovers: list[str]
+    isolated: bool
+
+
+def run_isolated(
+    code: str, *, shm_size: str = "64m", timeout: float = 180, extra_mounts: str = ""
+) -> IsolatedRun:
+    """Run ``code`` in a fresh Python with a private, small /dev/shm; list what it left.
+
+    As root the script gets its own tmpfs on /dev/shm (``unshare -m``), so anything
+    left there afterwards was left by it. Without root, /dev/shm is compared before
+    and after instead.
+    """
+    script = textwrap.dedent(code)
+    python = shlex.quote(sys.executable)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    if can_unshare():
+        shell = (
+            f"mount -t tmpfs -o size={shm_size} tmpfs /dev/shm && {extra_mounts} "
+            f"{python} -c {shlex.quote(script)}; rc=$?; "
+            "echo '@@LEFT@@'; ls -A /dev/shm | grep -v '^sem\\.' ; exit $rc"
+        )
+        proc = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", shell],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+        out, _, left = proc.stdout.partition("@@LEFT@@\n")
+        return IsolatedRun(proc.returncode, out, proc.stderr, left.split(), True)
+    before = shm_names()
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    return IsolatedRun(
+        proc.returncode, proc.stdout, proc.stderr, sorted(shm_names() - before), False
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leftovers():
+    """Every test: no new file in /dev/shm afterwards (the library never names one)."""
+    before = shm_names()
+    yield
+    left = {n for n in shm_names() - before if n.startswith(("shareddata", "torch_"))}
+    assert not left, f"test left files in /dev/shm: {sorted(left)}"

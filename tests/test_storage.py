@@ -1,0 +1,233 @@
+import gc
+import multiprocessing as mp
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from conftest import START_METHODS, open_fds, run_isolated
+
+import shareddata as sd
+from shareddata._storage import Segment, available_memory
+
+
+def _fill(arr, start, stop, value):
+    arr.numpy()[start:stop] = value
+    return os.getpid()
+
+
+def _child_write(arr):
+    arr.numpy()[:] = 7
+
+
+def _child_sum(arr):
+    return int(arr.numpy().sum())
+
+
+def _child_try_write_readonly(arr, q):
+    view = arr.numpy()
+    try:
+        view[0] = 99
+        q.put("written")
+    except ValueError:
+        q.put("refused")
+    # Force a write through the raw mapping: it must stay private (copy-on-write).
+    raw = np.frombuffer(arr.segment.mmap, np.uint8)
+    raw[:8] = 255
+    q.put(int(raw[0]))
+
+
+def test_empty_views_are_zero_copy():
+    a = sd.SharedArray.empty((4, 3), torch.float32)
+    assert a.shape == (4, 3) and a.dtype == np.float32 and a.nbytes == 48 and len(a) == 4
+    a.numpy()[1] = 2.0
+    assert a.torch()[1].tolist() == [2.0, 2.0, 2.0]
+    a.torch()[2] = 5.0
+    assert a.numpy()[2].tolist() == [5.0, 5.0, 5.0]
+    assert a.numpy().ctypes.data == a.torch().data_ptr()
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(10, dtype=np.int32),
+        np.random.default_rng(0).random((5, 2, 3)).astype(np.float16),
+        np.array([True, False, True]),
+        np.arange(6, dtype=">i4"),
+        np.zeros((0, 4), np.uint8),
+        torch.arange(12, dtype=torch.int16).reshape(3, 4),
+    ],
+    ids=["int32", "float16-3d", "bool", "big-endian", "empty", "torch-int16"],
+)
+def test_from_array_round_trip(array):
+    a = sd.SharedArray.from_array(array)
+    expected = array.numpy() if isinstance(array, torch.Tensor) else array
+    assert a.shape == expected.shape
+    assert a.dtype == expected.dtype.newbyteorder("=")
+    np.testing.assert_array_equal(a.numpy(), expected)
+
+
+def test_object_array_refused():
+    with pytest.raises(TypeError, match="object array"):
+        sd.SharedArray.from_array(np.array([{}, []], dtype=object))
+
+
+def test_pickle_sends_a_handle_not_the_data():
+    small = sd.SharedArray.empty(16, np.uint8)
+    big = sd.SharedArray.empty(64 << 20, np.uint8)
+    assert len(pickle.dumps(big)) < 300
+    assert abs(len(pickle.dumps(big)) - len(pickle.dumps(small))) < 16
+    # in the same process a handle maps the same pages
+    back = pickle.loads(pickle.dumps(big))
+    back.numpy()[123] = 9
+    assert big.numpy()[123] == 9
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_process_and_pool_share_writes(method):
+    ctx = mp.get_context(method)
+    a = sd.SharedArray.empty(1000, np.int64)
+    p = ctx.Process(target=_child_write, args=(a,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert (a.numpy() == 7).all()
+    with ctx.Pool(2) as pool:
+        pids = pool.starmap(_fill, [(a, i * 250, (i + 1) * 250, i) for i in range(4)])
+        assert os.getpid() not in pids
+        assert pool.apply(_child_sum, (a,)) == 250 * (0 + 1 + 2 + 3)
+    np.testing.assert_array_equal(a.numpy(), np.repeat(np.arange(4), 250))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_readonly_array_cannot_change_other_processes(method):
+    ctx = mp.get_context(method)
+    a = sd.SharedArray.from_array(np.arange(16, dtype=np.uint8))
+    ro = a.readonly()
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_try_write_readonly, args=(ro, q))
+    p.start()
+    assert q.get(timeout=60) == "refused"
+    forced = q.get(timeout=60)
+    p.join(60)
+    if method == "spawn":  # mapped copy-on-write: the forced write stayed in the child
+        assert forced == 255
+        np.testing.assert_array_equal(a.numpy(), np.arange(16, dtype=np.uint8))
+
+
+def test_too_large_raises_before_allocating():
+    fds = open_fds()
+    free = available_memory()
+    with pytest.raises(sd.SharedMemoryFullError) as info:
+        sd.SharedArray.empty(free + (1 << 30), np.uint8)
+    err = info.value
+    assert isinstance(err, MemoryError) and isinstance(err, sd.SharedDataError)
+    msg = str(err)
+    assert "needs" in msg and "free" in msg and "storage_dir" in msg
+    assert open_fds() == fds
+
+
+def test_storage_dir_is_file_backed_and_nameless(tmp_path):
+    a = sd.SharedArray.empty(1 << 20, np.uint8, storage_dir=tmp_path)
+    a.numpy()[:] = 3
+    assert os.listdir(tmp_path) == []  # O_TMPFILE: no name to leave behind
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_child_sum, (a,)) == 3 << 20
+
+
+def test_storage_dir_env_and_missing_dir(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="storage_dir"):
+        sd.SharedArray.empty(10, np.uint8, storage_dir=tmp_path / "nope")
+    monkeypatch.setenv("SHAREDDATA_STORAGE_DIR", str(tmp_path))
+    a = sd.SharedArray.empty(10, np.uint8)
+    assert os.path.realpath(os.readlink(f"/proc/self/fd/{a.segment.fd}")).startswith(
+        os.path.realpath(tmp_path)
+    )
+
+
+def test_handle_of_a_freed_array_fails_clearly():
+    a = sd.SharedArray.empty(10, np.uint8)
+    data = pickle.dumps(a)
+    del a
+    gc.collect()
+    with pytest.raises(sd.AttachError, match="no longer held"):
+        pickle.loads(data)
+
+
+def test_segments_close_their_descriptors():
+    fds = open_fds()
+    for _ in range(50):
+        a = sd.SharedArray.empty(1 << 16, np.uint8)
+        a.numpy()[:] = 1
+        del a
+    gc.collect()
+    assert open_fds() == fds
+    seg = Segment.create(100)
+    seg.close()
+    assert open_fds() == fds
+
+
+def test_full_storage_dir_raises_and_small_dev_shm_is_not_a_limit():
+    run = run_isolated(
+        """
+        import os, numpy as np, shareddata as sd
+        os.makedirs("/tmp/sd-small", exist_ok=True)
+        os.system("mount -t tmpfs -o size=16m tmpfs /tmp/sd-small")
+        try:
+            sd.SharedArray.empty(32 << 20, np.uint8, storage_dir="/tmp/sd-small")
+        except sd.SharedMemoryFullError as e:
+            print("FULL", "32.0 MiB" in str(e))
+        # RAM segments are memfds: a 64 MiB /dev/shm does not bound them
+        a = sd.SharedArray.empty(200 << 20, np.uint8)
+        a.numpy()[:] = 1
+        print("BIG", int(a.numpy()[::4096].sum()))
+        os.system("umount /tmp/sd-small")
+        """,
+        shm_size="64m",
+    )
+    assert run.returncode == 0, run.stderr
+    if run.isolated:
+        assert "FULL True" in run.stdout
+    assert f"BIG {(200 << 20) // 4096}" in run.stdout
+    assert run.leftovers == []
+
+
+CHILD_EPOCH = """
+import time, numpy as np, shareddata as sd
+from torch.utils.data import DataLoader
+ds = sd.NumpyDataset(np.ones((4096, 1024), np.float32))
+loader = DataLoader(ds, batch_size=64, num_workers=2, multiprocessing_context="spawn")
+for i, b in enumerate(loader):
+    if i == 2:
+        print("RUNNING", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_sigkill_of_the_parent_leaves_nothing():
+    run = run_isolated(
+        f"""
+        import os, signal, subprocess, sys, time
+        meminfo = lambda: int(open("/proc/meminfo").read().split("Shmem:")[1].split()[0])
+        before = meminfo()
+        child = subprocess.Popen([sys.executable, "-c", {CHILD_EPOCH!r}],
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "RUNNING"
+        during = meminfo()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        # orphaned workers notice within ~5 s (DataLoader's watchdog) that the parent is gone
+        deadline = time.time() + 20
+        while meminfo() - before > 8 * 1024 and time.time() < deadline:
+            time.sleep(0.5)
+        print("KILLED", during - before, meminfo() - before)
+        """,
+        shm_size="64m",
+    )
+    assert run.returncode == 0, run.stderr
+    _, during_kib, after_kib = run.stdout.split()[-3:]
+    assert int(during_kib) > 12 * 1024  # the 16 MiB dataset was in shared memory
+    assert int(after_kib) < 8 * 1024  # and it was freed with the processes
+    assert run.leftovers == []
