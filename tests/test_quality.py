@@ -1,0 +1,68 @@
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+import shareddata as sd
+
+
+def _ruff():
+    exe = shutil.which("ruff", path=str(__import__("pathlib").Path(sys.executable).parent))
+    if exe is None:
+        pytest.fail("ruff is not installed: pip install -e '.[dev]'")
+    return exe
+
+
+def test_ruff_check():
+    proc = subprocess.run([_ruff(), "check", "."], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_format():
+    proc = subprocess.run(
+        [_ruff(), "format", "--check", "."], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_public_api_is_pinned():
+    assert sorted(sd.__all__) == [
+        "AttachError",
+        "ColumnLengthError",
+        "DuplicationError",
+        "IndexBatchSampler",
+        "MemoryReport",
+        "MissingColumnError",
+        "MissingDependencyError",
+        "MissingFileError",
+        "NullValuesError",
+        "NumpyDataset",
+        "ProcessMemory",
+        "SharedArray",
+        "SharedDataError",
+        "SharedMemoryFullError",
+        "SourceReadError",
+        "UnsupportedDtypeError",
+        "__version__",
+        "verify",
+    ]
+    for name in sd.__all__:
+        assert hasattr(sd, name), name
+
+
+def test_every_error_is_a_shareddata_error_and_a_builtin():
+    builtins = {
+        sd.MissingFileError: FileNotFoundError,
+        sd.MissingColumnError: KeyError,
+        sd.ColumnLengthError: ValueError,
+        sd.NullValuesError: ValueError,
+        sd.UnsupportedDtypeError: TypeError,
+        sd.SourceReadError: OSError,
+        sd.MissingDependencyError: ImportError,
+        sd.SharedMemoryFullError: MemoryError,
+        sd.AttachError: OSError,
+    }
+    for cls, builtin in builtins.items():
+        assert issubclass(cls, sd.SharedDataError) and issubclass(cls, builtin)
