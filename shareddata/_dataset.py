@@ -254,7 +254,10 @@ class ColumnDataset(Dataset):
         The default collate gives the same batch as fetching each sample alone.
         """
         idx = self._indices(indices)
-        per_column = [c.split(c.gather(idx)) for c in self._columns.values()]
+        # In a worker the gathered batch is built in shared memory too: a private
+        # temporary per batch grows the worker's heap by several MiB (glibc keeps it).
+        shared = get_worker_info() is not None
+        per_column = [c.split(c.gather(idx, shared=shared)) for c in self._columns.values()]
         if self.output == "dict":
             samples = [dict(zip(self._names, row)) for row in zip(*per_column)]
         else:

@@ -296,3 +296,15 @@ def test_200_mib_dataset_in_a_64_mib_dev_shm():
     assert run.returncode == 0, run.stderr[-3000:]
     assert "OK 200 True" in run.stdout
     assert run.leftovers == []
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_verify_passes_a_numpy_dataset_with_4_workers(method):
+    ds = sd.NumpyDataset(np.ones((32768, 1024), np.float32))  # 128 MiB
+    loader = DataLoader(
+        ds, batch_size=256, shuffle=True, num_workers=4, multiprocessing_context=method
+    )
+    report = sd.verify(loader, batches=40, max_duplication=1.10)
+    assert report.dataset_bytes == 128 << 20
+    assert 0.9 < report.duplication <= 1.10
+    assert len([p for p in report.processes if p.role.startswith("worker")]) == 4
