@@ -9,6 +9,7 @@ Example:
 
 from ._sampler import IndexBatchSampler
 from ._storage import SharedArray
+from ._wrap import SharedDataset, SharedList
 from .errors import (
     AttachError,
     ColumnLengthError,
@@ -41,6 +42,8 @@ __all__ = [
     "ProcessMemory",
     "SharedArray",
     "SharedDataError",
+    "SharedDataset",
+    "SharedList",
     "SharedMemoryFullError",
     "SourceReadError",
     "UnsupportedDtypeError",

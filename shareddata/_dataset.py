@@ -258,11 +258,9 @@ class ColumnDataset(Dataset):
         # temporary per batch grows the worker's heap by several MiB (glibc keeps it).
         shared = get_worker_info() is not None
         per_column = [c.split(c.gather(idx, shared=shared)) for c in self._columns.values()]
-        if self.output == "dict":
-            samples = [dict(zip(self._names, row)) for row in zip(*per_column)]
+        if per_column:
+            samples = [self._pack(row) for row in zip(*per_column)]
         else:
-            samples = list(zip(*per_column))
-        if not per_column:
             samples = [self._pack([]) for _ in range(len(idx))]
         if self.transform is not None:
             samples = [self.transform(s) for s in samples]

@@ -42,6 +42,8 @@ def test_public_api_is_pinned():
         "ProcessMemory",
         "SharedArray",
         "SharedDataError",
+        "SharedDataset",
+        "SharedList",
         "SharedMemoryFullError",
         "SourceReadError",
         "UnsupportedDtypeError",

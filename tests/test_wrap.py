@@ -1,0 +1,232 @@
+import dataclasses
+import gc
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from conftest import START_METHODS, open_fds
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import shareddata as sd
+
+
+class Images(Dataset):
+    """(float32 tensor [3, 32, 32], int label, str caption), as a user writes it."""
+
+    def __init__(self, n=300):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.rand(3, 32, 32, generator=g), i % 10, f"picture nº{i} " * (i % 4)
+
+
+class Tokens(Dataset):
+    """Dicts with numpy arrays and varying-length token lists."""
+
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        return {
+            "feat": rng.random(8).astype(np.float32),
+            "mask": rng.random((i % 5 + 1, 4)) > 0.5,  # shape varies
+            "tokens": rng.integers(0, 1000, i % 7).tolist(),
+            "score": float(i) / 3,
+            "keep": i % 3 == 0,
+            "raw": bytes(range(i % 5)),
+        }
+
+
+@dataclasses.dataclass
+class Box:
+    x: int
+    label: str
+
+
+class Boxes(Dataset):
+    def __len__(self):
+        return 50
+
+    def __getitem__(self, i):
+        return Box(i, str(i)), [Box(j, "b") for j in range(i % 3)]
+
+
+def _equal(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all()
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _equal(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("make", [Images, Tokens, Boxes])
+def test_every_item_equals_the_original(make):
+    original = make()
+    ds = sd.SharedDataset(original)
+    assert len(ds) == len(original)
+    for i in range(len(original)):
+        _equal(ds[i], original[i])
+    idx = [3, 0, len(original) - 1, 3]
+    for got, i in zip(ds.__getitems__(idx), idx):
+        _equal(got, original[i])
+    _equal(ds[-1], original[len(original) - 1])
+    with pytest.raises(IndexError):
+        ds[len(original)]
+    back = pickle.loads(pickle.dumps(ds))
+    _equal(back[7], original[7])
+    assert len(pickle.dumps(ds)) < 4000
+
+
+def test_materialise_with_workers_and_transform():
+    ds = sd.SharedDataset(Images(40), num_workers=2, transform=lambda s: s[1])
+    assert [ds[i] for i in range(40)] == [i % 10 for i in range(40)]
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_dataloader_batches_equal_the_originals(method):
+    original = Images(96)
+    ds = sd.SharedDataset(original)
+    mine = list(DataLoader(ds, batch_size=16, num_workers=2, multiprocessing_context=method))
+    theirs = list(DataLoader(original, batch_size=16))
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs):
+        _equal(a, b)
+
+
+def test_verify_under_spawn_with_4_workers():
+    ds = sd.SharedDataset(Images(8192))  # 96 MiB of images + labels + captions
+    loader = DataLoader(ds, batch_size=128, num_workers=4, multiprocessing_context="spawn")
+    report = sd.verify(loader, batches=24, max_duplication=1.10)
+    assert report.duplication <= 1.10
+
+
+def test_structure_mismatch_names_index_and_field():
+    class Bad(Dataset):
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            return {"x": torch.zeros(2), "y": "a" if i < 3 else 7}
+
+    with pytest.raises(TypeError, match=r"item 3, field 'y': expected str.*got int"):
+        sd.SharedDataset(Bad())
+
+    class BadDtype(Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return torch.zeros(2, dtype=torch.float32 if i == 0 else torch.float64)
+
+    with pytest.raises(TypeError, match=r"item 1, field the item itself: expected tensor float32"):
+        sd.SharedDataset(BadDtype())
+
+    class BadKeys(Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return {"a": 1} if i == 0 else {"b": 1}
+
+    with pytest.raises(TypeError, match="item 1.*keys"):
+        sd.SharedDataset(BadKeys())
+
+
+def test_iterable_dataset_refused():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield 1
+
+    with pytest.raises(TypeError, match="length to preallocate"):
+        sd.SharedDataset(Stream())
+
+
+def test_getitem_error_names_the_index_and_frees_everything():
+    class Broken(Dataset):
+        def __len__(self):
+            return 100
+
+        def __getitem__(self, i):
+            if i == 42:
+                raise ValueError("bad record")
+            return torch.zeros(1024)
+
+    fds = open_fds()
+    with pytest.raises(ValueError, match="bad record") as info:
+        sd.SharedDataset(Broken())
+    assert "item 42 of Broken" in "".join(getattr(info.value, "__notes__", [])) + str(info.value)
+    del info
+    gc.collect()
+    assert open_fds() == fds
+
+
+def test_shared_list():
+    items = [{"file": f"img{i}.jpg", "boxes": [[i, i + 1]]} for i in range(1000)]
+    sl = sd.SharedList(items)
+    assert len(sl) == 1000 and sl[5] == items[5] and sl[-1] == items[-1]
+    assert sl[10:13] == items[10:13] and sl[::250] == items[::250] and sl[5:5] == []
+    assert list(sl) == items
+    with pytest.raises(IndexError):
+        sl[1000]
+    back = pickle.loads(pickle.dumps(sl))
+    assert back[999] == items[999] and len(pickle.dumps(sl)) < 500
+
+
+META = None  # what fork workers inherit, as a user's global metadata list
+
+
+def _worker_uss_growth(args):
+    """USS growth of this process while reading every item of ``meta`` (or META)."""
+    meta, n = args
+    meta = META if meta is None else meta
+    from shareddata.memory import measure
+
+    gc.collect()
+    before = measure().uss
+    total = 0
+    for i in range(n):
+        total += meta[i]["id"]
+    return measure().uss - before, total
+
+
+def _fork_growth(meta, n):
+    import multiprocessing as mp
+
+    global META
+    META = meta
+    try:
+        with mp.get_context("fork").Pool(1) as pool:
+            return pool.apply(_worker_uss_growth, ((None, n),))
+    finally:
+        META = None
+
+
+def test_shared_list_does_not_grow_workers_where_a_plain_list_does():
+    import multiprocessing as mp
+
+    n = 1_000_000
+    plain = [{"id": i, "name": "x"} for i in range(n)]
+    shared = sd.SharedList(plain)
+    plain_growth, t1 = _fork_growth(plain, n)
+    shared_growth, t2 = _fork_growth(shared, n)
+    with mp.get_context("spawn").Pool(1) as pool:
+        spawn_growth, t3 = pool.apply(_worker_uss_growth, ((shared, n),))
+    assert t1 == t2 == t3 == n * (n - 1) // 2
+    assert plain_growth > 50 << 20  # refcounts copied the list's pages into the worker
+    assert shared_growth < 8 << 20 and spawn_growth < 8 << 20
