@@ -1,4 +1,7 @@
 """Source formats: each module only sizes columns and fills the buffers it is given.
 
 * ``npy``: NumPy ``.npy`` / ``.npz`` / folders / in-memory arrays.
+* ``hdf5``: datasets of an HDF5 file (h5py), numeric, string and variable-length.
+* ``parquet``: Parquet files, lists and folders of them, and in-memory Arrow tables
+  (pyarrow), copied one row group x one column at a time.
 """
