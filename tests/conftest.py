@@ -87,4 +87,9 @@ def no_shm_leftovers():
     before = shm_names()
     yield
     left = {n for n in shm_names() - before if n.startswith(("shareddata", "torch_"))}
+    if left:  # torch creates and unlinks its batch segments at once: allow that instant
+        import time
+
+        time.sleep(1)
+        left &= shm_names()
     assert not left, f"test left files in /dev/shm: {sorted(left)}"
