@@ -24,6 +24,7 @@ from .errors import (
     UnsupportedDtypeError,
 )
 from .memory import MemoryReport, ProcessMemory, verify
+from .sources.hdf5 import HDF5Dataset
 from .sources.npy import NumpyDataset
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "AttachError",
     "ColumnLengthError",
     "DuplicationError",
+    "HDF5Dataset",
     "IndexBatchSampler",
     "MemoryReport",
     "MissingColumnError",

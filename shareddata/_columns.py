@@ -226,22 +226,21 @@ class _VarColumn(Column):
 
     def get(self, index: int) -> Any:
         """The value of row ``index``."""
-        return self._make(self._values[self._offsets[index] : self._offsets[index + 1]].copy())
+        start, stop = self._offsets[index], self._offsets[index + 1]
+        return self._make(self._values[start:stop].copy())
 
     def gather(self, indices: torch.Tensor, shared: bool = False) -> list[Any]:
-        """The rows ``indices`` as a list, read with one vectorised gather of the values."""
+        """The rows ``indices`` as a list: one vectorised offsets lookup, one slice per row.
+
+        Each row becomes its own Python object (a ``str``, ``bytes`` or tensor) anyway,
+        so a slice per row costs no more than the object, and needs no index arrays
+        (a flat gather index would take 8 bytes per byte of text).
+        """
         idx = indices.numpy()
-        starts = self._offsets[idx]
-        lengths = self._offsets[idx + 1] - starts
-        total = int(lengths.sum())
-        if total == 0:
-            flat = self._values[:0].copy()
-        else:
-            # position j of the flat output reads values[starts[row(j)] + (j - first(row(j)))]
-            firsts = np.cumsum(lengths) - lengths
-            flat = self._values[np.arange(total) + np.repeat(starts - firsts, lengths)]
-        cuts = np.cumsum(lengths)[:-1]
-        return [self._make(part) for part in np.split(flat, cuts)]
+        starts = self._offsets[idx].tolist()
+        stops = self._offsets[idx + 1].tolist()
+        values, make = self._values, self._make
+        return [make(values[a:b].copy()) for a, b in zip(starts, stops)]
 
     def split(self, batch: list[Any]) -> list[Any]:
         """A gathered batch is already a list of rows."""

@@ -211,7 +211,9 @@ class ColumnDataset(Dataset):
     def _indices(self, indices: Any) -> torch.Tensor:
         if isinstance(indices, slice):
             return torch.arange(*indices.indices(self._len), dtype=torch.int64)
-        idx = torch.as_tensor(np.asarray(indices) if isinstance(indices, list) else indices)
+        if isinstance(indices, (list, tuple)):
+            indices = np.asarray(indices, dtype=np.int64 if len(indices) == 0 else None)
+        idx = torch.as_tensor(indices)
         if idx.dtype == torch.bool:
             raise TypeError("boolean masks are not supported as indices; use mask.nonzero()")
         if idx.is_floating_point() or idx.is_complex():

@@ -32,6 +32,7 @@ def test_public_api_is_pinned():
         "AttachError",
         "ColumnLengthError",
         "DuplicationError",
+        "HDF5Dataset",
         "IndexBatchSampler",
         "MemoryReport",
         "MissingColumnError",

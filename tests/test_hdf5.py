@@ -1,0 +1,514 @@
+import gc
+import os
+import pickle
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, START_METHODS, open_fds
+from torch.utils.data import DataLoader, default_collate
+
+import shareddata as sd
+from shareddata.sources import hdf5
+from shareddata.sources.hdf5 import HDF5Dataset, HDF5Source
+
+ROWS = 300
+LONGEST = [  # what keys=None selects, in h5py's visit order
+    "arr",
+    "ascii",
+    "big_endian",
+    "c64",
+    "f16",
+    "fixed",
+    "fixed_utf8",
+    "grp/sub/lzf",
+    "images",
+    "labels",
+    "mask",
+    "opaque",
+    "ragged",
+    "ragged_gzip",
+    "table",
+    "text",
+]
+
+
+def _texts(rng, n):
+    alphabet = ["a", "b", "é", "ß", "漢", "字", "🙂", " ", "\t"]
+    return ["".join(rng.choice(alphabet, size=int(k))) for k in rng.integers(0, 12, n)]
+
+
+def _cut(text, nbytes):
+    """``text`` encoded, cut to ``nbytes`` at a character boundary."""
+    return text.encode()[:nbytes].decode(errors="ignore").encode()
+
+
+def _write_every_type(path, rows=ROWS):
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f.create_dataset(
+            "images",
+            data=rng.standard_normal((rows, 2, 3)).astype(np.float32),
+            chunks=(32, 2, 3),
+            compression="gzip",
+        )
+        f["labels"] = rng.integers(-5, 5, rows).astype(np.int32)  # contiguous
+        f.create_dataset(
+            "grp/sub/lzf", data=rng.random((rows, 5)), chunks=(50, 5), compression="lzf"
+        )
+        f["big_endian"] = np.arange(rows, dtype=">i8") * 3
+        f["mask"] = rng.random(rows) > 0.5
+        f["c64"] = (rng.random(rows) + 1j * rng.random(rows)).astype(np.complex64)
+        f["f16"] = rng.random(rows).astype(np.float16)
+        texts = _texts(rng, rows)
+        texts[0], texts[5] = "", "héllo wörld"
+        f.create_dataset("text", data=texts, dtype=h5py.string_dtype())
+        f.create_dataset(
+            "ascii", data=[f"row{i}" if i % 7 else "" for i in range(rows)],
+            dtype=h5py.string_dtype("ascii"),
+        )  # fmt: skip
+        fixed = np.array([b"a\x00b" if i % 3 == 0 else b"x" * (i % 11) for i in range(rows)], "S10")
+        f["fixed"] = fixed
+        f.create_dataset(
+            "fixed_utf8",
+            data=np.array([_cut(t, 12) for t in _texts(rng, rows)], "S12").astype(
+                h5py.string_dtype("utf-8", 12)
+            ),
+        )
+        f["opaque"] = np.frombuffer(rng.bytes(4 * rows), "V4")
+        ragged = f.create_dataset("ragged", (rows,), dtype=h5py.vlen_dtype(np.int32))
+        for i in range(rows):
+            ragged[i] = np.arange(i % 5, dtype=np.int32) * i  # rows of length 0 included
+        rg = np.empty(rows, dtype=object)
+        rg[:] = [rng.random(int(k)) for k in rng.integers(0, 9, rows)]
+        f.create_dataset(
+            "ragged_gzip",
+            data=rg,
+            dtype=h5py.vlen_dtype(np.float64),
+            chunks=(64,),
+            compression="gzip",
+        )
+        array_type = h5py.h5t.array_create(h5py.h5t.NATIVE_INT16, (2, 2))
+        space = h5py.h5s.create_simple((rows,))
+        h5py.h5d.create(f.id, b"arr", array_type, space)
+        f["arr"][...] = np.arange(rows * 4, dtype=np.int16).reshape(rows, 2, 2)
+        f["table"] = rng.integers(0, 100, (rows, 4, 2, 2)).astype(np.uint8)  # 4-D
+        f["short"] = np.arange(10)  # skipped by keys=None
+        f["scalar"] = 3.5  # skipped by keys=None
+        f.create_dataset("empty", data=h5py.Empty("f4"))  # skipped by keys=None
+    return path
+
+
+@pytest.fixture(scope="module")
+def h5path(tmp_path_factory):
+    return _write_every_type(tmp_path_factory.mktemp("h5") / "every.h5")
+
+
+def _expected(f, key, i):
+    """What h5py's own reading gives for row ``i``, as the type a sample holds."""
+    ds = f[key]
+    string = h5py.check_string_dtype(ds.dtype)
+    if string is not None:
+        if string.length is None or string.encoding == "utf-8":
+            return ds.asstr()[i]
+        return bytes(ds[i])
+    value = ds[i : i + 1][0]  # (an H5T_ARRAY row reads as a void scalar with ds[i])
+    if ds.dtype.kind == "V" and ds.dtype.subdtype is None:  # opaque
+        return value.tobytes()
+    return torch.from_numpy(np.asarray(value).astype(np.asarray(value).dtype.newbyteorder("=")))
+
+
+def _assert_same(got, expected):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor)
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    else:
+        assert type(got) is type(expected)
+        assert got == expected
+
+
+def test_every_type_round_trips(h5path):
+    ds = HDF5Dataset(h5path)
+    assert ds.columns == LONGEST  # "short", scalar and empty datasets are skipped
+    assert len(ds) == ROWS
+    kinds = {n: s.kind for n, s in ds.specs.items()}
+    assert kinds["text"] == kinds["ascii"] == kinds["fixed_utf8"] == "str"
+    assert kinds["fixed"] == kinds["opaque"] == "bytes"
+    assert kinds["ragged"] == kinds["ragged_gzip"] == "ragged"
+    with h5py.File(h5path) as f:
+        for i in range(ROWS):
+            sample = ds[i]
+            for key in LONGEST:
+                _assert_same(sample[key], _expected(f, key, i))
+    s = ds[0]
+    assert s["labels"].dtype == torch.int32 and s["labels"].ndim == 0
+    assert s["big_endian"].dtype == torch.int64 and int(ds[7]["big_endian"]) == 21
+    assert s["mask"].dtype == torch.bool
+    assert s["images"].shape == (2, 3) and s["table"].shape == (4, 2, 2)
+    assert s["arr"].shape == (2, 2) and s["arr"].dtype == torch.int16
+    assert s["text"] == "" and ds[5]["text"] == "héllo wörld"
+    assert ds[0]["fixed"] == b"a\x00b" and ds[1]["fixed"] == b"x"  # np.bytes_ semantics
+    assert ds[0]["ragged"].numel() == 0 and ds[0]["ragged"].dtype == torch.int32
+
+
+def test_exact_sizes_in_specs(h5path):
+    with HDF5Source(h5path, ["text", "fixed", "ragged", "labels"]) as source:
+        specs = {s.name: s for s in source.specs()}
+    with h5py.File(h5path) as f:
+        assert specs["text"].values == sum(len(b) for b in f["text"][:])
+        assert specs["fixed"].values == sum(len(b) for b in f["fixed"][:])
+        assert specs["ragged"].values == sum(len(r) for r in f["ragged"][:])
+    assert specs["labels"].kind == "tensor" and specs["labels"].dtype == np.int32
+    assert specs["ragged"].nbytes == (ROWS + 1) * 8 + specs["ragged"].values * 4
+
+
+def test_progress_reports_every_byte_of_every_buffer(h5path):
+    from shareddata._columns import COLUMN_KINDS
+
+    with HDF5Source(h5path) as source:
+        for spec in source.specs():
+            layout = COLUMN_KINDS[spec.kind].layout(spec)
+            buffers = {k: np.empty(shape, dtype) for k, (shape, dtype) in layout.items()}
+            seen = []
+            source.read(spec, buffers, seen.append)
+            assert sum(seen) == spec.nbytes, spec.name
+
+
+def test_empty_file_and_zero_rows(tmp_path):
+    with h5py.File(tmp_path / "empty.h5", "w") as f:
+        f.create_group("nothing/here")
+        f["scalar"] = 1
+    with pytest.raises(KeyError, match="holds no dataset with rows"):
+        HDF5Dataset(tmp_path / "empty.h5")
+    with h5py.File(tmp_path / "zero.h5", "w") as f:
+        f["x"] = np.zeros((0, 3), np.float32)
+        f.create_dataset("s", (0,), dtype=h5py.string_dtype())
+        f.create_dataset("r", (0,), dtype=h5py.vlen_dtype(np.int16))
+    ds = HDF5Dataset(tmp_path / "zero.h5")
+    assert len(ds) == 0 and ds.columns == ["r", "s", "x"]
+    with pytest.raises(IndexError):
+        ds[0]
+
+
+def test_bounded_chunk_aligned_reads(h5path, monkeypatch):
+    """Tiny budgets: many blocks, each a whole number of chunks; same data."""
+    monkeypatch.setattr(hdf5, "_CHUNK", 1000)
+    monkeypatch.setattr(hdf5, "_BLOCK", 600)
+    calls = []
+    real = h5py.Dataset.read_direct
+
+    def spy(self, dest, source_sel=None, dest_sel=None):
+        calls.append((self.name, source_sel, dest_sel, dest.ctypes.data))
+        return real(self, dest, source_sel, dest_sel)
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", spy)
+    ds = HDF5Dataset(h5path)
+    images = [c for c in calls if c[0] == "/images"]
+    assert len(images) > 3
+    assert all(c[1] == c[2] and c[1].start % 32 == 0 for c in images)  # chunks of 32 rows
+    assert len({c[3] for c in images}) == 1  # straight into one (shared) buffer
+    assert len([c for c in calls if c[0] == "/labels"]) == -(-ROWS * 4 // 1000)
+    full = HDF5Dataset(h5path, ["text", "fixed", "ragged_gzip", "opaque"])
+    with h5py.File(h5path) as f:
+        for i in range(0, ROWS, 7):
+            for key in LONGEST:
+                _assert_same(ds[i][key], _expected(f, key, i))
+            for key in full.columns:
+                _assert_same(full[i][key], ds[i][key])
+
+
+def test_keys_name_columns_by_path(h5path):
+    ds = HDF5Dataset(h5path, ["/grp/sub/lzf", "labels"], output="tuple")
+    assert ds.columns == ["grp/sub/lzf", "labels"]
+    x, y = ds[3]
+    with h5py.File(h5path) as f:
+        np.testing.assert_array_equal(x.numpy(), f["grp/sub/lzf"][3])
+        assert int(y) == f["labels"][3]
+    assert HDF5Dataset(h5path, "short").columns == ["short"]
+    assert len(HDF5Dataset(h5path, "short")) == 10
+    assert h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE) == 0  # files closed
+
+
+def test_indexing_and_batches(h5path):
+    keys = ["images", "labels", "text", "fixed", "ragged"]
+    ds = HDF5Dataset(h5path, keys)
+    _assert_same(ds[-1]["text"], ds[ROWS - 1]["text"])
+    _assert_same(ds[-1]["ragged"], ds[ROWS - 1]["ragged"])
+    with pytest.raises(IndexError, match=str(ROWS)):
+        ds[ROWS]
+    with pytest.raises(IndexError):
+        ds[-ROWS - 1]
+    idx = [4, -1, 0, 4, 299, 13]
+    for got, i in zip(ds.__getitems__(idx), idx):
+        want = ds[i]
+        assert got.keys() == want.keys()
+        for key in keys:
+            _assert_same(got[key], want[key])
+    batch = ds[[1, 2, 3]]
+    assert batch["text"] == [ds[i]["text"] for i in (1, 2, 3)]
+    torch.testing.assert_close(batch["images"], torch.stack([ds[i]["images"] for i in (1, 2, 3)]))
+
+
+def test_storage_dir_and_transform(h5path, tmp_path):
+    ds = HDF5Dataset(h5path, ["labels", "text"], storage_dir=tmp_path, transform=_upper)
+    with h5py.File(h5path) as f:
+        assert ds[5]["text"] == f["text"].asstr()[5].upper()
+
+
+def _upper(sample):
+    return {**sample, "text": sample["text"].upper()}
+
+
+def _collate(samples):
+    """The default collate, except for ragged rows, which stay lists of tensors."""
+    ragged = [k for k in samples[0] if k.startswith("ragged")]
+    rest = [{k: v for k, v in s.items() if k not in ragged} for s in samples]
+    return {**default_collate(rest), **{k: [s[k] for s in samples] for k in ragged}}
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_dataloader_batches_equal_the_source(h5path, method):
+    keys = ["images", "labels", "mask", "text", "fixed", "ragged_gzip"]
+    ds = HDF5Dataset(h5path, keys)
+    loader = DataLoader(
+        ds, batch_size=64, num_workers=2, multiprocessing_context=method, collate_fn=_collate
+    )
+    with h5py.File(h5path) as f:
+        samples = [{k: _expected(f, k, i) for k in keys} for i in range(ROWS)]
+    expected = [_collate(samples[i : i + 64]) for i in range(0, ROWS, 64)]
+    got = list(loader)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.keys() == e.keys()
+        assert g["text"] == e["text"] and isinstance(g["text"][0], str)  # default collate
+        assert g["fixed"] == e["fixed"] and isinstance(g["fixed"][0], bytes)
+        for k in ("images", "labels", "mask"):
+            assert g[k].dtype == e[k].dtype
+            torch.testing.assert_close(g[k], e[k], rtol=0, atol=0)
+        assert len(g["ragged_gzip"]) == len(e["ragged_gzip"])
+        for r, want in zip(g["ragged_gzip"], e["ragged_gzip"]):
+            _assert_same(r, want)
+
+
+def test_pickled_size_does_not_grow_with_rows(tmp_path):
+    def make(path, rows):
+        with h5py.File(path, "w") as f:
+            f["x"] = np.zeros((rows, 8), np.float32)
+            f.create_dataset("s", data=["abc"] * rows, dtype=h5py.string_dtype())
+            r = np.empty(rows, dtype=object)
+            r[:] = [np.arange(i % 4, dtype=np.int64) for i in range(rows)]
+            f.create_dataset("r", data=r, dtype=h5py.vlen_dtype(np.int64))
+        return HDF5Dataset(path)
+
+    small, big = make(tmp_path / "small.h5", 10), make(tmp_path / "big.h5", 100_000)
+    assert len(big) == 100_000 and big.nbytes > 4_000_000
+    assert len(pickle.dumps(big)) < 3000
+    assert abs(len(pickle.dumps(big)) - len(pickle.dumps(small))) < 64
+    back = pickle.loads(pickle.dumps(big))
+    assert back[99_999]["s"] == "abc" and back[99_999]["r"].tolist() == [0, 1, 2]
+    with HDF5Source(tmp_path / "small.h5") as source, pytest.raises(TypeError, match="pickle"):
+        pickle.dumps(source)
+
+
+def _count(samples):
+    return len(samples)
+
+
+def test_verify_string_and_ragged_columns_held_once(tmp_path):
+    rows = 32 * 1024
+    rng = np.random.default_rng(1)
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as f:
+        lengths = rng.integers(768, 1280, rows)  # ~32 MiB of text
+        f.create_dataset(
+            "text", data=[("ab" * 700)[:k] for k in lengths], dtype=h5py.string_dtype()
+        )
+        ragged = np.empty(rows, dtype=object)
+        ragged[:] = [np.full(k, i, np.int32) for i, k in enumerate(rng.integers(0, 512, rows))]
+        f.create_dataset("ragged", data=ragged, dtype=h5py.vlen_dtype(np.int32))  # ~32 MiB
+    ds = HDF5Dataset(path)
+    assert ds.nbytes > 60 << 20
+    loader = DataLoader(
+        ds, batch_size=256, num_workers=2, multiprocessing_context="spawn", collate_fn=_count
+    )
+    report = sd.verify(loader, max_duplication=1.10)  # batches of 1024 rows: ~1.12x
+    assert report.duplication <= 1.10
+    assert sum(1 for p in report.processes if p.role.startswith("worker")) == 2
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.h5") as info:
+        HDF5Dataset(tmp_path / "nope.h5")
+    assert isinstance(info.value, sd.SharedDataError)
+
+
+def test_missing_key_lists_the_datasets(h5path):
+    with pytest.raises(KeyError, match=r"'nope' is not a dataset.*'arr', 'ascii'") as info:
+        HDF5Dataset(h5path, ["labels", "nope"])
+    assert "grp/sub/lzf" in str(info.value)
+    assert isinstance(info.value, sd.SharedDataError)
+    with pytest.raises(KeyError, match="'labels/x' is not a dataset"):
+        HDF5Dataset(h5path, "labels/x")
+
+
+def test_group_key_lists_its_datasets(h5path):
+    with pytest.raises(KeyError, match=r"'grp' .* is a group.*'grp/sub/lzf'") as info:
+        HDF5Dataset(h5path, ["grp"])
+    assert isinstance(info.value, sd.SharedDataError)
+    with pytest.raises(KeyError, match="is a group"):
+        HDF5Dataset(h5path, "/")
+
+
+def test_keys_of_different_lengths(h5path, monkeypatch):
+    sized = []
+    monkeypatch.setattr(HDF5Source, "_size", lambda self, plan: sized.append(plan) or 0)
+    with pytest.raises(ValueError, match=r"'text': 300 rows, 'short': 10 rows") as info:
+        HDF5Dataset(h5path, ["text", "short"])
+    assert isinstance(info.value, sd.ColumnLengthError)
+    assert sized == []  # refused before reading any variable-length data
+
+
+def test_duplicate_and_bad_keys(h5path):
+    with pytest.raises(ValueError, match="twice"):
+        HDF5Dataset(h5path, ["labels", "/labels"])
+    with pytest.raises(TypeError, match="str"):
+        HDF5Dataset(h5path, [3])
+
+
+@pytest.mark.parametrize(
+    "make, hint",
+    [
+        (lambda f: f.create_dataset("col", data=np.zeros(3, "f4,i4")), "separate datasets"),
+        (lambda f: f.create_dataset("col", data=[f.ref] * 3, dtype=h5py.ref_dtype), "reference"),
+        (
+            lambda f: f.create_dataset(
+                "col", data=[0, 1, 1], dtype=h5py.enum_dtype({"R": 0, "G": 1}, basetype="i1")
+            ),
+            "integer codes",
+        ),
+        (
+            lambda f: f.create_dataset("col", (3,), dtype=h5py.vlen_dtype(np.dtype("f4,i4"))),
+            "plain numeric",
+        ),
+        (lambda f: f.create_dataset("col", data=np.zeros((3, 2), "S3")), "one value per row"),
+        (lambda f: f.create_dataset("col", data=1.0), "scalar"),
+    ],
+    ids=["compound", "reference", "enum", "vlen-compound", "2d-strings", "scalar"],
+)
+def test_unsupported_dtypes_say_what_to_do(tmp_path, make, hint):
+    path = tmp_path / "bad.h5"
+    with h5py.File(path, "w") as f:
+        make(f)
+    with pytest.raises(TypeError, match=hint) as info:
+        HDF5Dataset(path, ["col"])
+    assert "'col'" in str(info.value) and "bad.h5" in str(info.value)
+    assert isinstance(info.value, sd.UnsupportedDtypeError)
+
+
+def test_unsupported_dataset_selected_by_keys_none_says_how_to_skip(tmp_path):
+    path = tmp_path / "mixed.h5"
+    with h5py.File(path, "w") as f:
+        f["a"] = np.arange(4)
+        f["b"] = np.zeros(4, "f4,i4")
+    with pytest.raises(TypeError, match=r"keys=\[\.\.\.\] without 'b'"):
+        HDF5Dataset(path)
+    assert HDF5Dataset(path, ["a"]).columns == ["a"]
+
+
+def test_invalid_utf8_text_is_refused_when_loading(tmp_path):
+    path = tmp_path / "latin.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("bad", data=[b"ok", b"caf\xe9"], dtype=h5py.string_dtype("ascii"))
+        f.create_dataset("cut", data=[b"ok", b"\xc3", b"\xa9"], dtype=h5py.string_dtype())
+    with pytest.raises(OSError, match=r"'bad'.*row 1 is not valid UTF-8") as info:
+        HDF5Dataset(path, "bad")
+    assert isinstance(info.value, sd.SourceReadError)
+    with pytest.raises(OSError, match="row 1 is not valid UTF-8"):  # each row, not the whole
+        HDF5Dataset(path, "cut")
+
+
+def test_garbage_truncated_and_corrupt_files(tmp_path):
+    (tmp_path / "garbage.h5").write_bytes(b"definitely not hdf5" * 100)
+    with pytest.raises(OSError, match=r"garbage\.h5 is not a readable HDF5 file") as info:
+        HDF5Dataset(tmp_path / "garbage.h5")
+    assert isinstance(info.value, sd.SourceReadError)
+
+    path = tmp_path / "full.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(100_000, dtype=np.float64)
+    data = path.read_bytes()
+    (tmp_path / "truncated.h5").write_bytes(data[: len(data) // 2])
+    with pytest.raises(OSError, match=r"truncated\.h5"):
+        HDF5Dataset(tmp_path / "truncated.h5")
+
+    path = tmp_path / "corrupt.h5"
+    with h5py.File(path, "w") as f:
+        ds = f.create_dataset("z", data=np.arange(100_000.0), chunks=(10_000,), compression="gzip")
+        info_chunk = ds.id.get_chunk_info(3)
+    data = bytearray(path.read_bytes())
+    start = info_chunk.byte_offset
+    data[start : start + info_chunk.size] = b"\xff" * info_chunk.size
+    path.write_bytes(bytes(data))
+    gc.collect()
+    fds = open_fds()
+    with pytest.raises(OSError, match=r"corrupt\.h5: reading dataset 'z' failed") as info:
+        HDF5Dataset(path)
+    assert isinstance(info.value, sd.SourceReadError)
+    del info
+    gc.collect()
+    assert open_fds() == fds
+
+
+def test_missing_h5py_says_how_to_install(h5path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "h5py", None)
+    with pytest.raises(ImportError, match=r"pip install 'shareddata\[hdf5\]'") as info:
+        HDF5Dataset(h5path)
+    assert isinstance(info.value, sd.SharedDataError)
+
+
+def test_shareddata_imports_without_h5py():
+    code = (
+        "import sys; sys.modules['h5py'] = None\n"
+        "import shareddata, shareddata.sources.hdf5 as m\n"
+        "try:\n    m.HDF5Source('x.h5')\nexcept ImportError as e:\n    print('OK', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": REPO}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert "OK" in run.stdout and "shareddata[hdf5]" in run.stdout
+
+
+def test_unavailable_filter_names_the_plugin(h5path, monkeypatch):
+    monkeypatch.setattr(h5py.h5z, "filter_avail", lambda code: code != h5py.h5z.FILTER_DEFLATE)
+    with pytest.raises(ImportError, match=r"'images'.*'deflate'.*pip install hdf5plugin"):
+        HDF5Dataset(h5path, ["labels", "images"])
+
+
+def test_failure_halfway_frees_everything(h5path, monkeypatch):
+    real = HDF5Source.read
+    calls = []
+
+    def failing_read(self, spec, buffers, progress):
+        calls.append(spec.name)
+        if len(calls) == 2:
+            raise RuntimeError("disk went away")
+        return real(self, spec, buffers, progress)
+
+    monkeypatch.setattr(HDF5Source, "read", failing_read)
+    gc.collect()
+    fds = open_fds()
+    with pytest.raises(RuntimeError, match="disk went away"):
+        HDF5Dataset(h5path, ["images", "text", "ragged"])
+    gc.collect()
+    assert calls == ["images", "text"]
+    assert open_fds() == fds
+    assert h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE) == 0  # file closed
