@@ -105,22 +105,19 @@ def load_columns(
         layouts = [(spec, COLUMN_KINDS[spec.kind].layout(spec)) for spec in specs]
         flat = [shape_dtype for _, layout in layouts for shape_dtype in layout.values()]
         arrays = allocate(flat, storage_dir, what=source.label)
-        total = sum(a.nbytes for a in arrays)
         grouped: list[dict[str, Any]] = []
         it = iter(arrays)
         for _, layout in layouts:
             grouped.append({key: next(it) for key in layout})
         del it
         try:
-            desc = f"loading {os.path.basename(source.label) or source.label} ({_fmt(total)})"
-            with _progress_bar(total, desc, progress) as update:
-                for (spec, _), group in zip(layouts, grouped):
-                    source.read(spec, {k: a.numpy() for k, a in group.items()}, update)
+            _fill(source, layouts, grouped, progress)
         except BaseException as error:
             # Free the segment now: drop our arrays and the finished frames' locals
             # (the traceback would otherwise keep the buffers mapped).
             del arrays, grouped
-            traceback.clear_frames(error.__traceback__.tb_next) if error.__traceback__ else None
+            if error.__traceback__ is not None:
+                traceback.clear_frames(error.__traceback__.tb_next)
             raise
     finally:
         source.close()
@@ -128,6 +125,19 @@ def load_columns(
         spec.name: COLUMN_KINDS[spec.kind](spec, {k: a.readonly() for k, a in group.items()})
         for (spec, _), group in zip(layouts, grouped)
     }
+
+
+def _fill(
+    source: Source,
+    layouts: list[tuple[ColumnSpec, dict[str, Any]]],
+    grouped: list[dict[str, Any]],
+    progress: bool,
+) -> None:
+    total = sum(a.nbytes for group in grouped for a in group.values())
+    desc = f"loading {os.path.basename(source.label) or source.label} ({_fmt(total)})"
+    with _progress_bar(total, desc, progress) as update:
+        for (spec, _), group in zip(layouts, grouped):
+            source.read(spec, {k: a.numpy() for k, a in group.items()}, update)
 
 
 def _is_int(index: Any) -> bool:

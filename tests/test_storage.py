@@ -231,3 +231,32 @@ def test_sigkill_of_the_parent_leaves_nothing():
     assert int(during_kib) > 12 * 1024  # the 16 MiB dataset was in shared memory
     assert int(after_kib) < 8 * 1024  # and it was freed with the processes
     assert run.leftovers == []
+
+
+def test_ctrl_c_during_a_load_frees_everything(tmp_path):
+    np.save(tmp_path / "big.npy", np.ones((1 << 28) // 4, np.float32))  # 256 MiB
+    run = run_isolated(
+        f"""
+        import gc, os, signal, threading, time
+        import shareddata as sd
+        from shareddata.sources import npy
+        shmem = lambda: int(open("/proc/meminfo").read().split("Shmem:")[1].split()[0])
+        before = shmem()
+        slow = npy._NpyFile.read
+        def read(self, out, progress):  # interrupt after the first 64 MiB chunk
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+            slow(self, out[: len(out) // 4], progress)
+            time.sleep(5)
+        npy._NpyFile.read = read
+        try:
+            sd.NumpyDataset({str(tmp_path / "big.npy")!r})
+        except KeyboardInterrupt:
+            gc.collect()
+            print("INTERRUPTED", shmem() - before)
+        """,
+        shm_size="64m",
+    )
+    assert run.returncode == 0, run.stderr
+    assert "INTERRUPTED" in run.stdout
+    assert int(run.stdout.split()[-1]) < 16 * 1024  # KiB: the 256 MiB segment is gone
+    assert run.leftovers == []
