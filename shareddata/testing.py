@@ -4,8 +4,8 @@ Example:
     >>> import numpy as np, shareddata as sd
     >>> from shareddata.testing import assert_shared
     >>> from torch.utils.data import DataLoader
-    >>> loader = DataLoader(sd.NumpyDataset(np.zeros((4096, 256), np.float32)), batch_size=256)
-    >>> assert_shared(loader).duplication < 1.10
+    >>> ds = sd.NumpyDataset(np.zeros((65536, 256), np.float32))  # 64 MiB
+    >>> assert_shared(DataLoader(ds, batch_size=256), batches=8).duplication < 1.10
     True
 
 In a pytest suite::
