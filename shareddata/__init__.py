@@ -26,10 +26,12 @@ from .errors import (
 from .memory import MemoryReport, ProcessMemory, verify
 from .sources.hdf5 import HDF5Dataset
 from .sources.npy import NumpyDataset
+from .sources.parquet import ArrowDataset, ParquetDataset
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArrowDataset",
     "AttachError",
     "ColumnLengthError",
     "DuplicationError",
@@ -41,6 +43,7 @@ __all__ = [
     "MissingFileError",
     "NullValuesError",
     "NumpyDataset",
+    "ParquetDataset",
     "ProcessMemory",
     "SharedArray",
     "SharedDataError",

@@ -29,6 +29,7 @@ def test_ruff_format():
 
 def test_public_api_is_pinned():
     assert sorted(sd.__all__) == [
+        "ArrowDataset",
         "AttachError",
         "ColumnLengthError",
         "DuplicationError",
@@ -40,6 +41,7 @@ def test_public_api_is_pinned():
         "MissingFileError",
         "NullValuesError",
         "NumpyDataset",
+        "ParquetDataset",
         "ProcessMemory",
         "SharedArray",
         "SharedDataError",

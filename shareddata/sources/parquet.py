@@ -1,0 +1,1064 @@
+"""Parquet and Arrow sources: Parquet files, lists and folders of them, ``pyarrow`` tables.
+
+Note [Reading Parquet into shared memory]
+=========================================
+``specs()`` gives exact sizes before anything is allocated. Fixed-shape columns are
+sized from the file metadata alone (row counts, and the null counts of the column
+statistics). Variable-length columns (strings, binary, lists) need the number of
+values, which Parquet metadata gives only as an upper bound, so a *sizing pass*
+reads each of them one row group at a time and keeps nothing but the total.
+
+``read()`` then copies ONE ROW GROUP x ONE COLUMN at a time into the preallocated
+shared buffers: fixed-shape columns through ``to_numpy`` (zero-copy over the decoded
+Arrow buffer), variable-length columns through Arrow's ``offsets`` and ``values``
+buffers. Each chunk's offsets (int32 for ``string``/``list``) are rebased onto the
+running int64 total (:func:`rebase_offsets`), so columns beyond 2 GiB work. Arrow's
+memory is given back to the system after every row group (``release_unused``): its
+allocator otherwise keeps several times the data after a load (FACTS.md). Row groups
+are decoded with ``use_threads=False``: with one column per read, threads bring no
+speed, and their per-thread allocator heaps are what ``release_unused`` cannot return
+(measured on a 201 MiB file of 8 row groups: private memory peaked 53 MiB above the
+start and ended 3 MiB above it, against 77 and 31 MiB with threads). The loading
+process thus needs about one decoded row group of one column on top of the shared
+data.
+
+Type mapping (Arrow type -> column kind):
+
+* integers, floats (float16 too), bool -> ``"tensor"`` with scalar rows;
+* ``fixed_size_list`` of numbers (nested -> several dimensions) and the
+  ``arrow.fixed_shape_tensor`` extension type -> ``"tensor"`` with that row shape;
+* timestamps, dates, times and durations -> ``"tensor"`` of their integer storage
+  (int64 or int32 counts of their unit since the epoch; timestamps in UTC);
+* ``string`` / ``large_string`` / ``string_view`` -> ``"str"``;
+  ``binary`` / ``large_binary`` / ``binary_view`` / ``fixed_size_binary`` -> ``"bytes"``;
+* ``list`` / ``large_list`` / list views of numbers -> ``"ragged"``;
+* dictionary-encoded columns -> the kind of their values (decoded while copying);
+* other extension types -> the kind of their storage type.
+
+Structs, maps, unions, decimals and lists of non-numbers are refused with
+:class:`UnsupportedDtypeError` saying what to do. Nulls are refused with
+:class:`NullValuesError` unless a ``fill_value`` is given: never a silent 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .._columns import ColumnSpec
+from .._dataset import ColumnDataset, Output, load_columns
+from ..errors import (
+    MissingColumnError,
+    MissingFileError,
+    NullValuesError,
+    SharedDataError,
+    SourceReadError,
+    UnsupportedDtypeError,
+    missing_dependency,
+)
+
+__all__ = ["ArrowDataset", "ArrowSource", "ParquetDataset", "ParquetSource", "rebase_offsets"]
+
+PathLike = str | os.PathLike
+FillValue = Any  # a scalar, or a mapping {column: scalar}
+_SUFFIXES = (".parquet",)
+
+
+def _pyarrow() -> ModuleType:
+    """``pyarrow``, imported on first use so ``import shareddata`` works without it."""
+    try:
+        import pyarrow
+        import pyarrow.compute  # noqa: F401  (pc.fill_null, pc.if_else)
+    except ImportError as e:
+        missing_dependency("pyarrow", "parquet", e)
+    return pyarrow
+
+
+def _parquet() -> ModuleType:
+    _pyarrow()
+    import pyarrow.parquet
+
+    return pyarrow.parquet
+
+
+def _release_arrow_memory() -> None:
+    """Give the memory Arrow's allocator keeps after a read back to the system."""
+    pa = _pyarrow()
+    pa.default_memory_pool().release_unused()
+
+
+def rebase_offsets(src: np.ndarray, base: int, out: np.ndarray) -> int:
+    """Write a chunk's Arrow offsets into ``out``, moved onto a running int64 total.
+
+    ``src`` holds the ``n + 1`` offsets of one chunk (int32 or int64; a sliced array's
+    offsets need not start at 0); ``out`` receives the ``n`` end offsets of its rows in
+    the whole column, ``base + (src[1:] - src[0])``, computed in int64 so that a
+    column of more than 2 GiB of values does not wrap around.
+
+    Args:
+        src: the chunk's offsets (length ``n + 1``).
+        base: the number of values already written before this chunk.
+        out: int64 destination of length ``n`` (the column's ``offsets[pos + 1:pos + n + 1]``).
+
+    Returns:
+        The new running total (``base`` plus the chunk's number of values).
+
+    Example:
+        >>> out = np.zeros(3, np.int64)
+        >>> rebase_offsets(np.array([5, 7, 7, 10], np.int32), 2**31, out)
+        2147483653
+        >>> out.tolist()
+        [2147483650, 2147483650, 2147483653]
+    """
+    n = len(src) - 1
+    if n <= 0:
+        return base
+    out[:] = src[1:]  # widened to int64 before any arithmetic
+    out -= int(src[0])
+    out += base
+    return base + int(src[-1]) - int(src[0])
+
+
+# -- Arrow types -> column kinds -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Kind:
+    kind: str  # "tensor", "ragged", "str", "bytes"
+    dtype: np.dtype
+    shape: tuple[int, ...] = ()
+
+
+def _unsupported(name: str, label: str, arrow_type: Any, fix: str) -> UnsupportedDtypeError:
+    return UnsupportedDtypeError(
+        f"column {name!r} of {label} has Arrow type {arrow_type}, which shareddata cannot "
+        f"store. Fix: {fix}; or leave the column out with columns=[...]."
+    )
+
+
+def _numeric_dtype(t: Any) -> np.dtype | None:
+    """The numpy dtype of an integer, float or bool Arrow type (else None)."""
+    pa = _pyarrow()
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+        return np.dtype(t.to_pandas_dtype())
+    return None
+
+
+def _temporal_storage(t: Any) -> Any:
+    """The integer type a timestamp/date/time/duration is stored as (else None)."""
+    pa = _pyarrow()
+    if pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_date64(t):
+        return pa.int64()
+    if pa.types.is_time64(t):
+        return pa.int64()
+    if pa.types.is_date32(t) or pa.types.is_time32(t):
+        return pa.int32()
+    return None
+
+
+def _is_list(t: Any) -> bool:
+    pa = _pyarrow()
+    return bool(
+        pa.types.is_list(t)
+        or pa.types.is_large_list(t)
+        or pa.types.is_list_view(t)
+        or pa.types.is_large_list_view(t)
+    )
+
+
+def _classify(t: Any, name: str, label: str) -> _Kind:
+    """The column kind an Arrow type is stored as, or a clear UnsupportedDtypeError."""
+    pa = _pyarrow()
+    if isinstance(t, pa.FixedShapeTensorType):
+        perm = t.permutation
+        if perm is not None and list(perm) != sorted(perm):
+            raise _unsupported(
+                name,
+                label,
+                t,
+                "a tensor with a non-default dimension order (permutation); store it "
+                "row-major (permutation=None)",
+            )
+        inner = _classify(t.storage_type, name, label)
+        return _Kind("tensor", inner.dtype, tuple(int(s) for s in t.shape))
+    if isinstance(t, pa.BaseExtensionType):
+        return _classify(t.storage_type, name, label)
+    if pa.types.is_dictionary(t):
+        inner = _classify(t.value_type, name, label)
+        if inner.kind == "tensor" and inner.shape:
+            raise _unsupported(name, label, t, "decode the dictionary (pc.dictionary_decode)")
+        return inner
+    dtype = _numeric_dtype(t)
+    if dtype is not None:
+        return _Kind("tensor", dtype)
+    storage = _temporal_storage(t)
+    if storage is not None:
+        return _Kind("tensor", np.dtype(storage.to_pandas_dtype()))
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return _Kind("str", np.dtype(np.uint8))
+    if (
+        pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_binary_view(t)
+        or pa.types.is_fixed_size_binary(t)
+    ):
+        return _Kind("bytes", np.dtype(np.uint8))
+    if pa.types.is_fixed_size_list(t):
+        inner = _classify(t.value_type, name, label) if _is_numberish(t.value_type) else None
+        if inner is None or inner.kind != "tensor":
+            raise _unsupported(
+                name,
+                label,
+                t,
+                "a fixed-size list must hold numbers (or fixed-size lists of numbers); store "
+                "other values as separate columns",
+            )
+        return _Kind("tensor", inner.dtype, (int(t.list_size), *inner.shape))
+    if _is_list(t):
+        inner_dtype = _numeric_dtype(t.value_type)
+        if inner_dtype is None:
+            raise _unsupported(
+                name,
+                label,
+                t,
+                f"a list column must hold numbers (one flat list per row), not "
+                f"{t.value_type}. Flatten the inner level (pc.list_flatten) and keep the inner "
+                "lengths in another column, or serialise each row to binary",
+            )
+        return _Kind("ragged", inner_dtype)
+    if pa.types.is_struct(t):
+        fix = (
+            "a struct: load its fields as separate columns. For an Arrow table pass "
+            "table.flatten(); for a Parquet file, rewrite it from table.flatten() (fields "
+            f"become '{name}.<field>')"
+        )
+    elif pa.types.is_map(t):
+        fix = (
+            "a map: store its keys and its values as two list columns (pc.map_keys, pc.map_values)"
+        )
+    elif pa.types.is_decimal(t):
+        fix = "cast it to float64 (pc.cast(column, pa.float64())) or to int64 in units of its scale"
+    elif pa.types.is_null(t):
+        fix = "the column holds only nulls: drop it, or give it a type and values"
+    else:
+        fix = "cast it to numbers, strings or binary before loading"
+    raise _unsupported(name, label, t, fix)
+
+
+def _is_numberish(t: Any) -> bool:
+    pa = _pyarrow()
+    return _numeric_dtype(t) is not None or pa.types.is_fixed_size_list(t)
+
+
+def _normalize(arr: Any) -> Any:
+    """An Arrow array in the physical form the copy understands (no dictionary, views...).
+
+    Strings and binary -> ``(large_)string/(large_)binary``, lists -> ``(large_)list``,
+    temporal -> their integer storage, extension -> storage, dictionary -> decoded.
+    """
+    pa = _pyarrow()
+    while True:
+        t = arr.type
+        if isinstance(t, pa.BaseExtensionType):
+            arr = arr.storage
+        elif pa.types.is_dictionary(t):
+            arr = arr.dictionary_decode()
+        elif pa.types.is_string_view(t):
+            arr = arr.cast(pa.large_string())
+        elif pa.types.is_binary_view(t) or pa.types.is_fixed_size_binary(t):
+            arr = arr.cast(pa.large_binary())
+        elif pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
+            arr = arr.cast(pa.large_list(t.value_field))
+        elif _temporal_storage(t) is not None:
+            arr = arr.view(_temporal_storage(t))
+        else:
+            return arr
+
+
+def _valid_mask(arr: Any) -> np.ndarray:
+    return np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _leaf(arr: Any) -> tuple[Any, np.ndarray | None]:
+    """The primitive values of a (nested fixed-size list) array and their validity.
+
+    Returns the leaf array (``len(arr) * prod(shape)`` values, a null row's slots
+    included) and a mask of valid leaf values, or None when every value is valid.
+    """
+    pa = _pyarrow()
+    if not pa.types.is_fixed_size_list(arr.type):
+        return arr, (_valid_mask(arr) if arr.null_count else None)
+    size = arr.type.list_size
+    child, mask = _leaf(arr.values.slice(arr.offset * size, len(arr) * size))
+    if arr.null_count and len(arr):
+        rows = np.repeat(_valid_mask(arr), len(child) // len(arr))
+        mask = rows if mask is None else mask & rows
+    return child, mask
+
+
+def _numpy_values(prim: Any, dtype: np.dtype) -> np.ndarray:
+    """A primitive array's values as numpy (zero-copy when possible), nulls as garbage."""
+    pa = _pyarrow()
+    if len(prim) == 0:
+        return np.zeros(0, dtype)
+    if prim.null_count == 0:
+        return prim.to_numpy(zero_copy_only=False)
+    if pa.types.is_boolean(prim.type):  # bit-packed: no raw view
+        return pa.compute.fill_null(prim, False).to_numpy(zero_copy_only=False)
+    data = prim.buffers()[1]
+    if data is None:
+        return np.zeros(len(prim), dtype)
+    return np.frombuffer(data, dtype=dtype, count=len(prim), offset=prim.offset * dtype.itemsize)
+
+
+def _var_offsets(arr: Any) -> np.ndarray:
+    """The ``len + 1`` offsets of a string/binary/list array, its slice offset applied."""
+    pa = _pyarrow()
+    t = arr.type
+    wide = pa.types.is_large_string(t) or pa.types.is_large_binary(t) or pa.types.is_large_list(t)
+    dtype = np.dtype(np.int64 if wide else np.int32)
+    buf = arr.buffers()[1]
+    if buf is None or len(arr) == 0:
+        return np.zeros(len(arr) + 1, dtype)
+    return np.frombuffer(buf, dtype=dtype, count=len(arr) + 1, offset=arr.offset * dtype.itemsize)
+
+
+class _Column:
+    """One selected column: its kind, its fill value, and how a chunk is turned into buffers.
+
+    Args:
+        name: the column name.
+        arrow_type: its Arrow type (as declared by the table or file).
+        label: the source, for messages.
+        fill: what its nulls become (None: refuse them).
+        fill_is_global: ``fill`` is the scalar given for every column (a number then
+            makes a string column's nulls empty instead of being refused).
+    """
+
+    def __init__(
+        self, name: str, arrow_type: Any, label: str, fill: Any, fill_is_global: bool = False
+    ) -> None:
+        self.name = name
+        self.arrow_type = arrow_type
+        self.label = label
+        self.kind = _classify(arrow_type, name, label)
+        self.fill = fill
+        self.fill_is_global = fill_is_global
+        self._fill: Any = None
+
+    # -- nulls -----------------------------------------------------------------------------
+    def count_nulls(self, arr: Any) -> int:
+        """Null values in a normalized chunk (null rows, and null elements of lists)."""
+        if self.kind.kind == "tensor":
+            _, mask = _leaf(arr)
+            return 0 if mask is None else int(len(mask) - np.count_nonzero(mask))
+        nulls = arr.null_count
+        if self.kind.kind == "ragged":
+            nulls += self._child(arr).null_count
+        return int(nulls)
+
+    def check_fill(self, arr: Any) -> None:
+        """Check the fill value against a chunk that has nulls (before anything is loaded)."""
+        if self.kind.kind != "ragged" or self._child(arr).null_count:
+            self.fill_scalar()  # null list rows become [] whatever the fill value
+
+    def null_error(self, per_file: Mapping[str, int], *, at_least: bool = False) -> NullValuesError:
+        """The error for a column with nulls and no fill value."""
+        total = sum(per_file.values())
+        where = ", ".join(f"{f}: {n}" for f, n in per_file.items() if n)
+        example = "''" if self.kind.kind in ("str", "bytes") else "0"
+        lists = "; null lists become empty lists" if self.kind.kind == "ragged" else ""
+        return NullValuesError(
+            f"column {self.name!r} ({self.arrow_type}) holds {'at least ' if at_least else ''}"
+            f"{total} null value{'s' if total != 1 else ''} (in {where}); shareddata never "
+            "stores a null as a silent 0. Pass fill_value= to replace them: a scalar for every "
+            f"column, or a dict per column (fill_value={{{self.name!r}: {example}}}); null "
+            f"strings become '' or the string given{lists}. Or drop those rows first "
+            "(table.drop_null())."
+        )
+
+    def fill_scalar(self) -> Any:
+        """The fill value, checked against the column's type (a numpy scalar, or bytes)."""
+        if self._fill is None:
+            self._fill = self._checked_fill()
+        return self._fill
+
+    def _checked_fill(self) -> Any:
+        fill, kind, dtype = self.fill, self.kind.kind, self.kind.dtype
+        if kind in ("str", "bytes"):
+            if isinstance(fill, str):
+                return fill.encode("utf-8")
+            if isinstance(fill, bytes):
+                try:
+                    if kind == "str":
+                        fill.decode("utf-8")
+                    return fill
+                except UnicodeDecodeError:
+                    pass
+            elif self.fill_is_global and isinstance(fill, (int, float, np.number)):
+                return b""  # the number given for every column: strings become empty
+            raise self._bad_fill("a str" if kind == "str" else "bytes or a str", "''")
+        ok = isinstance(fill, (bool, int, float, np.bool_, np.number)) and np.ndim(fill) == 0
+        if ok and dtype.kind == "b":
+            ok = fill in (0, 1)
+        elif ok and dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            ok = float(fill).is_integer() and info.min <= int(fill) <= info.max
+        elif ok and dtype.kind == "f":
+            ok = not np.isfinite(fill) or abs(fill) <= float(np.finfo(dtype).max)
+        if not ok:
+            raise self._bad_fill(f"a number that {dtype} can hold", "0")
+        return np.asarray(fill).astype(dtype)[()]
+
+    def _bad_fill(self, wanted: str, example: str) -> UnsupportedDtypeError:
+        return UnsupportedDtypeError(
+            f"fill_value {self.fill!r} does not fit column {self.name!r} of {self.label} "
+            f"({self.arrow_type}); give {wanted}, e.g. fill_value={{{self.name!r}: {example}}}."
+        )
+
+    # -- chunk -> buffers --------------------------------------------------------------------
+    def _child(self, arr: Any) -> Any:
+        offsets = _var_offsets(arr)
+        start, stop = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
+        return arr.values.slice(start, stop - start)
+
+    def var_parts(self, arr: Any) -> tuple[np.ndarray, Any, np.ndarray | None]:
+        """Offsets, values (numpy) and element validity of a normalized var-length chunk.
+
+        Null rows are replaced by the fill value here (the caller has checked that
+        one was given); null elements of lists are reported by the mask.
+        """
+        pa = _pyarrow()
+        if arr.null_count:
+            if self.kind.kind == "ragged":
+                arr = pa.compute.fill_null(arr, pa.scalar([], type=arr.type))
+            else:
+                fill = self.fill_scalar()
+                text = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+                scalar = pa.scalar(fill.decode("utf-8") if text else fill, type=arr.type)
+                arr = pa.compute.fill_null(arr, scalar)
+        offsets = _var_offsets(arr)
+        start, stop = int(offsets[0]), int(offsets[-1])
+        if self.kind.kind == "ragged":
+            child = arr.values.slice(start, stop - start)
+            mask = _valid_mask(child) if child.null_count else None
+            return offsets, _numpy_values(child, self.kind.dtype), mask
+        data = arr.buffers()[2]
+        if data is None or stop == start:
+            return offsets, np.zeros(0, np.uint8), None
+        return offsets, np.frombuffer(data, np.uint8, count=stop - start, offset=start), None
+
+    def var_size(self, arr: Any) -> int:
+        """The number of values a normalized chunk adds (after filling nulls)."""
+        offsets = self.var_parts(arr)[0]
+        return int(offsets[-1]) - int(offsets[0])
+
+
+class _Writer:
+    """Copies one column's chunks, in order, into its shared buffers."""
+
+    def __init__(self, column: _Column, spec: ColumnSpec, buffers: dict[str, np.ndarray]) -> None:
+        self.column = column
+        self.spec = spec
+        self.buffers = buffers
+        self.row = 0
+        self.value = 0
+        self.per_row = math.prod(spec.shape)
+        if spec.kind == "tensor":
+            self.flat = buffers["data"].reshape(-1)
+        else:
+            buffers["offsets"][0] = 0
+
+    def write(self, arr: Any, where: str) -> int:
+        """Copy one normalized chunk; return the bytes written."""
+        col, spec, n = self.column, self.spec, len(arr)
+        if self.row + n > spec.rows:
+            raise SourceReadError(
+                f"{where} has more rows than its metadata said ({spec.rows}); was the file "
+                "changed while it was being loaded?"
+            )
+        nulls = col.count_nulls(arr)
+        if nulls and col.fill is None:  # the sizing pass did not see them: changed file
+            raise col.null_error({where: nulls}, at_least=True)
+        if spec.kind == "tensor":
+            leaf, mask = _leaf(arr)
+            values = _numpy_values(leaf, spec.dtype)
+            lo, hi = self.row * self.per_row, (self.row + n) * self.per_row
+            dest = self.flat[lo:hi]
+            dest[...] = values
+            if mask is not None:
+                dest[~mask] = col.fill_scalar()
+            self.row += n
+            return dest.nbytes
+        offsets, values, mask = col.var_parts(arr)
+        end = self.value + len(values)
+        if end > spec.values:
+            raise SourceReadError(
+                f"{where} has more values in column {spec.name!r} than the sizing pass counted "
+                f"({spec.values}); was the file changed while it was being loaded?"
+            )
+        dest_offsets = self.buffers["offsets"][self.row + 1 : self.row + n + 1]
+        rebase_offsets(offsets, self.value, dest_offsets)
+        dest = self.buffers["values"][self.value : end]
+        dest[...] = values
+        if mask is not None:
+            dest[~mask] = col.fill_scalar()
+        self.row += n
+        self.value = end
+        return dest_offsets.nbytes + dest.nbytes
+
+    def finish(self, where: str) -> None:
+        """Check that every row (and value) the spec promised was written."""
+        spec = self.spec
+        short = self.row != spec.rows or (spec.kind != "tensor" and self.value != spec.values)
+        if short:
+            raise SourceReadError(
+                f"{where} gave {self.row} rows for column {spec.name!r} where its metadata said "
+                f"{spec.rows}; was the file changed while it was being loaded?"
+            )
+
+
+class _Sizer:
+    """Counts one column's nulls and values over its chunks: the exact spec, or the error."""
+
+    def __init__(self, column: _Column) -> None:
+        self.column = column
+        self.values = 0
+        self.nulls: dict[str, int] = {}
+
+    def add(self, where: str, _: str, chunk: Any) -> None:
+        """Account for one normalized chunk from ``where``."""
+        column = self.column
+        nulls = column.count_nulls(chunk)
+        if nulls:
+            self.nulls[where] = self.nulls.get(where, 0) + nulls
+            if column.fill is None:
+                return  # reported once every chunk is counted
+            column.check_fill(chunk)
+        if column.kind.kind != "tensor":
+            self.values += column.var_size(chunk)
+
+    def spec(self, rows: int) -> ColumnSpec:
+        """The column's spec, or NullValuesError if it has nulls and no fill value."""
+        column, k = self.column, self.column.kind
+        if self.nulls and column.fill is None:
+            raise column.null_error(self.nulls)
+        return ColumnSpec(column.name, rows, k.dtype, k.shape, k.kind, self.values)
+
+
+def _fill_for(fill_value: FillValue, name: str) -> tuple[Any, bool]:
+    """The fill value for column ``name`` and whether it came from a global scalar."""
+    if isinstance(fill_value, Mapping):
+        return fill_value.get(name), False
+    return fill_value, fill_value is not None
+
+
+def _check_fill_keys(fill_value: FillValue, names: Sequence[str], label: str) -> None:
+    if isinstance(fill_value, Mapping):
+        unknown = [k for k in fill_value if k not in names]
+        if unknown:
+            raise MissingColumnError(
+                f"fill_value names column {unknown[0]!r}, which is not loaded from {label}; "
+                f"the columns are: {', '.join(repr(n) for n in names) or 'none'}."
+            )
+
+
+def _make_columns(
+    schema: Any, names: Sequence[str], label: str, fill_value: FillValue
+) -> list[_Column]:
+    _check_fill_keys(fill_value, names, label)
+    columns = []
+    for name in names:
+        fill, is_global = _fill_for(fill_value, name)
+        columns.append(_Column(name, schema.field(name).type, label, fill, is_global))
+    return columns
+
+
+def _select(available: Sequence[str], columns: Sequence[str] | None, label: str) -> list[str]:
+    dupes = {n for n in available if list(available).count(n) > 1}
+    if columns is None:
+        wanted = list(available)
+    else:
+        wanted = [columns] if isinstance(columns, str) else list(columns)
+        missing = [c for c in wanted if c not in available]
+        if missing:
+            raise MissingColumnError(
+                f"column {missing[0]!r} is not in {label}; it has: "
+                f"{', '.join(repr(n) for n in available) or 'no columns'}."
+            )
+    clash = [n for n in wanted if n in dupes]
+    if clash:
+        raise MissingColumnError(
+            f"column name {clash[0]!r} appears more than once in {label}, so it does not name "
+            "one column; rename the columns (table.rename_columns) or select others."
+        )
+    return wanted
+
+
+# -- Parquet -------------------------------------------------------------------------------
+
+
+def _parquet_files(path: Any) -> tuple[list[str], str]:
+    """The files of a path / list of paths / folder, and a label for messages."""
+    if isinstance(path, (str, os.PathLike)):
+        p = os.fspath(path)
+        if not os.path.exists(p):
+            raise MissingFileError(
+                f"{p} does not exist. Pass a .parquet file, a list of files, or a folder of "
+                ".parquet files."
+            )
+        if os.path.isdir(p):
+            files = sorted(
+                f for f in os.listdir(p) if f.endswith(_SUFFIXES) and not f.startswith((".", "_"))
+            )
+            if not files:
+                raise MissingFileError(
+                    f"folder {p} holds no .parquet files (sub-folders, e.g. Hive partitions, "
+                    "are not searched); pass the files as a list instead."
+                )
+            return [os.path.join(p, f) for f in files], p
+        return [p], p
+    if isinstance(path, Sequence) and not isinstance(path, (bytes, bytearray)):
+        files = [os.fspath(f) for f in path]
+        if not files:
+            raise MissingFileError("the list of Parquet files is empty; pass at least one file.")
+        for f in files:
+            if not os.path.isfile(f):
+                what = "is a folder; list its files" if os.path.isdir(f) else "does not exist"
+                raise MissingFileError(f"{f} {what} (in the list of Parquet files given).")
+        label = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more files)"
+        return files, label
+    raise TypeError(
+        f"ParquetDataset cannot read a {type(path).__name__}; pass a .parquet path, a list "
+        "of paths, or a folder of .parquet files (for a pyarrow.Table use ArrowDataset)."
+    )
+
+
+def _arrow_errors() -> tuple[type[BaseException], ...]:
+    pa = _pyarrow()
+    return (pa.ArrowException, OSError, ValueError, EOFError)
+
+
+def _read_error(path: str, error: BaseException, doing: str) -> SourceReadError:
+    return SourceReadError(
+        f"{path} could not be read as Parquet while {doing} ({type(error).__name__}: {error}). "
+        "The file may be truncated or not a Parquet file; re-create it."
+    )
+
+
+def _leaf_count(t: Any) -> int:
+    """How many Parquet leaf columns an Arrow type is stored as."""
+    pa = _pyarrow()
+    if isinstance(t, pa.BaseExtensionType):
+        return _leaf_count(t.storage_type)
+    if pa.types.is_struct(t):
+        return sum(_leaf_count(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+        return _leaf_count(t.key_type) + _leaf_count(t.item_type)
+    if _is_list(t) or pa.types.is_fixed_size_list(t):
+        return _leaf_count(t.value_type)
+    if pa.types.is_dictionary(t):
+        return _leaf_count(t.value_type)
+    return 1
+
+
+@dataclass
+class _ParquetFileInfo:
+    path: str
+    metadata: Any
+    schema: Any
+    row_groups: list[int]  # rows per row group
+    leaf_index: dict[str, int]  # first Parquet leaf column of each top-level field
+
+    @property
+    def rows(self) -> int:
+        return sum(self.row_groups)
+
+
+class ParquetSource:
+    """Reads columns of Parquet files (see :class:`ParquetDataset`); metadata only until asked.
+
+    Args:
+        path: a ``.parquet`` file, a list of files (read in that order), or a folder of
+            ``.parquet`` files (read in sorted order).
+        columns: the columns to load, in this order (default: all).
+        fill_value: what nulls become (see :class:`ParquetDataset`); ``None`` refuses nulls.
+        memory_map: map the files instead of reading them (less private memory).
+    """
+
+    def __init__(
+        self,
+        path: PathLike | Sequence[PathLike],
+        columns: Sequence[str] | None = None,
+        *,
+        fill_value: FillValue = None,
+        memory_map: bool = True,
+    ) -> None:
+        self._pq = _parquet()
+        self.paths, self.label = _parquet_files(path)
+        self.memory_map = memory_map
+        self._open: Any = None
+        self._specs: list[ColumnSpec] | None = None
+        self.files = [self._info(p) for p in self.paths]
+        first = self.files[0]
+        names = _select(first.schema.names, columns, first.path)
+        self._check_schemas(names, all_columns=columns is None)
+        self.columns = _make_columns(first.schema, names, self.label, fill_value)
+        self._by_name = {c.name: c for c in self.columns}
+
+    def _info(self, path: str) -> _ParquetFileInfo:
+        try:
+            with self._pq.ParquetFile(path, memory_map=self.memory_map) as pf:
+                metadata = pf.metadata
+                schema = pf.schema_arrow
+        except _arrow_errors() as e:
+            if isinstance(e, SharedDataError):
+                raise
+            raise _read_error(path, e, "reading its metadata") from e
+        row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+        leaf_index, j = {}, 0
+        for field in schema:
+            leaf_index.setdefault(field.name, j)
+            j += _leaf_count(field.type)
+        if j != metadata.num_columns:  # a layout this mapping does not know: no statistics
+            leaf_index = {}
+        return _ParquetFileInfo(path, metadata, schema, row_groups, leaf_index)
+
+    def _check_schemas(self, names: Sequence[str], all_columns: bool) -> None:
+        first = self.files[0]
+        for other in self.files[1:]:
+            if all_columns and other.schema.names != first.schema.names:
+                raise MissingColumnError(
+                    f"{other.path} and {first.path} have different columns "
+                    f"({other.schema.names} vs {first.schema.names}); every file must have the "
+                    "same columns. Pass columns=[...] to load the columns they share."
+                )
+            for name in names:
+                if name not in other.schema.names:
+                    raise MissingColumnError(
+                        f"column {name!r} is in {first.path} but not in {other.path}, which has: "
+                        f"{', '.join(repr(n) for n in other.schema.names)}. Every file must "
+                        "have the columns loaded."
+                    )
+                a, b = first.schema.field(name).type, other.schema.field(name).type
+                if a != b:
+                    raise UnsupportedDtypeError(
+                        f"column {name!r} is {a} in {first.path} but {b} in {other.path}; the "
+                        "files of one dataset must share a schema. Rewrite them with one type "
+                        f"(e.g. table.cast(...)) or leave {name!r} out with columns=[...]."
+                    )
+
+    # -- reading one column, row group by row group ------------------------------------------
+    def _file(self, info: _ParquetFileInfo) -> Any:
+        self._close_open()
+        try:
+            self._open = self._pq.ParquetFile(
+                info.path, metadata=info.metadata, memory_map=self.memory_map
+            )
+        except _arrow_errors() as e:
+            if isinstance(e, SharedDataError):
+                raise
+            raise _read_error(info.path, e, "opening it") from e
+        return self._open
+
+    def _each_chunk(self, column: _Column, fn: Callable[[str, str, Any], None]) -> None:
+        """Call ``fn(file, where, chunk)`` for one column, one row group at a time.
+
+        Nothing of a row group is referenced once ``fn`` returns, and Arrow's memory
+        is given back before the next one is read.
+        """
+        for info in self.files:
+            pf = self._file(info)
+            for i, rows in enumerate(info.row_groups):
+                where = f"{info.path} (row group {i})"
+                try:
+                    table = pf.read_row_group(i, columns=[column.name], use_threads=False)
+                except _arrow_errors() as e:
+                    if isinstance(e, SharedDataError):
+                        raise
+                    raise _read_error(
+                        info.path, e, f"reading column {column.name!r} of row group {i}"
+                    ) from e
+                if table.num_rows != rows:
+                    raise SourceReadError(
+                        f"{where} gave {table.num_rows} rows of {column.name!r} where its "
+                        f"metadata says {rows}; re-create the file."
+                    )
+                chunks = table.column(0).chunks
+                del table
+                while chunks:
+                    fn(info.path, where, _normalize(chunks.pop(0)))
+                _release_arrow_memory()
+            self._close_open()
+
+    def _stats_nulls(self, column: _Column) -> dict[str, int] | None:
+        """Nulls per file from the column statistics, or None where they are missing."""
+        per_file: dict[str, int] = {}
+        for info in self.files:
+            j = info.leaf_index.get(column.name)
+            if j is None:
+                return None
+            count = 0
+            for i in range(len(info.row_groups)):
+                chunk = info.metadata.row_group(i).column(j)
+                stats = chunk.statistics if chunk.is_stats_set else None
+                if stats is None or not stats.has_null_count:
+                    return None
+                count += stats.null_count
+            per_file[info.path] = count
+        return per_file
+
+    def specs(self) -> list[ColumnSpec]:
+        """Exact specs: metadata for fixed-shape columns, a sizing pass for the others."""
+        if self._specs is not None:
+            return self._specs
+        rows = sum(info.rows for info in self.files)
+        specs = []
+        for column in self.columns:
+            k = column.kind
+            stats = self._stats_nulls(column) if k.kind == "tensor" else None
+            if stats is not None and (
+                not sum(stats.values()) or column.fill is not None or not k.shape
+            ):
+                # statistics are exact for scalar columns; for fixed-size lists they
+                # count levels, so the message's count comes from a read instead
+                if sum(stats.values()):
+                    if column.fill is None:
+                        raise column.null_error(stats)
+                    column.fill_scalar()  # a bad fill value fails before loading
+                specs.append(ColumnSpec(column.name, rows, k.dtype, k.shape))
+                continue
+            sizer = _Sizer(column)  # var-length, or no usable statistics: read once
+            self._each_chunk(column, sizer.add)
+            specs.append(sizer.spec(rows))
+        self._specs = specs
+        return specs
+
+    def read(
+        self, spec: ColumnSpec, buffers: dict[str, np.ndarray], progress: Callable[[int], None]
+    ) -> None:
+        """Fill one column's buffers, one row group at a time."""
+        writer = _Writer(self._by_name[spec.name], spec, buffers)
+        self._each_chunk(
+            writer.column, lambda _, where, chunk: progress(writer.write(chunk, where))
+        )
+        writer.finish(self.label)
+
+    def _close_open(self) -> None:
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+
+    def close(self) -> None:
+        """Close the file being read, and give Arrow's memory back."""
+        self._close_open()
+        _release_arrow_memory()
+
+
+class ParquetDataset(ColumnDataset):
+    """A dataset of Parquet columns, loaded once into shared memory.
+
+    The constructor reads each file's metadata, sizes the columns exactly (reading
+    variable-length columns once, one row group at a time), allocates one shared
+    segment, and copies one row group of one column at a time into it; the loading
+    process needs about one decoded row group on top of the data.
+
+    Column types: integers, floats and bool give scalar tensors; ``fixed_size_list``
+    of numbers (nested for more dimensions) gives tensors of that shape; strings give
+    ``str``, binary gives ``bytes``; lists of numbers give 1-D tensors of varying
+    length; dictionary-encoded columns give their values; timestamps, dates, times
+    and durations give their integer storage (int64 or int32 counts of their unit
+    since the epoch, timestamps in UTC). Dtypes stay as stored (int32 stays int32).
+
+    Args:
+        path: a ``.parquet`` file, a list of files (rows in the order given), or a
+            folder of ``.parquet`` files (sorted order). Every file must have the
+            loaded columns, with the same types.
+        columns: names of the columns to load, in sample order (default: all).
+        transform: applied to each sample in the worker, after indexing.
+        output: ``"dict"`` (``{column: value}``) or ``"tuple"`` (column order).
+        storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
+            anonymous file there, mapped shared (for a small RAM or memory limit).
+        progress: show a progress bar for loads longer than ~2 s.
+        fill_value: what null values become. ``None`` (default) refuses nulls with a
+            ``NullValuesError``. A scalar applies to every column: a number fills
+            numeric columns and the elements of list columns, a string fills string
+            columns (string and binary columns given a number get ``""``/``b""``);
+            null lists become empty lists. A dict ``{column: value}`` gives one value
+            per column (columns not in it still refuse nulls).
+
+    Raises:
+        FileNotFoundError: a path does not exist, or a folder holds no ``.parquet``.
+        KeyError: a requested column is missing (the message lists those that exist),
+            or the files have different columns.
+        ValueError: a column holds nulls and no ``fill_value`` covers it.
+        TypeError: a column's type cannot be stored (struct, map, nested lists,
+            decimal...), the files disagree on a column's type, or a fill value does
+            not fit its column.
+        OSError: a file is truncated or not Parquet (``SourceReadError``).
+        ImportError: pyarrow is not installed (``pip install 'shareddata[parquet]'``).
+        MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
+
+    Example:
+        >>> import os, tempfile
+        >>> import pyarrow as pa, pyarrow.parquet as pq
+        >>> from shareddata.sources.parquet import ParquetDataset
+        >>> path = os.path.join(tempfile.mkdtemp(), "tiny.parquet")
+        >>> pq.write_table(pa.table({"label": pa.array([3, 1, 2], pa.int32()),
+        ...                          "text": ["a", "", "héllo"],
+        ...                          "tokens": [[1, 2], [], [3]]}), path)
+        >>> ds = ParquetDataset(path)
+        >>> len(ds), ds.columns
+        (3, ['label', 'text', 'tokens'])
+        >>> ds[-1]
+        {'label': tensor(2, dtype=torch.int32), 'text': 'héllo', 'tokens': tensor([3])}
+    """
+
+    def __init__(
+        self,
+        path: PathLike | Sequence[PathLike],
+        columns: Sequence[str] | None = None,
+        *,
+        transform: Callable[[Any], Any] | None = None,
+        output: Output = "dict",
+        storage_dir: str | os.PathLike[str] | None = None,
+        progress: bool = True,
+        fill_value: FillValue = None,
+    ) -> None:
+        source = ParquetSource(path, columns, fill_value=fill_value)
+        loaded = load_columns(source, storage_dir=storage_dir, progress=progress)
+        super().__init__(loaded, transform=transform, output=output)
+
+
+# -- Arrow tables --------------------------------------------------------------------------
+
+
+def _as_table(table: Any) -> Any:
+    pa = _pyarrow()
+    if isinstance(table, pa.Table):
+        return table
+    if isinstance(table, pa.RecordBatch):
+        return pa.Table.from_batches([table])
+    if hasattr(table, "__arrow_c_stream__") and not isinstance(table, pa.ChunkedArray):
+        return pa.table(table)  # polars / pandas >= 2.2 / any Arrow PyCapsule producer
+    hint = ""
+    module = type(table).__module__.split(".")[0]
+    if module == "pandas":
+        hint = " Convert it with pa.Table.from_pandas(df, preserve_index=False)."
+    elif module == "polars":
+        hint = " Convert it with df.to_arrow()."
+    raise TypeError(
+        f"ArrowDataset needs a pyarrow.Table or RecordBatch, got a {type(table).__name__}."
+        f"{hint or ' Build one with pa.table({column: values}).'}"
+    )
+
+
+class ArrowSource:
+    """Reads the columns of an in-memory Arrow table (see :class:`ArrowDataset`).
+
+    Args:
+        table: a ``pyarrow.Table`` or ``RecordBatch`` (or an Arrow stream producer).
+        columns: the columns to load, in this order (default: all).
+        fill_value: what nulls become (see :class:`ParquetDataset`); ``None`` refuses nulls.
+    """
+
+    label = "the Arrow table"
+
+    def __init__(
+        self, table: Any, columns: Sequence[str] | None = None, *, fill_value: FillValue = None
+    ) -> None:
+        self.table = _as_table(table)
+        names = _select(self.table.schema.names, columns, self.label)
+        self.columns = _make_columns(self.table.schema, names, self.label, fill_value)
+        self._by_name = {c.name: c for c in self.columns}
+
+    def _each_chunk(self, column: _Column, fn: Callable[[str, str, Any], None]) -> None:
+        for chunk in self.table.column(column.name).chunks:
+            fn(self.label, self.label, _normalize(chunk))
+
+    def specs(self) -> list[ColumnSpec]:
+        """Exact specs, from the table's buffers (nothing is copied)."""
+        specs = []
+        for column in self.columns:
+            sizer = _Sizer(column)
+            self._each_chunk(column, sizer.add)
+            specs.append(sizer.spec(self.table.num_rows))
+        return specs
+
+    def read(
+        self, spec: ColumnSpec, buffers: dict[str, np.ndarray], progress: Callable[[int], None]
+    ) -> None:
+        """Fill one column's buffers, one chunk at a time."""
+        writer = _Writer(self._by_name[spec.name], spec, buffers)
+        self._each_chunk(
+            writer.column, lambda _, where, chunk: progress(writer.write(chunk, where))
+        )
+        writer.finish(self.label)
+        _release_arrow_memory()
+
+    def close(self) -> None:
+        """Drop the reference to the table (the caller's table is untouched)."""
+        self.table = None
+
+
+class ArrowDataset(ColumnDataset):
+    """A dataset of an Arrow table's columns, copied once into shared memory.
+
+    Column types and null handling are those of :class:`ParquetDataset`. The table
+    itself is not kept: once loaded, it can be dropped, and workers only map the
+    shared copy.
+
+    pandas: ``ArrowDataset(pa.Table.from_pandas(df, preserve_index=False))``;
+    polars: ``ArrowDataset(df.to_arrow())``.
+
+    Args:
+        table: a ``pyarrow.Table`` or ``pyarrow.RecordBatch`` (objects that export an
+            Arrow stream, ``__arrow_c_stream__``, are converted with ``pa.table``).
+        columns: names of the columns to load, in sample order (default: all).
+        transform: applied to each sample in the worker, after indexing.
+        output: ``"dict"`` (``{column: value}``) or ``"tuple"`` (column order).
+        storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
+            anonymous file there, mapped shared.
+        progress: show a progress bar for loads longer than ~2 s.
+        fill_value: what null values become (see :class:`ParquetDataset`); ``None``
+            refuses nulls with a ``NullValuesError``.
+
+    Raises:
+        KeyError: a requested column is missing (the message lists those that exist).
+        ValueError: a column holds nulls and no ``fill_value`` covers it.
+        TypeError: not a table, or a column's type cannot be stored.
+        ImportError: pyarrow is not installed (``pip install 'shareddata[parquet]'``).
+        MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> from shareddata.sources.parquet import ArrowDataset
+        >>> table = pa.table({"x": pa.array([1.5, None, 3.0], pa.float32()),
+        ...                   "name": ["a", None, "c"]})
+        >>> ds = ArrowDataset(table, fill_value={"x": 0.0, "name": "?"}, output="tuple")
+        >>> ds[1]
+        (tensor(0.), '?')
+        >>> ds.__getitems__([2, 0])
+        [(tensor(3.), 'c'), (tensor(1.5000), 'a')]
+    """
+
+    def __init__(
+        self,
+        table: Any,
+        *,
+        columns: Sequence[str] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        output: Output = "dict",
+        storage_dir: str | os.PathLike[str] | None = None,
+        progress: bool = True,
+        fill_value: FillValue = None,
+    ) -> None:
+        source = ArrowSource(table, columns, fill_value=fill_value)
+        loaded = load_columns(source, storage_dir=storage_dir, progress=progress)
+        super().__init__(loaded, transform=transform, output=output)
