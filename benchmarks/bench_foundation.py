@@ -10,7 +10,7 @@
    ``sd.NumpyDataset`` with the default collate, the ``IndexBatchSampler`` fast path,
    and the raw ``torch.index_select`` gather they are all bounded by.
 
-Run ``.venv/bin/python benchmarks/bench_foundation.py`` (about 8 minutes on 2 cores;
+Run ``.venv/bin/python benchmarks/bench_foundation.py`` (about 6 minutes on 2 quiet cores;
 ``--quick`` for a smoke run of about a minute). See ``benchmarks/README.md``.
 """
 
