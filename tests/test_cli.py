@@ -97,3 +97,22 @@ def test_demo_small():
     out = proc.stdout
     assert "naive numpy Dataset" in out and "shareddata.NumpyDataset" in out
     assert "2 spawn workers over 48.0 MiB" in out
+
+
+def test_info_hdf5_and_parquet(tmp_path):
+    import h5py
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["grp/x"] = np.zeros((50, 4), np.float32)
+        f["name"] = [f"n{i}" for i in range(50)]
+    pq.write_table(
+        pa.table({"a": list(range(30)), "s": [str(i) for i in range(30)]}), tmp_path / "d.parquet"
+    )
+    h5 = _cli("info", str(tmp_path / "d.h5"))
+    assert h5.returncode == 0, h5.stderr
+    assert "50 rows, 2 columns" in h5.stdout and "grp/x" in h5.stdout and "str" in h5.stdout
+    table = _cli("info", str(tmp_path / "d.parquet"))
+    assert table.returncode == 0, table.stderr
+    assert "30 rows, 2 columns" in table.stdout and "fits: yes" in table.stdout
