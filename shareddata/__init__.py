@@ -10,6 +10,7 @@ Example:
 from ._sampler import IndexBatchSampler
 from ._storage import SharedArray
 from ._wrap import SharedDataset, SharedList
+from .distributed import NodeShardSampler
 from .errors import (
     AttachError,
     ColumnLengthError,
@@ -41,6 +42,7 @@ __all__ = [
     "MissingColumnError",
     "MissingDependencyError",
     "MissingFileError",
+    "NodeShardSampler",
     "NullValuesError",
     "NumpyDataset",
     "ParquetDataset",

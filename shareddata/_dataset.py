@@ -32,6 +32,9 @@ class Source(Protocol):
     """What a format module implements: size the columns, then fill given buffers.
 
     Sharing, indexing and pickling are not a source's business; see ``load_columns``.
+
+    Optional: ``select_rows(start, stop)``; from then on ``specs()`` and ``read()``
+    describe and fill only rows ``[start, stop)`` (what ``shard="node"`` needs).
     """
 
     label: str
@@ -81,27 +84,66 @@ def check_lengths(specs: Sequence[ColumnSpec], label: str) -> int:
 
 
 def load_columns(
-    source: Source,
+    source: Source | Callable[[], Source],
     *,
     storage_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    share: Literal["node", "process"] | None = None,
+    shard: Literal["node"] | None = None,
+    key: Any = None,
+    timeout: float | None = None,
 ) -> dict[str, Column]:
     """Size ``source``'s columns, allocate them in one segment, and fill them.
 
-    If anything fails (a read error, Ctrl-C), everything allocated is freed
-    before the error propagates.
+    Under torchrun only local rank 0 of each node loads; the other local ranks
+    attach to its columns (Note [How local ranks share one copy] in
+    ``distributed.py``). If anything fails (a read error, Ctrl-C), everything
+    allocated is freed before the error propagates.
 
     Args:
-        source: a format reader.
+        source: a format reader, or a function that makes one (called only where
+            the data is loaded: attaching ranks never open the files).
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
         progress: show a progress bar for loads longer than ~2 s (on a terminal).
+        share: ``"node"`` (one copy per node; the default under torchrun) or
+            ``"process"`` (this process loads its own copy).
+        shard: ``"node"`` loads only this node's contiguous share of the rows
+            (the source needs ``select_rows``); ``None`` loads every row.
+        key: the dataset's arguments, equal on every local rank (default: the
+            source's type and label); ranks check they build the same dataset.
+        timeout: seconds to wait for another local rank (default
+            ``$SHAREDDATA_TIMEOUT``, else 300).
 
     Returns:
         The columns, read-only, by name in source order.
     """
+    from .distributed import load_on_node  # not at the top: distributed imports this module
+
+    factory = callable(source) and not hasattr(source, "specs")
+    if key is None:
+        key = ("load_columns",) if factory else (type(source).__name__, source.label)  # type: ignore[union-attr]
+
+    def load(select_rows: Callable[[Any, int], bool] | None) -> dict[str, Column]:
+        made: Source = source() if factory else source  # type: ignore[operator,assignment]
+        return _load_here(made, storage_dir, progress, select_rows)
+
+    close = None if factory else source.close  # type: ignore[union-attr]
+    return load_on_node(load, share=share, shard=shard, key=key, close=close, timeout=timeout)
+
+
+def _load_here(
+    source: Source,
+    storage_dir: str | os.PathLike[str] | None,
+    progress: bool,
+    select_rows: Callable[[Any, int], bool] | None,
+) -> dict[str, Column]:
+    """Load ``source`` in this process; ``select_rows(source, rows)`` may narrow the rows."""
     try:
         specs = source.specs()
-        check_lengths(specs, source.label)
+        rows = check_lengths(specs, source.label)
+        if select_rows is not None and select_rows(source, rows):
+            specs = source.specs()
+            check_lengths(specs, source.label)
         layouts = [(spec, COLUMN_KINDS[spec.kind].layout(spec)) for spec in specs]
         flat = [shape_dtype for _, layout in layouts for shape_dtype in layout.values()]
         arrays = allocate(flat, storage_dir, what=source.label)
@@ -165,6 +207,10 @@ class ColumnDataset(Dataset):
         transform: applied to each sample, in the worker, after indexing.
         output: ``"dict"`` for ``{column: value}`` samples, ``"tuple"`` for values in
             column order (what ``TensorDataset`` users unpack as ``x, y``).
+
+    Attributes:
+        node_shard: with ``shard="node"``, the rows of the whole dataset held here
+            (a :class:`~shareddata.distributed.NodeShard`); otherwise ``None``.
     """
 
     def __init__(
@@ -181,6 +227,7 @@ class ColumnDataset(Dataset):
         self._columns = columns
         self._names = list(columns)
         self._len = check_lengths([c.spec for c in columns.values()], type(self).__name__)
+        self.node_shard = getattr(columns, "node_shard", None)  # distributed.ShardedColumns
         self.transform = transform
         self.output: Output = output
 

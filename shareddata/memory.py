@@ -65,6 +65,19 @@ or ``max_duplication=None`` there. A ratio slightly below 1 is noise too. Proces
 outside the loader that map the same shared data (other ``torchrun`` ranks) are not
 measured: their share of it moves into the sum as well.
 
+Across the local ranks of a node (``verify`` called on every local rank, under
+``torchrun``), local rank 0 measures every process of the node at the same two
+moments (all main processes before any worker starts; every process after each
+rank's last batch; ``distributed.NodeVerify``), and the node's figure is::
+
+    duplication = copies + (node_data_pss_after - node_data_pss_before
+                            - sum over ranks of n_workers * baseline) / dataset_bytes
+
+``copies`` is the number of distinct copies the ranks' main processes hold: ranks
+whose shareddata datasets map the same segments (compared by device and inode)
+hold one; any other dataset counts as its own copy in every rank (the delta above
+cannot see what the main processes held before ``verify`` was called).
+
 ``dataset_bytes`` is, in order: the argument; ``loader.dataset.nbytes`` when it is
 an integer (every shareddata dataset); an estimate that walks the dataset's object
 graph (numpy ``nbytes``, torch storage bytes, ``sys.getsizeof`` for the rest; depth
@@ -222,6 +235,8 @@ class MemoryReport:
             the workers' baselines (``(duplication - 1) * dataset_bytes``).
         batches: number of batches iterated before measuring.
         max_duplication: the limit checked against, ``None`` for no check.
+        local_ranks: local ranks measured together (1: this process alone).
+        rank_copies: copies held by those ranks' main processes (see the Note).
     """
 
     dataset_bytes: int
@@ -235,14 +250,17 @@ class MemoryReport:
     extra_bytes: int = 0
     batches: int = 0
     max_duplication: float | None = None
+    local_ranks: int = 1
+    rank_copies: int = 1
 
     def _workers(self) -> int:
-        return sum(1 for p in self.processes if p.role.startswith("worker"))
+        return sum(1 for p in self.processes if "worker" in p.role.split())
 
     def _who(self) -> str:
+        ranks = f"{self.local_ranks} local ranks, " if self.local_ranks > 1 else ""
         if not self.num_workers:
-            return "no workers (num_workers=0)"
-        return f"{self.num_workers} {self.start_method} workers"
+            return ranks + "no workers (num_workers=0)"
+        return ranks + f"{self.num_workers} {self.start_method} workers"
 
     @property
     def passed(self) -> bool:
@@ -267,6 +285,8 @@ class MemoryReport:
             "num_workers": int(self.num_workers),
             "batches": int(self.batches),
             "max_duplication": self.max_duplication,
+            "local_ranks": int(self.local_ranks),
+            "rank_copies": int(self.rank_copies),
             "passed": self.passed,
             "processes": [p.to_dict() for p in self.processes],
         }
@@ -301,6 +321,10 @@ class MemoryReport:
             f" MiB x {self._workers()}; beyond one copy {self.extra_bytes / _MIB:.1f} MiB "
             "(file pages left out)"
         )
+        if self.local_ranks > 1:
+            lines.append(
+                f"copies in the {self.local_ranks} ranks' main processes: {self.rank_copies}"
+            )
         lines.append(self.verdict())
         return "\n".join(lines)
 
@@ -311,6 +335,7 @@ def verify(
     batches: int | None = None,
     max_duplication: float | None = 1.10,
     dataset_bytes: int | None = None,
+    across_ranks: bool | None = None,
 ) -> MemoryReport:
     """Run ``loader``, measure all its processes, and check the dataset is held once.
 
@@ -328,6 +353,11 @@ def verify(
             ``None`` only measures.
         dataset_bytes: the dataset's size; by default ``loader.dataset.nbytes`` or an
             estimate from the dataset's object graph.
+        across_ranks: measure every process of the node (each local rank and its
+            workers) and return the node's report on every rank; then ``verify``
+            must be called on every local rank. The default does so under
+            ``torchrun`` with several local ranks; ``False`` measures this process
+            and its workers alone.
 
     Returns:
         The :class:`MemoryReport`.
@@ -361,8 +391,15 @@ def verify(
     # The forkserver (started by the probe at the latest) is the workers' template.
     server = _forkserver_pid() if start_method == "forkserver" else None
     gc.collect()
-    before = _measure_all([(os.getpid(), "main"), (server, "forkserver")])
-    rows, received = _run_and_measure(loader, None if batches is None else int(batches), server)
+    from .distributed import node_verifier  # every local rank meets rank 0 at each measure
+
+    node = node_verifier(across_ranks)
+    measure_before = _measure_all if node is None else node.measurer("before")
+    measure_after = None if node is None else node.measurer("after")
+    before = measure_before([(os.getpid(), "main"), (server, "forkserver")])
+    rows, received = _run_and_measure(
+        loader, None if batches is None else int(batches), server, measure_after
+    )
 
     n_workers = sum(1 for p in rows if p.role.startswith("worker"))
     extra = _data_pss(rows) - _data_pss(before) - n_workers * baseline
@@ -379,6 +416,8 @@ def verify(
         batches=received,
         max_duplication=max_duplication,
     )
+    if node is not None:
+        report = node.combine(report, loader.dataset)
     if not report.passed:
         raise DuplicationError(_duplication_message(report), report)
     return report
@@ -430,7 +469,7 @@ def _stop_persistent_workers(loader: DataLoader) -> None:
 
 
 def _run_and_measure(
-    loader: DataLoader, batches: int | None, server: int | None
+    loader: DataLoader, batches: int | None, server: int | None, measure_all: Any = None
 ) -> tuple[list[ProcessMemory], int]:
     """Iterate ``loader`` and measure its processes right after the last batch."""
     try:
@@ -441,6 +480,12 @@ def _run_and_measure(
     # An iterable dataset's len() may be wrong, and an unknown length gives no "last
     # batch" to wait for: measure after every batch and keep the latest figures.
     every = target is None or isinstance(loader.dataset, IterableDataset)
+    if measure_all is not None:  # across ranks: one meeting, at a last batch known ahead
+        if target is None:
+            raise ValueError(
+                "verify() across local ranks needs batches= for a loader without len()"
+            )
+        every = False
     before = _children() if loader.num_workers > 0 else set()
     rows: list[ProcessMemory] = []
     received = 0
@@ -453,7 +498,7 @@ def _run_and_measure(
                 break
             received += 1
             if every or received == target:
-                rows = _measure_loader(iterator, loader.num_workers, before, server)
+                rows = _measure_loader(iterator, loader.num_workers, before, server, measure_all)
             del batch
     finally:
         if not (loader.persistent_workers and loader.num_workers > 0):
@@ -475,7 +520,7 @@ def _children() -> set[int]:
 
 
 def _measure_loader(
-    iterator: Any, num_workers: int, before: set[int], server: int | None
+    iterator: Any, num_workers: int, before: set[int], server: int | None, measure_all: Any = None
 ) -> list[ProcessMemory]:
     procs: list[tuple[int | None, str]] = [(os.getpid(), "main"), (server, "forkserver")]
     workers = getattr(iterator, "_workers", None)
@@ -484,7 +529,7 @@ def _measure_loader(
     elif num_workers > 0:  # an iterator that does not expose its workers
         new = sorted(_children() - before - {server})
         procs += [(pid, f"worker {i}") for i, pid in enumerate(new)]
-    return _measure_all(procs)
+    return (measure_all or _measure_all)(procs)
 
 
 def _measure_all(procs: list[tuple[int | None, str]]) -> list[ProcessMemory]:

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import pytest
 
 START_METHODS = ["fork", "spawn", "forkserver"]
+
+# Scripts that tests run as programs (torchrun, fault scenarios): not doctest modules.
+collect_ignore_glob = ["dist_scripts/*"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

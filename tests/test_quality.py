@@ -39,6 +39,7 @@ def test_public_api_is_pinned():
         "MissingColumnError",
         "MissingDependencyError",
         "MissingFileError",
+        "NodeShardSampler",
         "NullValuesError",
         "NumpyDataset",
         "ParquetDataset",

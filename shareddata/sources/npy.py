@@ -7,10 +7,12 @@ private copy of the data ever exists.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -57,11 +59,30 @@ def _read_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
             return fmt.read_array_header_1_0(f)
         if version == (2, 0):
             return fmt.read_array_header_2_0(f)
-        return fmt._read_array_header(f, version)  # 3.0 (utf-8 field names)
-    except (ValueError, SyntaxError, TypeError, EOFError, OSError) as e:
+        if version == (3, 0):  # utf-8 field names; the reader is private (moved in numpy 2)
+            impl = getattr(np.lib, "_format_impl", fmt)
+            return impl._read_array_header(f, version)
+        raise ValueError(f"unknown .npy format version {version[0]}.{version[1]}")
+    except Exception as e:  # numpy's header parser raises many types (TokenError too)
         raise SourceReadError(
-            f"{where} is not a valid .npy file ({e}). Re-create it with np.save."
+            f"{where} is not a valid .npy file ({type(e).__name__}: {e}). Re-create it with "
+            "np.save."
         ) from e
+
+
+def _data_bytes(shape: tuple[int, ...], dtype: np.dtype, where: str) -> int:
+    """Bytes of data a header announces, refusing shapes no array can have."""
+    if any(d < 0 for d in shape):
+        raise SourceReadError(
+            f"{where} is not a valid .npy file: its header's shape {shape} has a negative "
+            "dimension. Re-create it with np.save."
+        )
+    if math.prod(d for d in shape if d) * max(dtype.itemsize, 1) >= 1 << 63:
+        raise SourceReadError(
+            f"{where} is not a valid .npy file: its header's shape {shape} is too large for "
+            "any array. Re-create it with np.save."
+        )
+    return math.prod(shape) * dtype.itemsize  # exact: no int64 wrap-around
 
 
 class _Entry:
@@ -82,8 +103,13 @@ class _Entry:
             )
         return ColumnSpec(self.name, self.shape[0], self.dtype.newbyteorder("="), self.shape[1:])
 
-    def read(self, out: np.ndarray, progress: Callable[[int], None]) -> None:
+    def read(self, out: np.ndarray, progress: Callable[[int], None], start: int = 0) -> None:
+        """Fill ``out`` with rows ``start : start + len(out)``."""
         raise NotImplementedError
+
+    def row_bytes(self) -> int:
+        """Bytes of one row as stored."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
 
 
 class _Memory(_Entry):
@@ -100,8 +126,8 @@ class _Memory(_Entry):
         self.array = np.asarray(array)
         self.shape, self.dtype = self.array.shape, self.array.dtype
 
-    def read(self, out: np.ndarray, progress: Callable[[int], None]) -> None:
-        copy_chunked(out, self.array, progress)
+    def read(self, out: np.ndarray, progress: Callable[[int], None], start: int = 0) -> None:
+        copy_chunked(out, self.array[start : start + len(out)], progress)
 
 
 def _byteswap_if_needed(out: np.ndarray, dtype: np.dtype) -> None:
@@ -119,7 +145,7 @@ class _NpyFile(_Entry):
             size = os.fstat(f.fileno()).st_size
         if self.dtype.hasobject:
             return  # refused with a clear message by spec()
-        needed = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        needed = _data_bytes(self.shape, self.dtype, path)
         if size < self.offset + needed:
             raise SourceReadError(
                 f"{path} is truncated: its header says shape {self.shape} {self.dtype} "
@@ -127,24 +153,33 @@ class _NpyFile(_Entry):
                 "Re-create the file."
             )
 
-    def read(self, out: np.ndarray, progress: Callable[[int], None]) -> None:
+    def read(self, out: np.ndarray, progress: Callable[[int], None], start: int = 0) -> None:
         if self.fortran and out.ndim > 1:
             mapped = np.load(self.path, mmap_mode="r")
-            copy_chunked(out, mapped, progress)
+            copy_chunked(out, mapped[start : start + len(out)], progress)
             del mapped
             return
         view = memoryview(out.reshape(-1).view(np.uint8))
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        first = self.offset + start * self.row_bytes()
+        pos = 0
         try:
-            pos = 0
-            while pos < len(view):
-                n = os.preadv(fd, [view[pos : pos + _CHUNK]], self.offset + pos)
-                if n == 0:
-                    raise SourceReadError(f"{self.path} ended early, after {pos} bytes of data")
-                pos += n
-                progress(n)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                while pos < len(view):
+                    n = os.preadv(fd, [view[pos : pos + _CHUNK]], first + pos)
+                    if n == 0:
+                        raise SourceReadError(f"{self.path} ended early, after {pos} bytes of data")
+                    pos += n
+                    progress(n)
+            finally:
+                os.close(fd)
+        except SourceReadError:
+            raise
+        except OSError as e:  # an I/O error of the disk or file system: name the file
+            raise SourceReadError(
+                f"{self.path} could not be read after {pos} bytes of data ({e}). Check the disk "
+                "or file system, or copy the file elsewhere and load it again."
+            ) from e
         _byteswap_if_needed(out, self.dtype)
 
 
@@ -154,8 +189,19 @@ class _NpzMember(_Entry):
         self.path, self.archive, self.member = path, archive, member
         with archive.open(member) as f:
             self.shape, self.fortran, self.dtype = _read_header(f, self.label)
+            header = f.tell()
+        if self.dtype.hasobject:
+            return  # refused with a clear message by spec()
+        needed = _data_bytes(self.shape, self.dtype, self.label)
+        stored = archive.getinfo(member).file_size - header
+        if stored < needed:
+            raise SourceReadError(
+                f"{self.label} is truncated: its header says shape {self.shape} {self.dtype} "
+                f"({needed} bytes) but the archive holds {max(0, stored)} bytes of data for "
+                "it. Re-create the file."
+            )
 
-    def read(self, out: np.ndarray, progress: Callable[[int], None]) -> None:
+    def read(self, out: np.ndarray, progress: Callable[[int], None], start: int = 0) -> None:
         if self.fortran and out.ndim > 1:
             raise UnsupportedDtypeError(
                 f"{self.label} is stored in Fortran order inside an .npz; save it C-ordered "
@@ -165,6 +211,12 @@ class _NpzMember(_Entry):
         try:
             with self.archive.open(self.member) as f:
                 _read_header(f, self.label)
+                skip = start * self.row_bytes()  # a compressed member: read past the rows
+                while skip > 0:
+                    n = len(f.read(min(skip, _CHUNK)))
+                    if not n:
+                        raise SourceReadError(f"{self.label} ended early, before row {start}")
+                    skip -= n
                 pos = 0
                 while pos < len(view):
                     n = f.readinto(view[pos : pos + _CHUNK])
@@ -197,6 +249,7 @@ class NumpySource:
 
     def __init__(self, source: Any, columns: Sequence[str] | None = None) -> None:
         self._archives: list[zipfile.ZipFile] = []
+        self._rows: tuple[int, int] | None = None
         try:
             entries = self._entries(source)
             self.entries = self._select(entries, columns)
@@ -267,15 +320,28 @@ class NumpySource:
         return [by_name[c] for c in columns]
 
     def specs(self) -> list[ColumnSpec]:
-        """One tensor column per entry."""
-        return [e.spec() for e in self.entries]
+        """One tensor column per entry (of the selected rows, see :meth:`select_rows`)."""
+        specs = [e.spec() for e in self.entries]
+        if self._rows is None:
+            return specs
+        start, stop = self._rows
+        return [dataclasses.replace(s, rows=stop - start) for s in specs]
+
+    def select_rows(self, start: int, stop: int) -> None:
+        """Describe and read only rows ``[start, stop)`` of every column."""
+        if not 0 <= start <= stop:
+            raise ValueError(f"invalid row range [{start}, {stop})")
+        self._rows = (start, stop)
 
     def read(
         self, spec: ColumnSpec, buffers: dict[str, np.ndarray], progress: Callable[[int], None]
     ) -> None:
         """Fill the column's ``data`` buffer."""
         entry = next(e for e in self.entries if e.name == spec.name)
-        entry.read(buffers["data"], progress)
+        if self._rows is None:
+            entry.read(buffers["data"], progress)
+        else:
+            entry.read(buffers["data"], progress, self._rows[0])
 
     def close(self) -> None:
         """Close any open archives."""
@@ -297,6 +363,10 @@ class NumpyDataset(ColumnDataset):
         storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
             anonymous file there, mapped shared (for a small RAM or memory limit).
         progress: show a progress bar for loads longer than ~2 s.
+        share: under torchrun, ``"node"`` (the default there) loads once per node
+            and the other local ranks attach; ``"process"`` loads in every process.
+        shard: ``"node"`` loads only this node's contiguous share of the rows
+            (``ds.node_shard`` says which; sample with ``sd.NodeShardSampler``).
 
     Raises:
         FileNotFoundError: a path does not exist.
@@ -325,8 +395,15 @@ class NumpyDataset(ColumnDataset):
         output: Output = "dict",
         storage_dir: str | os.PathLike[str] | None = None,
         progress: bool = True,
+        share: Literal["node", "process"] | None = None,
+        shard: Literal["node"] | None = None,
     ) -> None:
         loaded = load_columns(
-            NumpySource(source, columns), storage_dir=storage_dir, progress=progress
+            lambda: NumpySource(source, columns),  # only where the data is loaded
+            storage_dir=storage_dir,
+            progress=progress,
+            share=share,
+            shard=shard,
+            key=("NumpyDataset", source, columns),
         )
         super().__init__(loaded, transform=transform, output=output)

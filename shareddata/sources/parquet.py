@@ -907,13 +907,12 @@ class ParquetDataset(ColumnDataset):
 
     Example:
         >>> import os, tempfile
-        >>> import pyarrow as pa, pyarrow.parquet as pq
-        >>> from shareddata.sources.parquet import ParquetDataset
+        >>> import pyarrow as pa, pyarrow.parquet as pq, shareddata as sd
         >>> path = os.path.join(tempfile.mkdtemp(), "tiny.parquet")
         >>> pq.write_table(pa.table({"label": pa.array([3, 1, 2], pa.int32()),
         ...                          "text": ["a", "", "héllo"],
         ...                          "tokens": [[1, 2], [], [3]]}), path)
-        >>> ds = ParquetDataset(path)
+        >>> ds = sd.ParquetDataset(path)
         >>> len(ds), ds.columns
         (3, ['label', 'text', 'tokens'])
         >>> ds[-1]
@@ -1037,11 +1036,10 @@ class ArrowDataset(ColumnDataset):
         MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
 
     Example:
-        >>> import pyarrow as pa
-        >>> from shareddata.sources.parquet import ArrowDataset
+        >>> import pyarrow as pa, shareddata as sd
         >>> table = pa.table({"x": pa.array([1.5, None, 3.0], pa.float32()),
         ...                   "name": ["a", None, "c"]})
-        >>> ds = ArrowDataset(table, fill_value={"x": 0.0, "name": "?"}, output="tuple")
+        >>> ds = sd.ArrowDataset(table, fill_value={"x": 0.0, "name": "?"}, output="tuple")
         >>> ds[1]
         (tensor(0.), '?')
         >>> ds.__getitems__([2, 0])

@@ -1,0 +1,90 @@
+"""Run under torchrun with 2 local ranks: what the other rank sees when local rank 0 fails.
+
+Scenarios (argv[1]):
+
+* ``errors``: local rank 0 fails to load (a missing file; a dataset too large for
+  memory); then the ranks build different data (a mismatch); then local rank 0
+  never builds the dataset at all (the other rank must time out). Each rank prints
+  ``RESULT {json}`` with what it raised and how long it took.
+* ``dies``: local rank 0 is SIGKILLed in the middle of its load.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import shareddata as sd
+from shareddata._columns import ColumnSpec
+from shareddata._dataset import load_columns
+
+LOCAL_RANK = int(os.environ["LOCAL_RANK"])
+
+
+def attempt(name, build):
+    start = time.monotonic()
+    try:
+        build()
+        outcome = {"type": None, "message": ""}
+    except Exception as e:  # report, keep going
+        mro = [c.__name__ for c in type(e).__mro__]
+        outcome = {"type": type(e).__name__, "message": str(e), "mro": mro}
+    outcome.update(scenario=name, local_rank=LOCAL_RANK, seconds=time.monotonic() - start)
+    print("RESULT " + json.dumps(outcome), flush=True)
+
+
+class _Huge:
+    """A source whose one column would need 4 PiB: rank 0's capacity check refuses it."""
+
+    label = "huge.bin"
+
+    def specs(self):
+        return [ColumnSpec("x", 1 << 50, np.dtype(np.float32))]
+
+    def read(self, spec, buffers, progress):
+        raise AssertionError("never reached")
+
+    def close(self):
+        pass
+
+
+class _Dying:
+    """A source that kills its own process (local rank 0) halfway through reading."""
+
+    label = "dying.bin"
+
+    def specs(self):
+        return [ColumnSpec("x", 1024, np.dtype(np.float32))]
+
+    def read(self, spec, buffers, progress):
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self):
+        pass
+
+
+def errors_scenario(folder):
+    attempt("missing", lambda: sd.NumpyDataset(os.path.join(folder, "missing.npy")))
+    attempt("full", lambda: load_columns(lambda: _Huge()))
+    data = np.full(1000, LOCAL_RANK, dtype=np.int64)  # differs between the ranks
+    attempt("mismatch", lambda: sd.NumpyDataset(data))
+    if LOCAL_RANK == 0:
+        time.sleep(float(os.environ["SHAREDDATA_TIMEOUT"]) + 3)  # never builds it
+    else:
+        attempt("absent", lambda: sd.NumpyDataset(np.arange(10)))
+
+
+def main():
+    scenario, folder = sys.argv[1], sys.argv[2]
+    if scenario == "errors":
+        errors_scenario(folder)
+    elif scenario == "dies":
+        attempt("dies", lambda: load_columns(lambda: _Dying()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The PSS table: 1, 2 and 4 local ranks x 2 spawn workers, node sharing vs per-rank loading.
+
+    python tests/dist_scripts/pss_table.py [--mib 256] [--ranks 1 2 4]
+
+For each number of local ranks and each way of loading, runs ``share_node.py``
+under ``torchrun --standalone`` and reads the node's ``sd.verify`` report (local
+rank 0 measures every process of the node at once). Every configuration is also
+run over a 1 MiB dataset: "net PSS" is the difference of the two totals, an
+independent check on verify's duplication (which subtracts per-worker baselines).
+
+Ways of loading:
+
+* ``node``: ``sd.NumpyDataset(path)``: one copy per node (the default under torchrun);
+* ``process``: ``sd.NumpyDataset(path, share="process")``: each rank loads its own
+  copy, its workers share it;
+* ``plain``: ``TensorDataset(torch.from_numpy(np.load(path)))``: each rank loads its
+  own copy and every spawn worker gets another by pickling.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+MODES = {"node": [], "process": ["--share", "process"], "plain": ["--plain"]}
+
+
+def run(ranks: int, mode: str, path: str) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+                os.path.join(HERE, "share_node.py"),
+                path,
+                out,
+                "--batches",
+                "16",
+                *MODES[mode],
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-3000:])
+        with open(os.path.join(out, "rank0.json")) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        big, tiny = os.path.join(tmp, "big.npy"), os.path.join(tmp, "tiny.npy")
+        rng = np.random.default_rng(0)
+        np.save(big, rng.standard_normal((args.mib * 256, 1024), dtype=np.float32))
+        np.save(tiny, rng.standard_normal((256, 1024), dtype=np.float32))
+        mib = 1 << 20
+        print(
+            "| local ranks x 2 spawn workers | loading | processes | total PSS MiB | "
+            "net PSS MiB (- 1 MiB run) | net / data | verify duplication | copies in mains |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for ranks in args.ranks:
+            for mode in args.modes:
+                if ranks == 1 and mode == "process":
+                    continue  # the same as "node" with one rank
+                r, base = run(ranks, mode, big), run(ranks, mode, tiny)
+                net = r["total_pss"] - base["total_pss"]
+                data = args.mib * mib
+                print(
+                    f"| {ranks} | {mode} | {len(r['roles'])} | {r['total_pss'] / mib:.0f} | "
+                    f"{net / mib:.0f} | {net / data:.2f}x | {r['duplication']:.2f}x | "
+                    f"{r['rank_copies']} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
