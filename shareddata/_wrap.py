@@ -186,6 +186,23 @@ class _VarBuffer:
         self.shapes.append(shape)
 
 
+# The exact Python type that passes a leaf's check without classifying the value again.
+_EXACT = {"int": int, "float": float, "bool": bool, "str": str, "bytes": bytes}
+
+
+def _matches_fast(leaf: _Leaf, value: Any, tensor_dtype: Any) -> bool:
+    """Whether ``value`` surely matches ``leaf``: the per-item fast path.
+
+    When it returns False, ``_check_leaf`` classifies the value and explains a mismatch.
+    """
+    kind = leaf.kind
+    if kind == "tensor":
+        return type(value) is torch.Tensor and value.dtype is tensor_dtype
+    if kind == "ndarray":
+        return type(value) is np.ndarray and value.dtype == leaf.dtype
+    return type(value) is _EXACT.get(kind)
+
+
 def _check_leaf(leaf: _Leaf, value: Any, index: int) -> None:
     if leaf.kind == "pickle":
         return  # anything picklable
@@ -227,6 +244,10 @@ class _Builder:
             what="SharedDataset's fixed-size fields",
         )
         self.fixed: dict[int, SharedArray] = dict(zip(fixed, arrays))
+        self._rows = {n: array.numpy() for n, array in self.fixed.items()}  # writable views
+        first_values: list[Any] = []
+        _flatten(first, self.schema, first_values, 0)
+        self._tensor_dtypes = [getattr(v, "dtype", None) for v in first_values]
         self.var: dict[int, _VarBuffer] = {
             i: _VarBuffer(leaf.dtype) for i, leaf in enumerate(self.leaves) if i not in self.fixed
         }
@@ -238,7 +259,8 @@ class _Builder:
             numlist = leaf.kind in ("intlist", "floatlist")
             if numlist and type(value) is list and value and _numeric_list(value) != leaf.kind:
                 self._to_pickle(n, leaf)  # e.g. [] first, then [Box(...)]: keep lists whole
-            _check_leaf(leaf, value, index)
+            if not _matches_fast(leaf, value, self._tensor_dtypes[n]):
+                _check_leaf(leaf, value, index)
             if n in self.fixed:
                 self._put_fixed(n, leaf, index, value)
             else:
@@ -251,13 +273,14 @@ class _Builder:
                 self._to_ragged(n, leaf, index)
                 self._put_var(n, leaf, value)
                 return
-            self.fixed[n].numpy()[index] = data
+            self._rows[n][index] = data
         else:
-            self.fixed[n].numpy()[index] = value
+            self._rows[n][index] = value
 
     def _to_ragged(self, n: int, leaf: _Leaf, upto: int) -> None:
         buffer = _VarBuffer(leaf.dtype)
         rows = self.fixed.pop(n).numpy()
+        del self._rows[n]
         for i in range(upto):
             buffer.add(rows[i], leaf.shape)
         leaf.ragged = True
