@@ -697,3 +697,18 @@ def test_load_columns_with_an_arrow_source_directly(table):
     columns = load_columns(ArrowSource(table, ["text", "i32"]), progress=False)
     assert list(columns) == ["text", "i32"]
     assert columns["text"].get(1) == table["text"][1].as_py()
+
+
+def test_arrow_tables_are_told_apart_across_ranks():
+    # Under torchrun ranks match datasets by a fingerprint of their arguments; every
+    # ArrowDataset has the same label, so the key must come from the table itself.
+    from shareddata.distributed import fingerprint
+    from shareddata.sources.parquet import ArrowSource, _table_key
+
+    def key(table):
+        return fingerprint(_table_key(ArrowSource(table), None))
+
+    a = pa.table({"x": list(range(1000)), "s": [str(i) for i in range(1000)]})
+    assert key(a) == key(pa.table({"x": list(range(1000)), "s": [str(i) for i in range(1000)]}))
+    assert key(a) != key(a.set_column(0, "x", pa.array(list(range(1, 1001)))))
+    assert key(a) != key(a.select(["x"]))

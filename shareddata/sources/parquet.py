@@ -1058,5 +1058,20 @@ class ArrowDataset(ColumnDataset):
         fill_value: FillValue = None,
     ) -> None:
         source = ArrowSource(table, columns, fill_value=fill_value)
-        loaded = load_columns(source, storage_dir=storage_dir, progress=progress)
+        loaded = load_columns(
+            source, storage_dir=storage_dir, progress=progress, key=_table_key(source, fill_value)
+        )
         super().__init__(loaded, transform=transform, output=output)
+
+
+def _table_key(source: ArrowSource, fill_value: FillValue) -> tuple[Any, ...]:
+    """What tells in-memory tables apart across local ranks: schema, length, sampled rows.
+
+    Every ArrowDataset has the same label, so without this two ranks building different
+    tables (one per rank, say) would be taken for the same dataset under torchrun.
+    """
+    table = source.table.select([c.name for c in source.columns])
+    n = table.num_rows
+    rows = sorted({round(i * (n - 1) / 63) for i in range(64)}) if n else []
+    sample = [table.slice(i, 1).to_pylist() for i in rows]  # slices: any type, no copy
+    return ("ArrowDataset", table.schema.to_string(), n, repr(fill_value), sample)
