@@ -37,6 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import pytest
+from conftest import can_unshare
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TAG_ENV = "SHAREDDATA_FAULT_TAG"
@@ -190,18 +191,9 @@ def shmem_kib() -> int:
     raise RuntimeError("no Shmem in /proc/meminfo")
 
 
-def can_isolate() -> bool:
-    if os.geteuid() != 0:
-        return False
-    probe = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True
-    )
-    return probe.returncode == 0
-
-
 def require_isolation() -> None:
     """Fail (not skip) when the machine cannot give a scenario its own /dev/shm."""
-    if not can_isolate():
+    if not can_unshare():
         pytest.fail(
             "fault-injection scenarios need root and `unshare -m` (a private /dev/shm per "
             "scenario); run the suite as root, e.g. in the project's container"
