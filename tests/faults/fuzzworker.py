@@ -107,7 +107,8 @@ def _mutate_npy(rng: random.Random, tmp: str) -> tuple[bytes, str]:
     array = bases[rng.randrange(len(bases))]
     version = rng.choice([(1, 0), (2, 0)])
     _write_npy(tmp, array, version)
-    data = bytearray(open(tmp, "rb").read())  # noqa: SIM115
+    with open(tmp, "rb") as f:
+        data = bytearray(f.read())
     hlen_size = 2 if version == (1, 0) else 4
     start = 8 + hlen_size
     hlen = int.from_bytes(data[8:start], "little")
@@ -195,7 +196,8 @@ def case(fmt: str, seed: int, i: int, directory: str) -> tuple[str, str]:
         base = os.path.join(directory, f"base{k}{ext}")
         if not os.path.exists(base):
             (_write_hdf5 if fmt == "hdf5" else _write_parquet)(base, k)
-        raw = bytearray(open(base, "rb").read())  # noqa: SIM115
+        with open(base, "rb") as f:
+            raw = bytearray(f.read())
         if fmt == "hdf5":
             meta = range(min(len(raw), 2048))  # superblock, root group, object headers
         else:

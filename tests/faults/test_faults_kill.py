@@ -93,9 +93,11 @@ def test_sigkill_of_one_worker_reaches_the_user_and_the_data_survives():
     )
     assert run.returncode == 0, run.describe()
     victim, seconds, kind, message = run.value("@@ERROR").split(" ", 3)
-    if kind == "ConnectionResetError":
+    if kind in ("ConnectionResetError", "EOFError"):
         # the main process was receiving a batch whose descriptors the dead worker still
-        # held (torch passes batch tensors as fds): torch lets this OSError through
+        # held (torch passes batch tensors as fds through the worker's resource sharer);
+        # when that connection drops before the worker shows as dead, torch's DataLoader
+        # re-raises the connection's error instead of naming the worker
         pass
     else:
         assert kind == "RuntimeError", (kind, message)
