@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol
@@ -154,12 +153,11 @@ def _load_here(
         del it
         try:
             _fill(source, layouts, grouped, progress)
-        except BaseException as error:
-            # Free the segment now: drop our arrays and the finished frames' locals
-            # (the traceback would otherwise keep the buffers mapped).
-            del arrays, grouped
-            if error.__traceback__ is not None:
-                traceback.clear_frames(error.__traceback__.tb_next)
+        except BaseException:
+            # Free the segment now, although the traceback still refers to the
+            # buffers: Note [Freeing a failed load] in _storage.py.
+            if arrays:
+                arrays[0].segment.discard()
             raise
     finally:
         source.close()

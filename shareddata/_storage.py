@@ -237,6 +237,7 @@ class Segment:
         st = os.fstat(fd)
         self._ident = (st.st_dev, st.st_ino)
         self._finalizer = weakref.finalize(self, _close_fd, fd)
+        self.created_here = False  # set by create(): only the creator may discard()
 
     @classmethod
     def create(
@@ -276,6 +277,7 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
+        segment.created_here = True
         segment._populate()
         return segment._register()
 
@@ -306,8 +308,79 @@ class Segment:
             return
         self._finalizer()
 
+    def discard(self) -> None:
+        """Free the segment now, even while arrays over it are still referenced.
+
+        For a load that failed: see Note [Freeing a failed load]. Arrays that
+        survive read zeros from then on; nothing else may use the segment. Only
+        the process that created the segment may discard it (its mapping is the
+        only one in this process).
+        """
+        if not self.created_here:
+            raise RuntimeError("only the process that created a segment may discard it")
+        _ATTACHED.pop((self.token, self.writable), None)
+        try:
+            self.mmap.close()
+        except BufferError:  # views are alive: swap the pages out from under them
+            if not _replace_with_anonymous(self.mmap, self.size, self._ident):
+                return  # could not: the views keep it until they are gone
+        self._finalizer()
+
     def __repr__(self) -> str:
         return f"Segment(size={self.size}, fd={self.fd}, token={self.token!r})"
+
+
+# Note [Freeing a failed load]
+# ============================
+# When a load fails halfway (a corrupt chunk, Ctrl-C, a full disk), the error's
+# traceback often still refers to the half-filled arrays: through the frames of the
+# reader, the ``__cause__`` of a library's exception, a closure. A notebook keeps the
+# last exception (``sys.last_value``) until the next one, so a failed 100 GiB load
+# would stay in RAM and make the retry fail for lack of room. The loader therefore
+# discards the segment at once, whatever still refers to it:
+#
+# * the mapping is replaced in place by anonymous zero pages (``mmap`` with
+#   ``MAP_FIXED`` at the same address), so a leftover array stays valid memory and
+#   reads zeros instead of crashing; Python's ``mmap`` object unmaps that range
+#   when it is collected, as it would have;
+# * Python's ``mmap`` keeps a duplicate of the descriptor (for ``size()``): that
+#   descriptor number is pointed at ``/dev/null`` with ``dup2`` (so it stays owned
+#   by the ``mmap`` object, which closes it later) and our own descriptor is closed.
+#
+# The kernel then frees the pages at once. Nothing in ``shareddata`` touches a
+# discarded segment again.
+
+_PROT_READ_WRITE = 0x1 | 0x2
+_MAP_PRIVATE_ANONYMOUS_FIXED = 0x02 | 0x20 | 0x10
+
+
+def _replace_with_anonymous(mapped: mmap.mmap, size: int, ident: tuple[int, int]) -> bool:
+    """Swap ``mapped``'s pages for anonymous zeros; True on success (see the Note above)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+    ]  # fmt: skip
+    view = ctypes.c_char.from_buffer(mapped)  # writable for ACCESS_WRITE and ACCESS_COPY
+    address = ctypes.addressof(view)
+    del view  # release the buffer export at once
+    result = libc.mmap(address, size, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0)
+    if result != address:
+        return False
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                st = os.stat(f"/proc/self/fd/{name}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == ident and int(name) != null:
+                os.dup2(null, int(name))  # the mmap object's duplicate (and our own fd)
+    finally:
+        os.close(null)
+    return True
 
 
 def _close_fd(fd: int) -> None:

@@ -244,6 +244,7 @@ class _Builder:
             what="SharedDataset's fixed-size fields",
         )
         self.fixed: dict[int, SharedArray] = dict(zip(fixed, arrays))
+        self.segment = arrays[0].segment if arrays else None
         self._rows = {n: array.numpy() for n, array in self.fixed.items()}  # writable views
         first_values: list[Any] = []
         _flatten(first, self.schema, first_values, 0)
@@ -420,12 +421,19 @@ class SharedDataset(ColumnDataset):
         rows = len(dataset)  # type: ignore[arg-type]
         builder: _Builder | None = None
         label = type(dataset).__name__
-        with _progress_bar(rows, f"materialising {label}", progress) as update:
-            for index, item in _items(dataset, rows, num_workers):
-                if builder is None:
-                    builder = _Builder(item, rows, storage_dir)
-                builder.add(index, item)
-                update(1)
+        try:
+            with _progress_bar(rows, f"materialising {label}", progress) as update:
+                for index, item in _items(dataset, rows, num_workers):
+                    if builder is None:
+                        builder = _Builder(item, rows, storage_dir)
+                    builder.add(index, item)
+                    update(1)
+        except BaseException:
+            # Free the columns now, although the traceback still refers to them:
+            # Note [Freeing a failed load] in _storage.py.
+            if builder is not None and builder.segment is not None:
+                builder.segment.discard()
+            raise
         if builder is None:
             raise ValueError(f"{label} is empty: there is nothing to share")
         columns, restore = builder.finish()

@@ -260,3 +260,49 @@ def test_ctrl_c_during_a_load_frees_everything(tmp_path):
     assert "INTERRUPTED" in run.stdout
     assert int(run.stdout.split()[-1]) < 16 * 1024  # KiB: the 256 MiB segment is gone
     assert run.leftovers == []
+
+
+def _segment_maps_and_fds() -> tuple[int, int]:
+    with open("/proc/self/maps") as f:
+        maps = sum("memfd:shareddata" in line for line in f)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:shareddata")
+        except OSError:
+            pass
+    return maps, fds
+
+
+def test_discard_frees_a_segment_whose_arrays_are_still_referenced():
+    # what a failed load does while its traceback still holds the buffers
+    gc.collect()
+    before = _segment_maps_and_fds()
+    array = sd.SharedArray.empty((1 << 20,), np.float32)
+    view = array.numpy()
+    view[:] = 7.0
+    assert _segment_maps_and_fds() != before
+    array.segment.discard()
+    assert _segment_maps_and_fds() == before  # no descriptor, no mapping of the memfd
+    assert float(view.max()) == 0.0  # leftover views read zeros instead of crashing
+    view[:3] = 1.0  # and stay ordinary private memory
+    del array, view
+    gc.collect()
+    assert _segment_maps_and_fds() == before
+
+
+def test_only_the_creator_may_discard():
+    array = sd.SharedArray.from_array(np.arange(4))
+    again = pickle.loads(pickle.dumps(array.readonly()))  # same process: same segment
+    assert again.segment is array.segment
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_discard_in_child, (array,)) == "RuntimeError"
+    assert array.numpy().tolist() == [0, 1, 2, 3]
+
+
+def _discard_in_child(array: sd.SharedArray) -> str:
+    try:
+        array.segment.discard()
+    except RuntimeError as e:
+        return type(e).__name__
+    return "discarded"

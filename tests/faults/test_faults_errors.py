@@ -191,21 +191,14 @@ def _interrupt(tmp_path, monkeypatch):
     return lambda: sd.NumpyDataset(tmp_path), None
 
 
-# Known bugs: the failed load's buffers stay mapped for as long as its exception is
-# alive, through a path that traceback.clear_frames in _dataset._load_here does not reach.
-def _held(make, id, why):
-    reason = "the failed load's segment stays mapped while the exception is alive: " + why
-    return pytest.param(make, id=id, marks=pytest.mark.xfail(strict=True, reason=reason))
-
-
 HALFWAY = [
     pytest.param(_npy_folder, id="npy-folder-truncated-while-loading"),
     pytest.param(_npy_eio, id="npy-disk-io-error"),
     pytest.param(_npz, id="npz-corrupt-member"),
-    _held(_hdf5, "hdf5-corrupt-chunk", "h5py's OSError (__cause__) keeps _read_tensor's frame"),
+    pytest.param(_hdf5, id="hdf5-corrupt-chunk"),
     pytest.param(_parquet, id="parquet-corrupt-page"),
-    _held(_arrow, "arrow-allocation-failure", "the cleared frame still refers to read()'s lambda"),
-    _held(_shared_dataset, "shared-dataset-item-error", "SharedDataset.__init__ clears no frame"),
+    pytest.param(_arrow, id="arrow-allocation-failure"),
+    pytest.param(_shared_dataset, id="shared-dataset-item-error"),
     pytest.param(_interrupt, id="npy-ctrl-c"),
 ]
 
