@@ -91,7 +91,7 @@ def main() -> None:
     if rank == 0:
         print(report, flush=True)
 
-    model = torch.nn.Linear(64, 10).to(device)
+    model: torch.nn.Module = torch.nn.Linear(64, 10).to(device)
     if distributed:
         model = DistributedDataParallel(
             model, device_ids=[local_rank] if device.type == "cuda" else None

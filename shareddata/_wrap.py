@@ -207,14 +207,15 @@ def _check_leaf(leaf: _Leaf, value: Any, index: int) -> None:
     if leaf.kind == "pickle":
         return  # anything picklable
     got = _classify(value, leaf.path)
-    ok = got is not None and (
-        got.kind == leaf.kind
-        or (leaf.kind in ("intlist", "floatlist") and got.kind in ("intlist", "floatlist", ""))
-    )
-    if ok and leaf.kind in ("tensor", "ndarray", "npscalar") and got.dtype != leaf.dtype:
-        ok = False
-    if ok and leaf.kind in ("intlist", "floatlist") and value and got.kind != leaf.kind:
-        ok = False
+    ok = False
+    if got is not None:
+        ok = got.kind == leaf.kind or (
+            leaf.kind in ("intlist", "floatlist") and got.kind in ("intlist", "floatlist", "")
+        )
+        if ok and leaf.kind in ("tensor", "ndarray", "npscalar") and got.dtype != leaf.dtype:
+            ok = False
+        if ok and leaf.kind in ("intlist", "floatlist") and value and got.kind != leaf.kind:
+            ok = False
     if not ok:
         expected = f"{leaf.kind} {leaf.dtype}" if leaf.kind in _FIXED - {"int"} else leaf.kind
         raise ItemMismatchError(
@@ -418,7 +419,7 @@ class SharedDataset(ColumnDataset):
                 "length to preallocate shared columns for; convert it to one (e.g. collect "
                 "its items into a list and wrap that)."
             )
-        rows = len(dataset)  # type: ignore[arg-type]
+        rows = len(dataset)
         builder: _Builder | None = None
         label = type(dataset).__name__
         try:

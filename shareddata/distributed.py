@@ -940,17 +940,17 @@ def exchange(
                 conn.close()
             listener.close()
     where = f"local rank {ctx.local_rank} of node {ctx.node}"
-    sock = _connect(name, deadline)
-    if sock is None:
+    client = _connect(name, deadline)
+    if client is None:
         raise LocalRankTimeoutError(
             f"{where} waited {timeout:.0f} s in {what} for local rank 0, which never came: it "
             f"must be called on every local rank. Raise {_TIMEOUT_ENV} if it is slow."
         )
-    with sock:
-        pid = _peer(sock)
-        _send(sock, ("hi", (ctx.local_rank, value)))
+    with client:
+        pid = _peer(client)
+        _send(client, ("hi", (ctx.local_rank, value)))
         try:
-            kind, data = _recv(sock, max(deadline - time.monotonic(), 0.001))
+            kind, data = _recv(client, max(deadline - time.monotonic(), 0.001))
         except _Closed:
             raise LocalRankError(f"{where}: local rank 0 (pid {pid}) exited in {what}") from None
         except TimeoutError:
@@ -977,7 +977,7 @@ def _dataset_identity(dataset: Any) -> frozenset[tuple[int, int]] | None:
     if not isinstance(dataset, ColumnDataset):
         return None
     return frozenset(
-        tuple(array.segment._ident)
+        array.segment._ident
         for column in dataset._columns.values()
         for array in column.arrays.values()
     )

@@ -544,7 +544,7 @@ class HDF5Source:
         """Refuse text that is not UTF-8 now, rather than fail when a worker decodes it."""
         lo, hi = int(offsets[start]), int(offsets[stop])
         try:
-            str(memoryview(values[lo:hi]), "utf-8")
+            str(values[lo:hi].data, "utf-8")
         except UnicodeDecodeError:
             pass
         else:
@@ -555,7 +555,7 @@ class HDF5Source:
         bad = start
         for row in range(start, stop):  # rare path: find the first row that is not text
             try:
-                str(memoryview(values[offsets[row] : offsets[row + 1]]), "utf-8")
+                str(values[offsets[row] : offsets[row + 1]].data, "utf-8")
             except UnicodeDecodeError:
                 bad = row
                 break

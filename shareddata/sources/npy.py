@@ -8,11 +8,12 @@ private copy of the data ever exists.
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -159,7 +160,7 @@ class _NpyFile(_Entry):
             copy_chunked(out, mapped[start : start + len(out)], progress)
             del mapped
             return
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data
         first = self.offset + start * self.row_bytes()
         pos = 0
         try:
@@ -207,9 +208,9 @@ class _NpzMember(_Entry):
                 f"{self.label} is stored in Fortran order inside an .npz; save it C-ordered "
                 "(np.ascontiguousarray) or as a separate .npy file."
             )
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data
         try:
-            with self.archive.open(self.member) as f:
+            with cast(io.BufferedIOBase, self.archive.open(self.member)) as f:  # a ZipExtFile
                 _read_header(f, self.label)
                 skip = start * self.row_bytes()  # a compressed member: read past the rows
                 while skip > 0:

@@ -210,8 +210,8 @@ def _classify(t: Any, name: str, label: str) -> _Kind:
     ):
         return _Kind("bytes", np.dtype(np.uint8))
     if pa.types.is_fixed_size_list(t):
-        inner = _classify(t.value_type, name, label) if _is_numberish(t.value_type) else None
-        if inner is None or inner.kind != "tensor":
+        item = _classify(t.value_type, name, label) if _is_numberish(t.value_type) else None
+        if item is None or item.kind != "tensor":
             raise _unsupported(
                 name,
                 label,
@@ -219,7 +219,7 @@ def _classify(t: Any, name: str, label: str) -> _Kind:
                 "a fixed-size list must hold numbers (or fixed-size lists of numbers); store "
                 "other values as separate columns",
             )
-        return _Kind("tensor", inner.dtype, (int(t.list_size), *inner.shape))
+        return _Kind("tensor", item.dtype, (int(t.list_size), *item.shape))
     if _is_list(t):
         inner_dtype = _numeric_dtype(t.value_type)
         if inner_dtype is None:
@@ -722,7 +722,8 @@ class ParquetSource:
                 raise
             raise _read_error(path, e, "reading its metadata") from e
         row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
-        leaf_index, j = {}, 0
+        leaf_index: dict[str, int] = {}
+        j = 0
         for field in schema:
             leaf_index.setdefault(field.name, j)
             j += _leaf_count(field.type)
