@@ -20,6 +20,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ._columns import COLUMN_KINDS, Column, ColumnSpec
 from ._storage import _fmt, allocate
+from ._sweep import auto_sweep
 from .errors import ColumnLengthError
 
 __all__ = ["ColumnDataset", "Source", "load_columns"]
@@ -137,6 +138,7 @@ def _load_here(
     select_rows: Callable[[Any, int], bool] | None,
 ) -> dict[str, Column]:
     """Load ``source`` in this process; ``select_rows(source, rows)`` may narrow the rows."""
+    auto_sweep()  # names that killed DataLoader processes left: Note in _sweep.py
     try:
         specs = source.specs()
         rows = check_lengths(specs, source.label)

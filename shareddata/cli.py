@@ -1,4 +1,4 @@
-"""``python -m shareddata``: ``demo``, ``info FILE`` and ``verify MODULE:FUNCTION``."""
+"""``python -m shareddata``: ``demo``, ``info FILE``, ``verify MODULE:FUNCTION``, ``clean``."""
 
 from __future__ import annotations
 
@@ -209,6 +209,28 @@ class _Sized:
         return self.dataset[i]
 
 
+# -- clean ---------------------------------------------------------------------------------
+
+
+def _clean(args: argparse.Namespace) -> int:
+    from ._sweep import sweep
+
+    found = sweep(args.dir, min_age=args.min_age, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for leftover in found:
+        print(
+            f"{verb} {leftover.path} ({_fmt(leftover.nbytes)}, left by process {leftover.pid}, "
+            f"dead; {leftover.age:.0f} s old)"
+        )
+    total = sum(leftover.nbytes for leftover in found)
+    print(
+        f"{verb} {len(found)} name(s) left in {args.dir} by dead processes ({_fmt(total)}). "
+        "shareddata's own segments have no name and cannot be left behind; these are "
+        "torch's DataLoader batches."
+    )
+    return 0
+
+
 # -- entry point ---------------------------------------------------------------------------
 
 
@@ -238,6 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--max-duplication", type=float, default=1.10)
     ver.add_argument("--json", action="store_true", help="print the report as JSON")
     ver.set_defaults(func=_verify)
+    clean = sub.add_parser(
+        "clean", help="remove shared-memory names that killed DataLoader processes left"
+    )
+    clean.add_argument("--dry-run", action="store_true", help="only list what would go")
+    clean.add_argument("--dir", default="/dev/shm", help="the shared-memory folder")
+    clean.add_argument(
+        "--min-age", type=float, default=5.0, help="leave names younger than this (seconds)"
+    )
+    clean.set_defaults(func=_clean)
     return parser
 
 

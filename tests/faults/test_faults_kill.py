@@ -52,10 +52,21 @@ def test_sigkill_of_the_whole_process_group_during_an_epoch():
         wait_line(proc, "@@RUNNING")
         os.killpg(proc.pid, signal.SIGKILL)  # parent, both workers, resource tracker
         print("@@RC", proc.wait(30))
+        deadline = time.time() + 10  # the workers are reaped by init
+        while any(n.startswith("torch_") for n in os.listdir("/dev/shm")):
+            from shareddata._sweep import sweep
+            swept = sweep(min_age=0)
+            if swept or time.time() > deadline:
+                print("@@SWEPT", len(swept), flush=True)
+                break
+            time.sleep(0.2)
         """
     )
     assert run.returncode == 0, run.describe()
     assert run.value("@@RC") == "-9"
+    # a worker killed while torch was creating a batch's /dev/shm name leaves it
+    # behind (Note in shareddata/_sweep.py): the sweep of the next start removes it
+    print(f"torch names left by the kill and swept: {run.lines('@@SWEPT')}")
     run.assert_clean()
     # multiprocessing's own semaphores (sem.mp-*, 32 B each) die with no one to unlink
     # them when the resource tracker is killed too: reported, not the library's
