@@ -151,6 +151,10 @@ def _demo(args: argparse.Namespace) -> int:
     from .memory import verify
     from .sources.npy import NumpyDataset
 
+    if args.plot:  # fail now, not after the runs, when matplotlib is missing
+        from ._plot import figure_class
+
+        figure_class()
     row = 4096  # bytes per sample: 1024 float32
     rows = max(1, args.size // row)
     tmp = tempfile.mkdtemp(prefix="shareddata-demo-")
@@ -192,6 +196,12 @@ def _demo(args: argparse.Namespace) -> int:
         f"{_fmt(naive.total_pss)} vs {_fmt(shared.total_pss)} "
         f"({naive.total_pss / max(shared.total_pss, 1):.2f}x less, {_fmt(saved)} saved)."
     )
+    if args.plot:
+        from ._plot import save
+
+        who = f"{args.workers} {args.start_method} workers"
+        panels = [(f"naive numpy Dataset, {who}", naive), (f"shareddata, {who}", shared)]
+        print(f"chart written to {save(panels, args.plot)}")
     return 0
 
 
@@ -248,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--start-method", choices=["spawn", "forkserver", "fork"], default="spawn")
     demo.add_argument("--batch-size", type=int, default=256)
     demo.add_argument("--batches", type=int, default=None, help="default: one full epoch")
+    demo.add_argument(
+        "--plot", metavar="FILE", help="write a PNG chart of both runs' memory per process"
+    )
     demo.set_defaults(func=_demo)
 
     info = sub.add_parser("info", help="columns, rows and shared memory needed by a file")
