@@ -12,6 +12,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -72,11 +73,9 @@ def torchrun(*args: str, timeout: float = 240, **env: str) -> subprocess.Complet
 
 
 def results(stdout: str) -> list:
-    return [
-        json.loads(line[len("RESULT ") :])
-        for line in stdout.splitlines()
-        if line.startswith("RESULT ")
-    ]
+    """Every ``RESULT {json}`` the ranks printed (two ranks' lines can run together)."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(stdout, match.end())[0] for match in re.finditer(r"RESULT ", stdout)]
 
 
 def free_port() -> int:

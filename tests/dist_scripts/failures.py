@@ -33,7 +33,9 @@ def attempt(name, build):
         mro = [c.__name__ for c in type(e).__mro__]
         outcome = {"type": type(e).__name__, "message": str(e), "mro": mro}
     outcome.update(scenario=name, local_rank=LOCAL_RANK, seconds=time.monotonic() - start)
-    print("RESULT " + json.dumps(outcome), flush=True)
+    # one write of < 4096 bytes: the two ranks' lines cannot interleave in the pipe
+    sys.stdout.write("RESULT " + json.dumps(outcome) + "\n")
+    sys.stdout.flush()
 
 
 class _Huge:
