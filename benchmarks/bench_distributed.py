@@ -1,6 +1,8 @@
 """The PSS table: 1, 2 and 4 local ranks x 2 spawn workers, node sharing vs per-rank loading.
 
-    python tests/dist_scripts/pss_table.py [--mib 256] [--ranks 1 2 4]
+    python benchmarks/bench_distributed.py [--mib 256] [--ranks 1 2 4]
+
+Writes the table to stdout and to ``benchmarks/results/distributed.md``.
 
 For each number of local ranks and each way of loading, runs ``share_node.py``
 under ``torchrun --standalone`` and reads the node's ``sd.verify`` report (local
@@ -26,8 +28,8 @@ import tempfile
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "tests", "dist_scripts")
 MODES = {"node": [], "process": ["--share", "process"], "plain": ["--plain"]}
 
 
@@ -41,7 +43,7 @@ def run(ranks: int, mode: str, path: str) -> dict:
                 "torch.distributed.run",
                 "--standalone",
                 f"--nproc_per_node={ranks}",
-                os.path.join(HERE, "share_node.py"),
+                os.path.join(SCRIPTS, "share_node.py"),
                 path,
                 out,
                 "--batches",
@@ -70,11 +72,18 @@ def main() -> None:
         np.save(big, rng.standard_normal((args.mib * 256, 1024), dtype=np.float32))
         np.save(tiny, rng.standard_normal((256, 1024), dtype=np.float32))
         mib = 1 << 20
-        print(
+        lines = [
+            f"# One copy per node: {args.mib} MiB, local ranks x 2 spawn workers",
+            "",
+            "Each configuration under `torchrun --standalone`; local rank 0's cross-rank "
+            "`sd.verify` measures every process of the node. Net PSS = total PSS minus the "
+            "same run over a 1 MiB dataset (an independent check of verify's duplication).",
+            "",
             "| local ranks x 2 spawn workers | loading | processes | total PSS MiB | "
-            "net PSS MiB (- 1 MiB run) | net / data | verify duplication | copies in mains |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
+            "net PSS MiB (- 1 MiB run) | net / data | verify duplication | copies in mains |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        print("\n".join(lines), flush=True)
         for ranks in args.ranks:
             for mode in args.modes:
                 if ranks == 1 and mode == "process":
@@ -82,12 +91,16 @@ def main() -> None:
                 r, base = run(ranks, mode, big), run(ranks, mode, tiny)
                 net = r["total_pss"] - base["total_pss"]
                 data = args.mib * mib
-                print(
+                lines.append(
                     f"| {ranks} | {mode} | {len(r['roles'])} | {r['total_pss'] / mib:.0f} | "
                     f"{net / mib:.0f} | {net / data:.2f}x | {r['duplication']:.2f}x | "
-                    f"{r['rank_copies']} |",
-                    flush=True,
+                    f"{r['rank_copies']} |"
                 )
+                print(lines[-1], flush=True)
+    out = os.path.join(REPO, "benchmarks", "results", "distributed.md")
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
