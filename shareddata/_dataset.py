@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ._columns import COLUMN_KINDS, Column, ColumnSpec
-from ._storage import _fmt, allocate
+from ._storage import _fmt, allocate, seal
 from ._sweep import auto_sweep
 from .errors import ColumnLengthError
 
@@ -163,8 +163,10 @@ def _load_here(
             raise
     finally:
         source.close()
+    # served from a copy-on-write mapping: fork children cannot write through (seal)
+    sealed = iter(seal(arrays))
     return {
-        spec.name: COLUMN_KINDS[spec.kind](spec, {k: a.readonly() for k, a in group.items()})
+        spec.name: COLUMN_KINDS[spec.kind](spec, {k: next(sealed) for k in group})
         for (spec, _), group in zip(layouts, grouped)
     }
 

@@ -38,7 +38,9 @@ many arrays refer to it (see ``_ATTACHED``).
 
 Read-only handles (the datasets' columns) are mapped copy-on-write
 (``MAP_PRIVATE``) by the receiver: reads map the same physical pages, and a write
-forced through can never reach another process.
+forced through can never reach another process. The loading process itself, once
+it has filled a dataset, serves it from a copy-on-write mapping too (:func:`seal`),
+so that ``fork`` children, which inherit its mappings, cannot write through either.
 """
 
 from __future__ import annotations
@@ -58,7 +60,14 @@ import torch
 
 from .errors import AttachError, SharedMemoryFullError, UnsupportedDtypeError
 
-__all__ = ["Segment", "SharedArray", "available_memory", "check_capacity", "to_numpy_dtype"]
+__all__ = [
+    "Segment",
+    "SharedArray",
+    "available_memory",
+    "check_capacity",
+    "seal",
+    "to_numpy_dtype",
+]
 
 _ALIGN = 64  # bytes; every array in a segment starts on a cache line
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; mmap module names it only on 3.13+
@@ -307,6 +316,21 @@ class Segment:
         except BufferError:  # views still exist: they keep the mapping alive
             return
         self._finalizer()
+
+    def copy_on_write(self) -> Segment:
+        """A second, copy-on-write mapping of this segment in this process.
+
+        Datasets serve their columns from it once loaded, so that ``fork`` children
+        (DataLoader workers) inherit a mapping whose writes, even forced ones, stay
+        in the writer: the kernel copies the page. Reads share the same pages.
+        """
+        fd = os.dup(self.fd)  # non-inheritable, like the original
+        try:
+            segment = Segment(fd, self.size, self.token, writable=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        return segment._register()
 
     def discard(self) -> None:
         """Free the segment now, even while arrays over it are still referenced.
@@ -639,6 +663,30 @@ class SharedArray:
     def __repr__(self) -> str:
         flag = "" if self.writable else ", read-only"
         return f"SharedArray(shape={self.shape}, dtype={self.dtype}{flag})"
+
+
+def seal(arrays: Sequence[SharedArray]) -> list[SharedArray]:
+    """Read-only arrays over a copy-on-write mapping of ``arrays``' one segment.
+
+    What a loader hands out once it has filled ``arrays``: no process, ``fork``
+    children included, can change what the others read (Note [How shared segments
+    are made, shared and freed]). Drop ``arrays`` afterwards; their writable mapping
+    goes with them.
+
+    Example:
+        >>> a, b = allocate([((3,), "int64"), ((2,), "float32")])
+        >>> a.numpy()[:] = 7
+        >>> ro, _ = seal([a, b])
+        >>> ro.numpy().tolist(), ro.writable, ro.segment is a.segment
+        ([7, 7, 7], False, False)
+    """
+    if not arrays:
+        return []
+    segment = arrays[0].segment
+    if any(a.segment is not segment for a in arrays):
+        raise ValueError("seal() takes arrays of one segment")
+    sealed = segment.copy_on_write()
+    return [SharedArray(sealed, a.offset, a.shape, a.dtype, writable=False) for a in arrays]
 
 
 def _rebuild(

@@ -104,3 +104,39 @@ def no_shm_leftovers():
         time.sleep(1)
         left &= shm_names()
     assert not left, f"test left files in /dev/shm: {sorted(left)}"
+
+
+def holders(segments: set[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """Which processes of the machine still hold each (dev, inode), as an fd or a mapping."""
+    found: dict[tuple[int, int], list[int]] = {}
+    if not segments:
+        return found
+    inodes = {ino for _, ino in segments}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{p}/fd/{fd}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in segments:
+                found.setdefault((st.st_dev, st.st_ino), []).append(int(p))
+        try:
+            with open(f"/proc/{p}/maps") as f:
+                maps = f.read()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) < 5 or not parts[4].isdigit() or int(parts[4]) not in inodes:
+                continue
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            key = (os.makedev(major, minor), int(parts[4]))
+            if key in segments:
+                found.setdefault(key, []).append(int(p))
+    return found
