@@ -163,7 +163,7 @@ def _load_here(
             raise
     finally:
         source.close()
-    # served from a copy-on-write mapping: fork children cannot write through (seal)
+    # fork children map it copy-on-write: Note [Sealed segments] in _storage.py
     sealed = iter(seal(arrays))
     return {
         spec.name: COLUMN_KINDS[spec.kind](spec, {k: next(sealed) for k in group})

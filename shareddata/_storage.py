@@ -38,9 +38,8 @@ many arrays refer to it (see ``_ATTACHED``).
 
 Read-only handles (the datasets' columns) are mapped copy-on-write
 (``MAP_PRIVATE``) by the receiver: reads map the same physical pages, and a write
-forced through can never reach another process. The loading process itself, once
-it has filled a dataset, serves it from a copy-on-write mapping too (:func:`seal`),
-so that ``fork`` children, which inherit its mappings, cannot write through either.
+forced through can never reach another process. ``fork`` children of the loading
+process map a dataset's segment copy-on-write too (Note [Sealed segments]).
 """
 
 from __future__ import annotations
@@ -317,20 +316,14 @@ class Segment:
             return
         self._finalizer()
 
-    def copy_on_write(self) -> Segment:
-        """A second, copy-on-write mapping of this segment in this process.
+    def seal(self) -> None:
+        """Make ``fork`` children map this segment copy-on-write (Note [Sealed segments]).
 
-        Datasets serve their columns from it once loaded, so that ``fork`` children
-        (DataLoader workers) inherit a mapping whose writes, even forced ones, stay
-        in the writer: the kernel copies the page. Reads share the same pages.
+        For a dataset's segment once it is filled: nothing writes to it any more,
+        and no forked DataLoader worker can write through to the others.
         """
-        fd = os.dup(self.fd)  # non-inheritable, like the original
-        try:
-            segment = Segment(fd, self.size, self.token, writable=False)
-        except BaseException:
-            os.close(fd)
-            raise
-        return segment._register()
+        with _ATTACH_LOCK:
+            _SEALED.add(self)
 
     def discard(self) -> None:
         """Free the segment now, even while arrays over it are still referenced.
@@ -343,6 +336,7 @@ class Segment:
         if not self.created_here:
             raise RuntimeError("only the process that created a segment may discard it")
         _ATTACHED.pop((self.token, self.writable), None)
+        _SEALED.discard(self)
         try:
             self.mmap.close()
         except BufferError:  # views are alive: swap the pages out from under them
@@ -380,17 +374,8 @@ _MAP_PRIVATE_ANONYMOUS_FIXED = 0x02 | 0x20 | 0x10
 
 def _replace_with_anonymous(mapped: mmap.mmap, size: int, ident: tuple[int, int]) -> bool:
     """Swap ``mapped``'s pages for anonymous zeros; True on success (see the Note above)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
-    ]  # fmt: skip
-    view = ctypes.c_char.from_buffer(mapped)  # writable for ACCESS_WRITE and ACCESS_COPY
-    address = ctypes.addressof(view)
-    del view  # release the buffer export at once
-    result = libc.mmap(address, size, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0)
+    address = _address(mapped)
+    result = _libc_mmap()(address, size, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0)
     if result != address:
         return False
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -405,6 +390,57 @@ def _replace_with_anonymous(mapped: mmap.mmap, size: int, ident: tuple[int, int]
     finally:
         os.close(null)
     return True
+
+
+# Note [Sealed segments]
+# ======================
+# A ``fork`` child inherits its parent's mappings as they are. The loading process
+# maps a dataset's segment shared and writable (it filled it), so a forked
+# DataLoader worker that forced a write (numpy's ``writeable`` flag set back, a raw
+# pointer) would change what every process reads. Right after ``fork``, the child
+# therefore maps every *sealed* segment again, at the same address, copy-on-write
+# (``MAP_PRIVATE | MAP_FIXED`` over the same descriptor, ``os.register_at_fork``):
+# reads share the same pages, a write copies the page into the writer. The parent
+# keeps its mapping (with its page tables, so the data shows in its PSS); writable
+# ``SharedArray``\ s are never sealed, so writes to them still reach every process.
+
+_SEALED: weakref.WeakSet[Segment] = weakref.WeakSet()
+_MAP_PRIVATE_FIXED = 0x02 | 0x10
+
+
+def _libc_mmap() -> Any:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+    ]  # fmt: skip
+    return libc.mmap
+
+
+def _address(mapped: mmap.mmap) -> int:
+    import ctypes
+
+    view = ctypes.c_char.from_buffer(mapped)  # writable for ACCESS_WRITE and ACCESS_COPY
+    address = ctypes.addressof(view)
+    del view  # release the buffer export at once
+    return address
+
+
+def _remap_sealed_in_child() -> None:
+    if not _SEALED:
+        return
+    libc_mmap = _libc_mmap()
+    for segment in list(_SEALED):
+        try:
+            address = _address(segment.mmap)
+        except (ValueError, TypeError):  # closed meanwhile
+            continue
+        libc_mmap(address, segment.size, _PROT_READ_WRITE, _MAP_PRIVATE_FIXED, segment.fd, 0)
+
+
+os.register_at_fork(after_in_child=_remap_sealed_in_child)
 
 
 def _close_fd(fd: int) -> None:
@@ -666,27 +702,21 @@ class SharedArray:
 
 
 def seal(arrays: Sequence[SharedArray]) -> list[SharedArray]:
-    """Read-only arrays over a copy-on-write mapping of ``arrays``' one segment.
+    """Read-only views of ``arrays``, whose segment ``fork`` children map copy-on-write.
 
     What a loader hands out once it has filled ``arrays``: no process, ``fork``
-    children included, can change what the others read (Note [How shared segments
-    are made, shared and freed]). Drop ``arrays`` afterwards; their writable mapping
-    goes with them.
+    children included, can change what the others read (Note [Sealed segments]).
 
     Example:
         >>> a, b = allocate([((3,), "int64"), ((2,), "float32")])
         >>> a.numpy()[:] = 7
         >>> ro, _ = seal([a, b])
-        >>> ro.numpy().tolist(), ro.writable, ro.segment is a.segment
-        ([7, 7, 7], False, False)
+        >>> ro.numpy().tolist(), ro.writable
+        ([7, 7, 7], False)
     """
-    if not arrays:
-        return []
-    segment = arrays[0].segment
-    if any(a.segment is not segment for a in arrays):
-        raise ValueError("seal() takes arrays of one segment")
-    sealed = segment.copy_on_write()
-    return [SharedArray(sealed, a.offset, a.shape, a.dtype, writable=False) for a in arrays]
+    for segment in {id(a.segment): a.segment for a in arrays}.values():
+        segment.seal()
+    return [a.readonly() for a in arrays]
 
 
 def _rebuild(
