@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from ._batch import make_samples, make_tuple_samples
 from ._columns import COLUMN_KINDS, Column, ColumnSpec
 from ._storage import _fmt, allocate, seal
 from ._sweep import auto_sweep
@@ -268,19 +269,44 @@ class ColumnDataset(Dataset):
         return i + n if i < 0 else i
 
     def _indices(self, indices: Any) -> torch.Tensor:
+        """``indices`` as a 1-D int64 tensor in ``[0, len)``: negatives wrap, others raise.
+
+        One bounds check per batch, on a numpy view (cheaper than torch's
+        reductions for a few hundred indices); the common inputs (a list of ints
+        from a ``BatchSampler``, an int64 tensor from ``IndexBatchSampler``) take
+        no other conversion.
+        """
         if isinstance(indices, slice):
             return torch.arange(*indices.indices(self._len), dtype=torch.int64)
-        if isinstance(indices, (list, tuple)):
-            indices = np.asarray(indices, dtype=np.int64 if len(indices) == 0 else None)
-        idx = torch.as_tensor(indices)
-        if idx.dtype == torch.bool:
-            raise TypeError("boolean masks are not supported as indices; use mask.nonzero()")
-        if idx.is_floating_point() or idx.is_complex():
-            raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
-        idx = idx.reshape(-1).to(torch.int64)
+        if isinstance(indices, torch.Tensor):
+            if indices.dtype == torch.bool:
+                raise TypeError("boolean masks are not supported as indices; use mask.nonzero()")
+            if indices.is_floating_point() or indices.is_complex():
+                raise TypeError(f"indices must be integers, got dtype {indices.dtype}")
+            idx = indices.reshape(-1)
+            if idx.dtype != torch.int64 or idx.device.type != "cpu":
+                idx = idx.to(device="cpu", dtype=torch.int64)
+            array = idx.numpy()
+        else:
+            if isinstance(indices, (list, tuple)) and len(indices) == 0:
+                return torch.empty(0, dtype=torch.int64)
+            array = np.asarray(indices)
+            if array.dtype == np.bool_:
+                raise TypeError("boolean masks are not supported as indices; use mask.nonzero()")
+            if array.dtype.kind not in "iu":
+                raise TypeError(f"indices must be integers, got dtype {array.dtype}")
+            array = array.reshape(-1)
+            if array.dtype != np.int64:
+                if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+                    raise IndexError(
+                        f"index {array.max()} is out of range for {type(self).__name__} "
+                        f"of {self._len} rows"
+                    )
+                array = array.astype(np.int64)
+            idx = torch.from_numpy(array)
         n = self._len
-        if idx.numel():
-            lo, hi = int(idx.min()), int(idx.max())
+        if array.size:
+            lo, hi = int(array.min()), int(array.max())
             if lo < -n or hi >= n:
                 bad = lo if lo < -n else hi
                 raise IndexError(
@@ -312,15 +338,24 @@ class ColumnDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples ``indices``, gathering each column once (what the DataLoader calls).
 
-        The default collate gives the same batch as fetching each sample alone.
+        The default collate gives the same batch as fetching each sample alone,
+        and without a ``transform`` it takes each column's batch as gathered, with no
+        second copy (Note [The default collate's shortcut] in ``_batch.py``).
         """
         idx = self._indices(indices)
-        # In a worker the gathered batch is built in shared memory too: a private
-        # temporary per batch grows the worker's heap by several MiB (glibc keeps it).
+        # In a worker the gathered batch is built in shared memory: it is the batch
+        # that travels to the main process (and a private temporary per batch would
+        # grow the worker's heap by several MiB, which glibc keeps).
         shared = get_worker_info() is not None
-        per_column = [c.split(c.gather(idx, shared=shared)) for c in self._columns.values()]
-        if per_column:
-            samples = [self._pack(row) for row in zip(*per_column)]
+        columns = self._columns.values()
+        batched = [c.gather(idx, shared=shared) for c in columns]
+        values = [c.split(b) for c, b in zip(columns, batched)]
+        if self.transform is None and type(self)._pack is ColumnDataset._pack:
+            stacked = [isinstance(b, torch.Tensor) for b in batched]
+            make = make_samples if self.output == "dict" else make_tuple_samples
+            return make(self._names, batched, stacked, values, len(idx))
+        if values:
+            samples = [self._pack(row) for row in zip(*values)]
         else:
             samples = [self._pack([]) for _ in range(len(idx))]
         if self.transform is not None:

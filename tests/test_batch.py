@@ -1,0 +1,119 @@
+"""The default collate's shortcut: batches equal per-sample ones, whatever a collate_fn does."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+import shareddata as sd
+
+
+def _dataset(output="dict"):
+    rng = np.random.default_rng(0)
+    return sd.NumpyDataset(
+        {"x": rng.random((50, 3, 2), dtype=np.float32), "y": np.arange(50, dtype=np.int32)},
+        output=output,
+    )
+
+
+def _per_sample(ds, idx):
+    return default_collate([ds[i] for i in idx])
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("output", ["dict", "tuple"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_batches_equal_per_sample_batches(output, num_workers):
+    ds = _dataset(output)
+    loader = DataLoader(ds, batch_size=16, num_workers=num_workers)
+    order = list(range(50))
+    for start, batch in zip(range(0, 50, 16), loader):
+        assert _equal(batch, _per_sample(ds, order[start : start + 16]))
+
+
+def test_samples_are_dicts_and_tuples_to_users():
+    ds, dt = _dataset(), _dataset("tuple")
+    s, t = ds.__getitems__([4, 2]), dt.__getitems__([4, 2])
+    assert isinstance(s[0], dict) and s[0].keys() == {"x", "y"}
+    assert isinstance(t[0], tuple) and len(t[0]) == 2
+    assert torch.equal(s[1]["x"], ds[2]["x"]) and torch.equal(t[0][1], dt[4][1])
+    again = pickle.loads(pickle.dumps(list(s)))
+    assert torch.equal(again[0]["x"], s[0]["x"]) and again[0].keys() == s[0].keys()
+
+
+def test_collate_fn_that_replaces_values_gets_its_values():
+    ds = _dataset()
+
+    def collate(batch):
+        for sample in batch:
+            sample["x"] = sample["x"].double() * 2
+        return default_collate(batch)
+
+    batch = next(iter(DataLoader(ds, batch_size=8, collate_fn=collate)))
+    assert batch["x"].dtype == torch.float64
+    assert torch.equal(batch["x"], _per_sample(ds, range(8))["x"].double() * 2)
+
+
+def test_collate_fn_that_filters_reorders_or_adds_keys():
+    ds = _dataset()
+    idx = [5, 9, 1, 7]
+
+    samples = ds.__getitems__(idx)
+    del samples[1]
+    assert _equal(default_collate(samples), _per_sample(ds, [5, 1, 7]))
+
+    samples = ds.__getitems__(idx)
+    samples.reverse()
+    assert _equal(default_collate(samples), _per_sample(ds, idx[::-1]))
+
+    samples = ds.__getitems__(idx)
+    for s in samples:
+        s["z"] = torch.tensor(1.0)
+    batch = default_collate(samples)
+    assert batch.keys() == {"x", "y", "z"} and torch.equal(batch["z"], torch.ones(4))
+
+    samples = ds.__getitems__(idx)
+    del samples[0]["y"]
+    with pytest.raises(KeyError):  # as for plain dicts: the first sample sets the keys
+        default_collate(list(reversed(samples)))
+
+
+def test_samples_of_two_batches_collate_together():
+    ds = _dataset("tuple")
+    mixed = ds.__getitems__([1, 2]) + ds.__getitems__([30, 40])
+    assert _equal(default_collate(mixed), _per_sample(ds, [1, 2, 30, 40]))
+
+
+def test_in_place_change_of_a_sample_reaches_the_batch():
+    ds = _dataset()
+    samples = ds.__getitems__([3, 4])
+    samples[0]["x"].zero_()
+    batch = default_collate(samples)
+    assert not batch["x"][0].any() and torch.equal(batch["x"][1], ds[4]["x"])
+    assert ds[3]["x"].any(), "the shared data itself never changes"
+
+
+def test_string_and_ragged_columns_collate_as_for_plain_samples():
+    pa = pytest.importorskip("pyarrow")
+    table = pa.table({"s": ["a", "bb", "c", "dd"], "v": [[1, 2], [3, 4], [5], [6, 7]]})
+    ds = sd.ArrowDataset(table)
+    assert _equal(default_collate(ds.__getitems__([0, 1])), _per_sample(ds, [0, 1]))
+    with pytest.raises(RuntimeError, match="equal size"):  # rows of different lengths
+        default_collate(ds.__getitems__([0, 2]))
+
+
+def test_transform_sees_plain_samples_and_batches_match():
+    ds = sd.NumpyDataset(np.arange(20.0).reshape(10, 2), transform=lambda s: s["data"] * 10)
+    batch = next(iter(DataLoader(ds, batch_size=4)))
+    assert torch.equal(batch, torch.arange(8.0).reshape(4, 2) * 10)
