@@ -191,14 +191,21 @@ class TensorColumn(Column):
         return self._data[index].clone()
 
     def gather(self, indices: torch.Tensor, shared: bool = False) -> torch.Tensor:
-        """Rows ``indices`` stacked, in one ``index_select``."""
+        """Rows ``indices`` stacked, in one ``index_select``.
+
+        Raises ``IndexError`` for an index outside ``[0, len)`` (negatives too),
+        like ``index_select`` itself; ``ColumnDataset`` relies on it.
+        """
         out = shared_empty((len(indices), *self.spec.shape), self._data.dtype) if shared else None
         if self._torch_gather:
             try:
                 return torch.index_select(self._data, 0, indices, out=out)
             except (RuntimeError, NotImplementedError):  # dtype without a torch kernel
                 self._torch_gather = False
-        batch = torch.from_numpy(np.take(self._np, indices.numpy(), axis=0))
+        idx = indices.numpy()
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self._np)):  # as index_select does
+            raise IndexError(f"index out of range for column {self.name!r} of {len(self)} rows")
+        batch = torch.from_numpy(np.take(self._np, idx, axis=0))
         if out is None:
             return batch
         return out.copy_(batch)

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ._batch import make_samples, make_tuple_samples
-from ._columns import COLUMN_KINDS, Column, ColumnSpec
+from ._columns import COLUMN_KINDS, Column, ColumnSpec, TensorColumn
 from ._storage import _fmt, allocate, seal
 from ._sweep import auto_sweep
 from .errors import ColumnLengthError
@@ -233,6 +233,11 @@ class ColumnDataset(Dataset):
         self.node_shard = getattr(columns, "node_shard", None)  # distributed.ShardedColumns
         self.transform = transform
         self.output: Output = output
+        # index_select checks bounds itself (IndexError, negatives included): when it
+        # gathers every column, _gather skips the separate check (Note in _gather).
+        self._torch_bounds = bool(columns) and all(
+            type(c).gather is TensorColumn.gather for c in columns.values()
+        )
 
     # -- what users read -------------------------------------------------------------
     @property
@@ -268,13 +273,14 @@ class ColumnDataset(Dataset):
             raise IndexError(f"index {i} is out of range for {type(self).__name__} of {n} rows")
         return i + n if i < 0 else i
 
-    def _indices(self, indices: Any) -> torch.Tensor:
+    def _indices(self, indices: Any, check: bool = True) -> torch.Tensor:
         """``indices`` as a 1-D int64 tensor in ``[0, len)``: negatives wrap, others raise.
 
         One bounds check per batch, on a numpy view (cheaper than torch's
         reductions for a few hundred indices); the common inputs (a list of ints
         from a ``BatchSampler``, an int64 tensor from ``IndexBatchSampler``) take
-        no other conversion.
+        no other conversion. ``check=False`` skips the bounds (and the wrapping of
+        negatives): only for a gather that checks them itself.
         """
         if isinstance(indices, slice):
             return torch.arange(*indices.indices(self._len), dtype=torch.int64)
@@ -286,6 +292,8 @@ class ColumnDataset(Dataset):
             idx = indices.reshape(-1)
             if idx.dtype != torch.int64 or idx.device.type != "cpu":
                 idx = idx.to(device="cpu", dtype=torch.int64)
+            if not check:
+                return idx
             array = idx.numpy()
         else:
             if isinstance(indices, (list, tuple)) and len(indices) == 0:
@@ -304,6 +312,8 @@ class ColumnDataset(Dataset):
                     )
                 array = array.astype(np.int64)
             idx = torch.from_numpy(array)
+            if not check:
+                return idx
         n = self._len
         if array.size:
             lo, hi = int(array.min()), int(array.max())
@@ -331,9 +341,27 @@ class ColumnDataset(Dataset):
             from torch.utils.data import default_collate
 
             return default_collate(self.__getitems__(self._indices(index).tolist()))
-        idx = self._indices(index)
         shared = get_worker_info() is not None  # leaving a worker: build it in shared memory
-        return self._pack([c.gather(idx, shared=shared) for c in self._columns.values()])
+        return self._pack(self._gather(index, shared)[1])
+
+    def _gather(self, indices: Any, shared: bool) -> tuple[torch.Tensor, list[Any]]:
+        """The checked indices and each column's gathered batch.
+
+        Where ``index_select`` gathers every column, it is trusted with the bounds:
+        it raises ``IndexError`` for any index outside ``[0, len)``, negatives
+        included, before anything is returned. Only then are the indices checked
+        here (which wraps negatives, or names the bad index), and the batch gathered
+        again. That saves a separate pass over the indices on every batch.
+        """
+        columns = self._columns.values()
+        if self._torch_bounds:
+            idx = self._indices(indices, check=False)
+            try:
+                return idx, [c.gather(idx, shared=shared) for c in columns]
+            except IndexError:
+                pass
+        idx = self._indices(indices)
+        return idx, [c.gather(idx, shared=shared) for c in columns]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples ``indices``, gathering each column once (what the DataLoader calls).
@@ -342,14 +370,12 @@ class ColumnDataset(Dataset):
         and without a ``transform`` it takes each column's batch as gathered, with no
         second copy (Note [The default collate's shortcut] in ``_batch.py``).
         """
-        idx = self._indices(indices)
         # In a worker the gathered batch is built in shared memory: it is the batch
         # that travels to the main process (and a private temporary per batch would
         # grow the worker's heap by several MiB, which glibc keeps).
         shared = get_worker_info() is not None
-        columns = self._columns.values()
-        batched = [c.gather(idx, shared=shared) for c in columns]
-        values = [c.split(b) for c, b in zip(columns, batched)]
+        idx, batched = self._gather(indices, shared)
+        values = [c.split(b) for c, b in zip(self._columns.values(), batched)]
         if self.transform is None and type(self)._pack is ColumnDataset._pack:
             stacked = [isinstance(b, torch.Tensor) for b in batched]
             make = make_samples if self.output == "dict" else make_tuple_samples
