@@ -253,6 +253,7 @@ class Segment:
         nbytes: int,
         storage_dir: str | os.PathLike[str] | None = None,
         what: str = "this allocation",
+        reserve: bool = True,
     ) -> Segment:
         """Allocate a segment of ``nbytes``, reserving every page before returning.
 
@@ -261,6 +262,9 @@ class Segment:
             storage_dir: ``None`` for RAM; a directory for a file-backed segment.
                 Defaults to the ``SHAREDDATA_STORAGE_DIR`` environment variable.
             what: how to name the allocation in errors.
+            reserve: ``False`` only sizes the file (capacity still checked): for a
+                writer that fills it with ``os.pwrite`` on :attr:`fd`, which reports a
+                full memory as an error, never through the mapping (a SIGBUS then).
 
         Raises:
             SharedMemoryFullError: before anything is written, when there is no room.
@@ -274,7 +278,10 @@ class Segment:
             fd = _open_tmpfile(directory)
         try:
             try:
-                os.posix_fallocate(fd, 0, size)
+                if not reserve:
+                    os.ftruncate(fd, size)
+                else:
+                    os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                     raise _full_error(size, available_memory(directory), directory, what) from e
@@ -286,7 +293,8 @@ class Segment:
             os.close(fd)
             raise
         segment.created_here = True
-        segment._populate()
+        if reserve:
+            segment._populate()
         return segment._register()
 
     def _populate(self) -> None:
@@ -729,6 +737,7 @@ def allocate(
     layouts: Sequence[tuple[Sequence[int], Any]],
     storage_dir: str | os.PathLike[str] | None = None,
     what: str = "this dataset",
+    reserve: bool = True,
 ) -> list[SharedArray]:
     """Allocate several arrays in ONE segment (one descriptor, one capacity check).
 
@@ -736,6 +745,7 @@ def allocate(
         layouts: ``(shape, dtype)`` of each array.
         storage_dir: ``None`` for RAM; a directory for file-backed arrays.
         what: how to name the allocation in errors.
+        reserve: see :meth:`Segment.create`.
 
     Returns:
         The arrays, writable, in the order given.
@@ -748,7 +758,7 @@ def allocate(
         offsets.append(end)
         end += math.prod(shape) * dtype.itemsize
         norm.append((shape, dtype))
-    segment = Segment.create(end, storage_dir, what=what)
+    segment = Segment.create(end, storage_dir, what=what, reserve=reserve)
     return [SharedArray(segment, o, s, d) for o, (s, d) in zip(offsets, norm)]
 
 
