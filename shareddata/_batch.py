@@ -71,7 +71,7 @@ class Samples(list):  # type: ignore[type-arg]
     names: list[str]
     batched: list[Any]
     stacked: list[bool]
-    values: list[Sequence[Any]]
+    values: Sequence[Sequence[Any]]
     rows: tuple[Any, ...]
 
     def intact(self) -> bool:
@@ -94,7 +94,11 @@ class Samples(list):  # type: ignore[type-arg]
 
 
 def make_samples(
-    names: list[str], batched: list[Any], stacked: list[bool], values: list[Sequence[Any]], n: int
+    names: list[str],
+    batched: list[Any],
+    stacked: list[bool],
+    values: Sequence[Sequence[Any]],
+    n: int,
 ) -> Samples:
     """The samples of a gathered batch, as ``Row`` dicts (one column or more).
 
@@ -126,7 +130,11 @@ def make_samples(
 
 
 def make_tuple_samples(
-    names: list[str], batched: list[Any], stacked: list[bool], values: list[Sequence[Any]], n: int
+    names: list[str],
+    batched: list[Any],
+    stacked: list[bool],
+    values: Sequence[Sequence[Any]],
+    n: int,
 ) -> Samples:
     """The samples of a gathered batch, as ``RowTuple`` tuples in column order."""
     rows = list(map(RowTuple, zip(*values))) if names else [RowTuple() for _ in range(n)]
@@ -138,7 +146,7 @@ def _wrap(
     names: list[str],
     batched: list[Any],
     stacked: list[bool],
-    values: list[Sequence[Any]],
+    values: Sequence[Sequence[Any]],
 ) -> Samples:
     samples = Samples(rows)
     samples.rows = tuple(rows)
