@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ._storage import SharedArray, to_numpy_dtype
+from ._transport import worker_empty
 
 __all__ = [
     "COLUMN_KINDS",
@@ -106,7 +107,7 @@ class Column(ABC):
 
         Args:
             indices: 1-D int64 tensor of row numbers.
-            shared: put the batch in shared memory (it is about to leave a worker).
+            shared: put the batch where it can leave a worker without another copy.
         """
 
     @abstractmethod
@@ -196,7 +197,9 @@ class TensorColumn(Column):
         Raises ``IndexError`` for an index outside ``[0, len)`` (negatives too),
         like ``index_select`` itself; ``ColumnDataset`` relies on it.
         """
-        out = shared_empty((len(indices), *self.spec.shape), self._data.dtype) if shared else None
+        shape = (len(indices), *self.spec.shape)
+        # Leaving a worker: Note [How a batch leaves a worker] in _transport.py.
+        out = worker_empty(shape, self._data.dtype) if shared else None
         if self._torch_gather:
             try:
                 return torch.index_select(self._data, 0, indices, out=out)

@@ -117,3 +117,29 @@ def test_transform_sees_plain_samples_and_batches_match():
     ds = sd.NumpyDataset(np.arange(20.0).reshape(10, 2), transform=lambda s: s["data"] * 10)
     batch = next(iter(DataLoader(ds, batch_size=4)))
     assert torch.equal(batch, torch.arange(8.0).reshape(4, 2) * 10)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_batches_stay_valid_after_the_workers_exit(method):
+    data = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    ds = sd.NumpyDataset(data)
+    loader = DataLoader(ds, batch_size=16, num_workers=2, multiprocessing_context=method)
+    batches = list(loader)  # the workers have exited once the epoch is over
+    assert torch.equal(torch.cat([b["data"] for b in batches]), torch.from_numpy(data))
+    fast = DataLoader(ds, sampler=sd.IndexBatchSampler(ds, 16), batch_size=None, num_workers=2)
+    assert torch.equal(torch.cat([b["data"] for b in fast]), torch.from_numpy(data))
+
+
+def test_a_worker_holds_a_bounded_number_of_batch_descriptors():
+    import os
+
+    ds = sd.NumpyDataset(np.zeros((4096, 64), np.float32))
+    loader = DataLoader(ds, batch_size=8, num_workers=1, persistent_workers=True)
+    it = iter(loader)
+    counts = []
+    for i in range(300):
+        next(it)
+        if i % 50 == 49:
+            counts.append(len(os.listdir(f"/proc/{it._workers[0].pid}/fd")))
+    assert max(counts) - min(counts) <= 4, counts  # acknowledged batches are closed
+    del it, loader

@@ -83,11 +83,16 @@ def tiny_dev_shm():
     """Batches of 4 MiB from 2 workers through a 2 MiB /dev/shm (run once, two tests)."""
     return run_scenario(
         """
-        import numpy as np, shareddata as sd
-        from torch.utils.data import DataLoader
+        import numpy as np, torch, shareddata as sd
+        from torch.utils.data import DataLoader, TensorDataset
         ds = sd.NumpyDataset(np.ones((256, 256, 256), np.uint8))  # 64 KiB rows
         announce()
-        loader = DataLoader(ds, batch_size=64, num_workers=2, multiprocessing_context="fork")
+        # shareddata's batches leave workers in memfds, not /dev/shm (_transport.py)
+        ours = DataLoader(ds, batch_size=64, num_workers=2, multiprocessing_context="fork")
+        print("@@OURS", sum(len(b["data"]) for b in ours), flush=True)
+        # torch's own batches (default collate of a TensorDataset) go through /dev/shm
+        data = TensorDataset(torch.ones((256, 256, 256), dtype=torch.uint8))
+        loader = DataLoader(data, batch_size=64, num_workers=2, multiprocessing_context="fork")
         try:
             for b in loader:
                 pass
@@ -107,6 +112,7 @@ def tiny_dev_shm():
 def test_a_full_dev_shm_under_worker_batches_gives_a_clear_error(tiny_dev_shm):
     run = tiny_dev_shm
     assert run.returncode == 0, run.describe()
+    assert run.value("@@OURS") == "256", "shareddata's batches need no /dev/shm"
     kind, message = run.value("@@ERROR").split(" ", 1)
     assert kind == "RuntimeError" and "No space left on device" in message, message
     run.assert_clean()
