@@ -191,15 +191,17 @@ class TensorColumn(Column):
         """A copy of row ``index`` (a 0-d tensor for a scalar column)."""
         return self._data[index].clone()
 
-    def gather(self, indices: torch.Tensor, shared: bool = False) -> torch.Tensor:
-        """Rows ``indices`` stacked, in one ``index_select``.
+    def gather(
+        self, indices: torch.Tensor, shared: bool = False, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows ``indices`` stacked, in one ``index_select`` (into ``out`` when given).
 
         Raises ``IndexError`` for an index outside ``[0, len)`` (negatives too),
         like ``index_select`` itself; ``ColumnDataset`` relies on it.
         """
-        shape = (len(indices), *self.spec.shape)
-        # Leaving a worker: Note [How a batch leaves a worker] in _transport.py.
-        out = worker_empty(shape, self._data.dtype) if shared else None
+        if out is None and shared:
+            # Leaving a worker: Note [How a batch leaves a worker] in _transport.py.
+            out = worker_empty(self.batch_shape(len(indices)), self._data.dtype)
         if self._torch_gather:
             try:
                 return torch.index_select(self._data, 0, indices, out=out)
@@ -212,6 +214,10 @@ class TensorColumn(Column):
         if out is None:
             return batch
         return out.copy_(batch)
+
+    def batch_shape(self, n: int) -> tuple[int, ...]:
+        """The shape of a batch of ``n`` rows."""
+        return (n, *self.spec.shape)
 
     def split(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """Views of each row of the batch."""

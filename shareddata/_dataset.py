@@ -22,6 +22,7 @@ from ._batch import make_samples, make_tuple_samples
 from ._columns import COLUMN_KINDS, Column, ColumnSpec, TensorColumn
 from ._storage import _fmt, allocate, seal
 from ._sweep import auto_sweep
+from ._transport import worker_buffers
 from .errors import ColumnLengthError
 
 __all__ = ["ColumnDataset", "Source", "load_columns"]
@@ -353,15 +354,28 @@ class ColumnDataset(Dataset):
         here (which wraps negatives, or names the bad index), and the batch gathered
         again. That saves a separate pass over the indices on every batch.
         """
-        columns = self._columns.values()
         if self._torch_bounds:
             idx = self._indices(indices, check=False)
             try:
-                return idx, [c.gather(idx, shared=shared) for c in columns]
+                return idx, self._gather_checked(idx, shared)
             except IndexError:
                 pass
         idx = self._indices(indices)
-        return idx, [c.gather(idx, shared=shared) for c in columns]
+        return idx, self._gather_checked(idx, shared)
+
+    def _gather_checked(self, idx: torch.Tensor, shared: bool) -> list[Any]:
+        columns = list(self._columns.values())
+        if not shared:
+            return [c.gather(idx) for c in columns]
+        # Leaving a worker: every fixed-shape column of the batch in one memfd (Note
+        # [How a batch leaves a worker] in _transport.py).
+        fixed = [c for c in columns if isinstance(c, TensorColumn)]
+        outs = worker_buffers([(c.batch_shape(len(idx)), c._data.dtype) for c in fixed])
+        out_of = dict(zip(map(id, fixed), outs))
+        return [
+            c.gather(idx, out=out_of[id(c)]) if id(c) in out_of else c.gather(idx, shared=True)
+            for c in columns
+        ]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples ``indices``, gathering each column once (what the DataLoader calls).

@@ -13,17 +13,19 @@ per 256 KiB batch and ~2 ms per 4 MiB one, with no data read at all
 A batch that shareddata gathers in a worker goes instead into a fresh memfd
 (``memfd_create`` + ``ftruncate``: no page is touched until the gather writes it),
 as a :class:`WorkerBatch` tensor. ``ForkingPickler`` (what the DataLoader's queue
-uses) pickles it as a handle ``(pid, fd, device, inode, seq, ...)``; the main
+uses) pickles it as a handle ``(pid, fd, device, inode, offset, ...)``; the main
 process opens ``/proc/<pid>/fd/<fd>`` itself, as ``_storage`` does for segments,
-checks device and inode, maps it, and writes ``seq`` into the worker's
-acknowledgement page (one small memfd per worker, mapped once). The worker keeps
-each batch's descriptor until it sees the acknowledgement, and closes the
-acknowledged ones when it makes its next batch; it never holds more than
-``MAX_UNACKNOWLEDGED`` (a DataLoader has ``prefetch_factor`` batches per worker in
-flight). A batch that is received stays valid after its worker exits: the main
-process's mapping holds the pages. Nothing is ever named in ``/dev/shm``, so a
-small ``/dev/shm`` (Docker's 64 MiB) does not limit the batch size, and a killed
-process leaves nothing behind.
+checks device and inode, maps it, and sets the part's acknowledgement byte at the
+end of the memfd. All the columns of a batch share one memfd (one descriptor per
+batch, however many columns). The worker keeps each batch's descriptor until every
+part is acknowledged, and closes those when it makes its next batch; it never
+holds more than ``MAX_UNACKNOWLEDGED`` (a DataLoader has ``prefetch_factor``
+batches per worker in flight; a part that a custom ``collate_fn`` dropped is never
+received, and its batch is closed once it is the oldest beyond the cap). A batch
+that is received stays valid after its worker exits: the main process's mapping
+holds the pages. Nothing is ever named in ``/dev/shm``, so a small ``/dev/shm``
+(Docker's 64 MiB) does not limit the batch size, and a killed process leaves
+nothing behind.
 
 Plain ``pickle`` (``torch.save``, a user's own queue) sees a ``WorkerBatch`` as an
 ordinary tensor, by value. Every torch operation on a ``WorkerBatch`` returns a
@@ -34,9 +36,7 @@ from __future__ import annotations
 
 import collections
 import math
-import mmap
 import os
-import struct
 import threading
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -45,10 +45,10 @@ import torch
 
 from .errors import AttachError
 
-__all__ = ["MAX_UNACKNOWLEDGED", "WorkerBatch", "worker_empty"]
+__all__ = ["MAX_UNACKNOWLEDGED", "WorkerBatch", "worker_buffers", "worker_empty"]
 
-MAX_UNACKNOWLEDGED = 256
-_ACK = struct.Struct("q")
+MAX_UNACKNOWLEDGED = 64
+_ALIGN = 64
 
 
 class WorkerBatch(torch.Tensor):
@@ -66,43 +66,58 @@ class _Outbox:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.ack_fd = os.memfd_create("shareddata-acks", os.MFD_CLOEXEC)
-        os.ftruncate(self.ack_fd, _ACK.size)
-        st = os.fstat(self.ack_fd)
-        self.ack_ident = (st.st_dev, st.st_ino)
-        self.ack = mmap.mmap(self.ack_fd, _ACK.size)
-        self.seq = 0
-        self.pending: collections.deque[tuple[int, int]] = collections.deque()
+        # (fd, the whole memfd as a numpy view, offset of the acknowledgement bytes, parts)
+        self.pending: collections.deque[tuple[int, Any, int, int]] = collections.deque()
 
     def reap(self) -> None:
-        """Close the descriptors of every acknowledged batch (and of the oldest beyond the cap)."""
-        acked = _ACK.unpack_from(self.ack, 0)[0]
-        pending = self.pending
-        while pending and (pending[0][0] <= acked or len(pending) >= MAX_UNACKNOWLEDGED):
-            os.close(pending.popleft()[1])
+        """Close every batch whose parts were all received (and the oldest beyond the cap).
+
+        Only the descriptor is closed and the mapping dropped: a tensor still alive in
+        this process keeps its pages mapped until it goes.
+        """
+        excess = len(self.pending) - MAX_UNACKNOWLEDGED + 1  # room for the next batch
+        keep: collections.deque[tuple[int, Any, int, int]] = collections.deque()
+        for i, entry in enumerate(self.pending):
+            fd, buf, at, parts = entry
+            if i < excess or buf[at : at + parts].all():
+                os.close(fd)
+            else:
+                keep.append(entry)
+        self.pending = keep
 
 
 _OUTBOX: _Outbox | None = None
 _OUTBOX_LOCK = threading.Lock()
 
 
-def worker_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An empty batch tensor in a fresh memfd, to be filled and sent to the main process.
+def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Empty tensors for the parts (columns) of one batch, all in one fresh memfd.
+
+    One descriptor per batch, however many columns it has. The memfd ends with one
+    acknowledgement byte per part, which the receiving process sets once it has
+    mapped that part.
 
     Example:
         >>> import pickle
-        >>> t = worker_empty((2, 3), torch.float32).fill_(1.0)
-        >>> type(t).__name__, type(t + 1).__name__
+        >>> x, y = worker_buffers([((2, 3), torch.float32), ((2,), torch.int64)])
+        >>> _ = x.fill_(1.0), y.fill_(7)
+        >>> type(x).__name__, type(x + 1).__name__
         ('WorkerBatch', 'Tensor')
-        >>> pickle.loads(pickle.dumps(t))
-        tensor([[1., 1., 1.],
-                [1., 1., 1.]])
+        >>> pickle.loads(pickle.dumps(x)), pickle.loads(pickle.dumps(y))
+        (tensor([[1., 1., 1.],
+                [1., 1., 1.]]), tensor([7, 7]))
     """
     global _OUTBOX
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+    layout = []
+    offset = 0
+    for shape, dtype in parts:
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        layout.append((offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    ack_at = offset
+    total = offset + len(parts)
+    if all(nbytes == 0 for _, nbytes in layout):
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in parts]
     with _OUTBOX_LOCK:
         if _OUTBOX is None or _OUTBOX.pid != os.getpid():  # first batch of this process
             _OUTBOX = _Outbox()
@@ -110,26 +125,29 @@ def worker_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         box.reap()
         fd = os.memfd_create("shareddata-batch", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, nbytes)
-            buf = mmap.mmap(fd, nbytes)
+            os.ftruncate(fd, total)
+            base = _map(f"/proc/self/fd/{fd}", total)
             st = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
-        box.seq += 1
-        box.pending.append((box.seq, fd))
-        seq = box.seq
-    tensor = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape).as_subclass(WorkerBatch)
-    tensor._sd_handle = (  # type: ignore[attr-defined]
-        box.pid,
-        fd,
-        (st.st_dev, st.st_ino),
-        nbytes,
-        seq,
-        box.ack_fd,
-        box.ack_ident,
-    )
-    return tensor
+        flags = base.numpy()
+        box.pending.append((fd, flags, ack_at, len(parts)))
+    out: list[torch.Tensor] = []
+    for k, ((shape, dtype), (start, nbytes)) in enumerate(zip(parts, layout)):
+        if nbytes == 0:
+            flags[ack_at + k] = 1  # nothing to receive
+            out.append(torch.empty(shape, dtype=dtype))
+            continue
+        part = base[start : start + nbytes].view(dtype).view(shape).as_subclass(WorkerBatch)
+        part._sd_handle = (box.pid, fd, (st.st_dev, st.st_ino), total, start, nbytes, ack_at + k)  # type: ignore[attr-defined]
+        out.append(part)
+    return out
+
+
+def worker_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """One empty batch tensor in its own memfd (:func:`worker_buffers` with one part)."""
+    return worker_buffers([(shape, dtype)])[0]
 
 
 def _reduce(tensor: WorkerBatch) -> Any:
@@ -141,9 +159,9 @@ def _reduce(tensor: WorkerBatch) -> Any:
     if (
         handle is None
         or handle[0] != os.getpid()
-        or plain.storage_offset() != 0
+        or plain.storage_offset() * plain.element_size() != handle[4]
         or not plain.is_contiguous()
-        or plain.nbytes != handle[3]
+        or plain.nbytes != handle[5]
     ):
         return reduce_tensor(plain)
     return _receive, (*handle, tuple(plain.shape), plain.dtype)
@@ -151,69 +169,47 @@ def _reduce(tensor: WorkerBatch) -> Any:
 
 ForkingPickler.register(WorkerBatch, _reduce)
 
-_ACKS: collections.OrderedDict[tuple[int, int, int], mmap.mmap] = collections.OrderedDict()
-_ACKS_LOCK = threading.Lock()
-_MAX_ACK_PAGES = 64
-
-
-def _open_proc_fd(pid: int, fd: int, ident: tuple[int, int], what: str) -> int:
-    path = f"/proc/{pid}/fd/{fd}"
-    try:
-        new_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        raise AttachError(
-            f"cannot receive {what} from DataLoader worker {pid}: opening {path} failed ({e}). "
-            "The worker exited before the batch was received, or /proc is restricted "
-            "(receiving needs the same user and ptrace read access to the worker)."
-        ) from e
-    st = os.fstat(new_fd)
-    if (st.st_dev, st.st_ino) != tuple(ident):
-        os.close(new_fd)
-        raise AttachError(
-            f"cannot receive {what} from DataLoader worker {pid}: {path} now refers to "
-            f"another file (the batch was not received within {MAX_UNACKNOWLEDGED} batches)."
-        )
-    return new_fd
-
 
 def _receive(
     pid: int,
     fd: int,
     ident: tuple[int, int],
+    total: int,
+    start: int,
     nbytes: int,
-    seq: int,
-    ack_fd: int,
-    ack_ident: tuple[int, int],
+    ack_at: int,
     shape: tuple[int, ...],
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Unpickle a batch in the receiving process: map the worker's memfd, acknowledge it."""
-    new_fd = _open_proc_fd(pid, fd, ident, "a batch")
+    """Unpickle one part in the receiving process: map the worker's memfd, acknowledge it."""
+    path = f"/proc/{pid}/fd/{fd}"
     try:
-        buf = mmap.mmap(new_fd, nbytes)
+        new_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        raise AttachError(
+            f"cannot receive a batch from DataLoader worker {pid}: opening {path} failed ({e}). "
+            "The worker exited before the batch was received, or /proc is restricted "
+            "(receiving needs the same user and ptrace read access to the worker)."
+        ) from e
+    try:
+        st = os.fstat(new_fd)
+        if (st.st_dev, st.st_ino) != tuple(ident):
+            raise AttachError(
+                f"cannot receive a batch from DataLoader worker {pid}: {path} now refers to "
+                f"another file (the batch was not received within {MAX_UNACKNOWLEDGED} batches)."
+            )
+        base = _map(f"/proc/self/fd/{new_fd}", total)
     finally:
         os.close(new_fd)
-    _acknowledge(pid, ack_fd, ack_ident, seq)
-    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+    base.numpy()[ack_at] = 1
+    return base[start : start + nbytes].view(dtype).view(shape)
 
 
-def _acknowledge(pid: int, ack_fd: int, ack_ident: tuple[int, int], seq: int) -> None:
-    key = (pid, *ack_ident)
-    with _ACKS_LOCK:
-        page = _ACKS.get(key)
-        if page is None:
-            try:
-                new_fd = _open_proc_fd(pid, ack_fd, ack_ident, "an acknowledgement page")
-            except AttachError:
-                return  # the worker is gone: nothing left to tell it
-            try:
-                page = mmap.mmap(new_fd, _ACK.size)
-            finally:
-                os.close(new_fd)
-            _ACKS[key] = page
-            if len(_ACKS) > _MAX_ACK_PAGES:
-                _ACKS.popitem(last=False)[1].close()
-        else:
-            _ACKS.move_to_end(key)
-        if _ACK.unpack_from(page, 0)[0] < seq:
-            _ACK.pack_into(page, 0, seq)
+def _map(path: str, nbytes: int) -> torch.Tensor:
+    """``path`` mapped shared as a uint8 tensor, keeping no descriptor open.
+
+    (``mmap.mmap`` keeps a duplicate of the descriptor for as long as the mapping
+    lives: one per batch in flight, which runs into ``RLIMIT_NOFILE``.)
+    """
+    storage = torch.UntypedStorage.from_file(path, True, nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
