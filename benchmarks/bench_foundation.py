@@ -232,9 +232,9 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def run_child(args: Sequence[str], timeout: float = 600) -> dict[str, Any]:
-    """Run this script in child mode and return the JSON it prints last."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", *args]
+def run_child(args: Sequence[str], timeout: float = 600, script: str = __file__) -> dict[str, Any]:
+    """Run ``script`` (this one by default) in child mode; return the JSON it prints last."""
+    cmd = [sys.executable, os.path.abspath(script), "--child", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"child {args} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -315,9 +315,14 @@ class Sampler(threading.Thread):
         self.join()
 
 
-def measure_load(method: str, path: str) -> dict[str, Any]:
-    """One load in a fresh process: wall time (in the child) and memory (sampled here)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "load", method, path]
+def measure_load(method: str, path: str, script: str = __file__) -> dict[str, Any]:
+    """One load in a fresh process: wall time (in the child) and memory (sampled here).
+
+    The child (``script --child load METHOD PATH``) prints a JSON line when ready,
+    loads on a ``go`` line, prints ``{"seconds": ..., "parts": {...}}``, and exits
+    on the next line (:func:`child_load` here; ``bench_suite.py`` has its own).
+    """
+    cmd = [sys.executable, os.path.abspath(script), "--child", "load", method, path]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -777,11 +782,39 @@ def contention_probe(
     return rows
 
 
+def old_indices(n: int, indices: Any) -> torch.Tensor:
+    """``ColumnDataset._indices`` before the benchmark suite's optimisation (for comparison).
+
+    ``np.asarray`` of the list, ``torch.as_tensor``, dtype checks and two torch
+    reductions for the bounds.
+    """
+    if isinstance(indices, (list, tuple)):
+        indices = np.asarray(indices, dtype=np.int64 if len(indices) == 0 else None)
+    idx = torch.as_tensor(indices)
+    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+        raise TypeError(f"indices must be integers, got dtype {idx.dtype}")
+    idx = idx.reshape(-1).to(torch.int64)
+    if idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -n or hi >= n:
+            raise IndexError(f"index {lo if lo < -n else hi} is out of range")
+        if lo < 0:
+            idx = torch.where(idx < 0, idx + n, idx)
+    return idx
+
+
 def profile_collate_path(
     ds: Any, tensor: torch.Tensor, batch: int, n_threads: int
 ) -> dict[str, float]:
-    """Microseconds per batch of each step of the three paths, at ``n_threads``."""
+    """Microseconds per batch of each step of the three paths, at ``n_threads``.
+
+    Rows marked ``old`` time the code that the benchmark suite's optimisations
+    replaced (index conversion, one plain dict per sample, the collate that stacks
+    the samples into a second copy), next to what runs now.
+    """
     from torch.utils.data import default_collate
+
+    from shareddata._batch import make_samples
 
     threads = torch.get_num_threads()
     torch.set_num_threads(n_threads)
@@ -793,6 +826,7 @@ def profile_collate_path(
         gathered = [col.gather(ds._indices(x)) for x in lists[:50]]
         split = [col.split(g) for g in gathered]
         samples = [ds.__getitems__(x) for x in lists[:50]]
+        n = len(ds)
 
         def per_batch(fn: Callable[[Any], Any], items: Sequence[Any]) -> float:
             for x in items[:5]:
@@ -811,13 +845,23 @@ def profile_collate_path(
             ),
             "(b) __getitems__ total": per_batch(ds.__getitems__, lists),
             "(b)   _indices(list)": per_batch(ds._indices, lists),
+            "(b)   old _indices(list)": per_batch(lambda x: old_indices(n, x), lists),
             "(b)   gather (index_select)": per_batch(col.gather, [ds._indices(x) for x in lists]),
             "(b)   split (unbind)": per_batch(col.split, gathered),
-            "(b)   one dict per sample": per_batch(
+            "(b)   one Row per sample": per_batch(
+                lambda g: make_samples(["data"], [g[0]], [True], [g[1]], len(g[1])),
+                list(zip(gathered, split)),
+            ),
+            "(b)   old: one dict per sample": per_batch(
                 lambda s: [dict(zip(["data"], row)) for row in zip(s)], split
             ),
-            "(b) default_collate (dicts)": per_batch(default_collate, samples),
+            "(b) default_collate (shortcut)": per_batch(default_collate, samples),
+            "(b) old: default_collate stacking": per_batch(
+                default_collate, [list(s) for s in samples]
+            ),
             "(c) ds[index tensor]": per_batch(ds.__getitem__, list(perm)),
+            "(c)   _indices(tensor)": per_batch(ds._indices, list(perm)),
+            "(c)   old _indices(tensor)": per_batch(lambda x: old_indices(n, x), list(perm)),
             "raw index_select(out=)": per_batch(
                 lambda i: torch.index_select(tensor, 0, i, out=buf[: len(i)]), list(perm)
             ),
