@@ -143,3 +143,13 @@ def test_a_worker_holds_a_bounded_number_of_batch_descriptors():
             counts.append(len(os.listdir(f"/proc/{it._workers[0].pid}/fd")))
     assert max(counts) - min(counts) <= 4, counts  # acknowledged batches are closed
     del it, loader
+
+
+def test_index_batches_reach_workers_by_value_as_plain_tensors():
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    batch = next(iter(sd.IndexBatchSampler(100, 8, shuffle=True)))
+    sent = pickle.loads(ForkingPickler.dumps(batch))  # what a DataLoader worker receives
+    assert type(sent) is torch.Tensor and torch.equal(sent, batch)
+    assert not sent.is_shared(), "indices are copied into the pickle, not put in /dev/shm"
