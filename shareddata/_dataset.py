@@ -372,10 +372,13 @@ class ColumnDataset(Dataset):
         fixed = [c for c in columns if isinstance(c, TensorColumn)]
         outs = worker_buffers([(c.batch_shape(len(idx)), c._data.dtype) for c in fixed])
         out_of = dict(zip(map(id, fixed), outs))
-        return [
-            c.gather(idx, out=out_of[id(c)]) if id(c) in out_of else c.gather(idx, shared=True)
-            for c in columns
-        ]
+        batches = []
+        for c in columns:
+            if isinstance(c, TensorColumn):
+                batches.append(c.gather(idx, out=out_of[id(c)]))
+            else:
+                batches.append(c.gather(idx, shared=True))
+        return batches
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples ``indices``, gathering each column once (what the DataLoader calls).

@@ -24,7 +24,7 @@ class BatchIndices(torch.Tensor):
     plain tensor.
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
 
 def _indices_from(values: np.ndarray) -> torch.Tensor:

@@ -54,7 +54,8 @@ _ALIGN = 64
 class WorkerBatch(torch.Tensor):
     """A batch made in a worker, in its own memfd; pickled for the DataLoader as a handle."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # ops return plain tensors
+    # every operation returns a plain tensor
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # Plain pickle: an ordinary tensor, by value.
@@ -212,4 +213,4 @@ def _map(path: str, nbytes: int) -> torch.Tensor:
     lives: one per batch in flight, which runs into ``RLIMIT_NOFILE``.)
     """
     storage = torch.UntypedStorage.from_file(path, True, nbytes)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
