@@ -21,10 +21,11 @@ Other choices, and why not (measured facts in FACTS.md):
   descriptors.
 
 A memfd is not counted against ``/dev/shm``; its limit is RAM and the memory
-cgroup, which :func:`check_capacity` reads before allocating. The space is then
-reserved with ``posix_fallocate`` (ENOSPC is raised at once, never SIGBUS later)
-and the page tables are populated up front (``MADV_POPULATE_WRITE``), which makes
-the first write run at memcpy speed instead of one page fault per 4 KiB.
+cgroup, which :func:`check_capacity` reads before allocating. Every page is then
+allocated and mapped up front, by several threads (``MADV_POPULATE_WRITE``; disk
+files are reserved with ``posix_fallocate`` first): a full memory is raised at
+once, never as a SIGBUS later, and the first write runs at memcpy speed instead of
+one page fault per 4 KiB (Note [Allocating shared pages]).
 
 Sharing: a segment pickles as a *handle* ``(pid, fd, dev, inode, size)``. The
 receiving process opens ``/proc/<pid>/fd/<fd>``, which gives it its own
@@ -45,6 +46,7 @@ process map a dataset's segment copy-on-write too (Note [Sealed segments]).
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import mmap
 import os
@@ -69,7 +71,10 @@ __all__ = [
 ]
 
 _ALIGN = 64  # bytes; every array in a segment starts on a cache line
+_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; mmap module names it only on 3.13+
+_TMPFS_MAGIC = 0x01021994
+_FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
 _STORAGE_ENV = "SHAREDDATA_STORAGE_DIR"
 
 _ATTACHED: weakref.WeakValueDictionary[tuple[str, bool], Segment] = weakref.WeakValueDictionary()
@@ -276,14 +281,17 @@ class Segment:
             fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
         else:
             fd = _open_tmpfile(directory)
+        # Shared memory (a memfd, or a file on tmpfs) is reserved by populating it:
+        # Note [Allocating shared pages]
+        by_faults = reserve and (directory is None or _is_tmpfs(fd))
         try:
             try:
-                if not reserve:
+                if not reserve or by_faults:
                     os.ftruncate(fd, size)
                 else:
                     os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                if e.errno in _FULL_ERRNOS:
                     raise _full_error(size, available_memory(directory), directory, what) from e
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
@@ -294,14 +302,33 @@ class Segment:
             raise
         segment.created_here = True
         if reserve:
-            segment._populate()
+            try:
+                segment._reserve(by_faults, directory, what)
+            except BaseException:
+                segment.close()
+                raise
         return segment._register()
 
-    def _populate(self) -> None:
-        try:
-            self.mmap.madvise(_MADV_POPULATE_WRITE)
-        except (OSError, ValueError):  # older kernel: pages fault in on first write
-            pass
+    def _reserve(self, by_faults: bool, directory: str | None, what: str) -> None:
+        """Allocate (``by_faults``) and map every page: Note [Allocating shared pages]."""
+        if by_faults:
+            _madvise(_address(self.mmap), self.size, _MADV_HUGEPAGE)  # a hint; may do nothing
+        error = self._populate()
+        if not by_faults or error == 0:
+            return
+        if error in _FULL_ERRNOS or error == errno.EFAULT:  # EFAULT: the fault hit SIGBUS
+            raise _full_error(self.size, available_memory(directory), directory, what)
+        try:  # MADV_POPULATE_WRITE unknown (Linux < 5.14): reserve with fallocate
+            os.posix_fallocate(self.fd, 0, self.size)
+        except OSError as e:
+            if e.errno in _FULL_ERRNOS:
+                raise _full_error(self.size, available_memory(directory), directory, what) from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+
+    def _populate(self) -> int:
+        """Map (and allocate) every page with ``MADV_POPULATE_WRITE``; 0 or the errno."""
+        return populate(_address(self.mmap), self.size)
 
     def handle(self) -> tuple[Any, ...]:
         """What pickling sends: enough for another process to open and map this file."""
@@ -449,6 +476,134 @@ def _remap_sealed_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_remap_sealed_in_child)
+
+
+# Note [Allocating shared pages]
+# ==============================
+# Filling fresh shared memory costs more than the copy itself: the kernel allocates
+# and zeroes each 4 KiB page and maps it into the page tables, ~2 us per page on a
+# VM (FACTS.md; ``benchmarks/bench_formats.py`` measures it as the "first touch"
+# limit). Private numpy arrays fault 2 MiB transparent huge pages instead; shared
+# memory gets them only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
+# (memfd) or the tmpfs mount's ``huge=`` option allows, so each segment asks for
+# them (``MADV_HUGEPAGE``: honoured under ``advise``, a no-op under ``never``).
+#
+# A segment in RAM (a memfd, or a file on tmpfs) is therefore reserved by
+# ``MADV_POPULATE_WRITE`` alone, run by several threads on disjoint ranges (ctypes
+# releases the GIL): faults allocate in parallel, where ``posix_fallocate`` holds
+# the file's lock for the whole call and runs on one core. A page that cannot be
+# allocated makes the call fail with ENOMEM/EFAULT, which is raised as
+# SharedMemoryFullError before anything is written: never a SIGBUS later. Disk
+# files keep ``posix_fallocate`` (it reserves their blocks), then are populated the
+# same way. Kernels without ``MADV_POPULATE_WRITE`` (< 5.14) fall back to
+# ``posix_fallocate``, and pages map in on first write.
+
+_POPULATE_STEP = 32 << 20
+"""Bytes per ``madvise`` call; each thread takes the next step until none is left."""
+_POPULATE_MAX_THREADS = 8
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    """``madvise`` with the GIL released (ctypes); 0 or the errno."""
+    import ctypes
+
+    if _libc().madvise(address, length, advice) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def population_threads(nbytes: int) -> int:
+    """How many threads populate ``nbytes``: one per usable core, 32 MiB each at least.
+
+    Example:
+        >>> population_threads(1 << 20)
+        1
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, _POPULATE_MAX_THREADS, nbytes // _POPULATE_STEP))
+
+
+def populate(address: int, nbytes: int, threads: int | None = None) -> int:
+    """``MADV_POPULATE_WRITE`` over ``[address, address + nbytes)`` in parallel.
+
+    Args:
+        address: page-aligned start of a writable mapping.
+        nbytes: its length.
+        threads: how many threads (default :func:`population_threads`); the calling
+            thread is one of them.
+
+    Returns:
+        0, or the first errno seen (EINVAL: the kernel does not know the advice).
+        Every thread has stopped when this returns, even on KeyboardInterrupt.
+
+    Example:
+        >>> m = mmap.mmap(-1, 64 << 20)
+        >>> populate(_address(m), len(m), threads=2)
+        0
+        >>> m.close()
+    """
+    threads = population_threads(nbytes) if threads is None else max(1, threads)
+    steps = iter(range(0, nbytes, _POPULATE_STEP))
+    lock = threading.Lock()
+    errors: list[int] = []
+
+    def work() -> None:
+        while not errors:
+            with lock:
+                start = next(steps, None)
+            if start is None:
+                return
+            length = min(_POPULATE_STEP, nbytes - start)
+            error = _madvise(address + start, length, _MADV_POPULATE_WRITE)
+            if error:
+                errors.append(error)
+
+    helpers = [threading.Thread(target=work, daemon=True) for _ in range(threads - 1)]
+    for helper in helpers:
+        helper.start()
+    try:
+        work()
+    except BaseException:
+        errors.append(errno.EINTR)  # the helpers stop at their next step
+        raise
+    finally:
+        interrupted: BaseException | None = None
+        for helper in helpers:
+            while helper.is_alive():  # never return (or raise) with a helper running
+                try:
+                    helper.join()
+                except BaseException as e:
+                    errors.append(errno.EINTR)
+                    interrupted = e
+        if interrupted is not None:
+            raise interrupted
+    return errors[0] if errors else 0
+
+
+def _is_tmpfs(fd: int) -> bool:
+    """Whether ``fd`` is a file on tmpfs (its pages are RAM, like a memfd's)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type comes first
+    try:
+        if _libc().fstatfs(fd, buf) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF == _TMPFS_MAGIC
 
 
 def _close_fd(fd: int) -> None:

@@ -1,5 +1,9 @@
+import errno
 import gc
+import os
 import pickle
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -308,3 +312,64 @@ def test_verify_passes_a_numpy_dataset_with_4_workers(method):
     assert report.dataset_bytes == 128 << 20
     assert 0.9 < report.duplication <= 1.10
     assert len([p for p in report.processes if p.role.startswith("worker")]) == 4
+
+
+def _mapped_bytes(array: np.ndarray) -> int:
+    """Resident bytes (smaps ``Rss``) of the mapping that holds ``array``."""
+    start = array.ctypes.data
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= start < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the array")
+
+
+def test_a_dataset_is_allocated_and_mapped_before_it_is_filled(tmp_path, monkeypatch):
+    # Note [Allocating shared pages]: when the source gets its buffers, every page is
+    # allocated and mapped, by several threads when there are cores and bytes for them
+    from shareddata import _storage
+    from shareddata.sources import npy
+
+    nbytes = 96 << 20
+    np.save(tmp_path / "x.npy", np.ones(nbytes // 4, np.float32))
+    mapped, threads = [], []
+    real_read, real_populate = npy._NpyFile.read, _storage.populate
+
+    def read(self, out, progress, *args):
+        mapped.append(_mapped_bytes(out))
+        return real_read(self, out, progress, *args)
+
+    def populate(address, size, count=None):
+        threads.append(_storage.population_threads(size) if count is None else count)
+        return real_populate(address, size, count)
+
+    monkeypatch.setattr(npy._NpyFile, "read", read)
+    monkeypatch.setattr(_storage, "populate", populate)
+    ds = sd.NumpyDataset(tmp_path / "x.npy")
+    assert mapped[0] >= nbytes
+    assert threads == [min(len(os.sched_getaffinity(0)), 3)]  # 32 MiB per thread at least
+    segment = ds._columns["x"].arrays["data"].segment
+    assert os.fstat(segment.fd).st_blocks * 512 >= nbytes
+    assert float(ds[:]["x"].sum()) == nbytes // 4
+
+
+def test_populating_stops_every_thread_at_the_first_error(monkeypatch):
+    from shareddata import _storage
+
+    calls = []
+
+    def failing(address, length, advice):
+        calls.append(address)
+        time.sleep(0.01)
+        return errno.ENOMEM
+
+    monkeypatch.setattr(_storage, "_madvise", failing)
+    before = threading.active_count()
+    assert _storage.populate(1 << 30, 16 * _storage._POPULATE_STEP, threads=4) == errno.ENOMEM
+    assert threading.active_count() == before  # every helper has ended
+    assert len(calls) <= 4  # each thread stopped after its first step
