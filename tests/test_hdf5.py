@@ -3,6 +3,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 
 import h5py
 import numpy as np
@@ -12,7 +13,8 @@ from conftest import REPO, START_METHODS, open_fds
 from torch.utils.data import DataLoader, default_collate
 
 import shareddata as sd
-from shareddata.sources import hdf5
+from shareddata._dataset import load_columns
+from shareddata.sources import _io, hdf5
 from shareddata.sources.hdf5 import HDF5Dataset, HDF5Source
 
 ROWS = 300
@@ -206,12 +208,27 @@ def test_bounded_chunk_aligned_reads(h5path, monkeypatch):
         return real(self, dest, source_sel, dest_sel)
 
     monkeypatch.setattr(h5py.Dataset, "read_direct", spy)
+    # contiguous, unfiltered datasets are copied from the file with preadv, also bounded
+    monkeypatch.setattr(_io, "_CHUNK", 1000)
+    preads = []
+    real_preadv = os.preadv
+
+    def spy_preadv(fd, buffers, offset):
+        preads.append((len(buffers[0]), offset))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", spy_preadv)
     ds = HDF5Dataset(h5path)
-    images = [c for c in calls if c[0] == "/images"]
-    assert len(images) > 3
-    assert all(c[1] == c[2] and c[1].start % 32 == 0 for c in images)  # chunks of 32 rows
-    assert len({c[3] for c in images}) == 1  # straight into one (shared) buffer
-    assert len([c for c in calls if c[0] == "/labels"]) == -(-ROWS * 4 // 1000)
+    lzf = [c for c in calls if c[0] == "/grp/sub/lzf"]
+    assert len(lzf) > 3
+    assert all(c[1] == c[2] and c[1].start % 50 == 0 for c in lzf)  # chunks of 50 rows
+    assert len({c[3] for c in lzf}) == 1  # straight into one (shared) buffer
+    assert not [c for c in calls if c[0] == "/images"]  # gzip: inflated in threads
+    assert not [c for c in calls if c[0] == "/labels"]  # contiguous: not read_direct
+    with h5py.File(h5path) as f:
+        start = f["labels"].id.get_offset()
+    labels = [p for p in preads if start <= p[1] < start + ROWS * 4]
+    assert len(labels) == -(-ROWS * 4 // 1000) and max(n for n, _ in labels) <= 1000
     full = HDF5Dataset(h5path, ["text", "fixed", "ragged_gzip", "opaque"])
     with h5py.File(h5path) as f:
         for i in range(0, ROWS, 7):
@@ -432,6 +449,70 @@ def test_invalid_utf8_text_is_refused_when_loading(tmp_path):
     assert isinstance(info.value, sd.SourceReadError)
     with pytest.raises(OSError, match="row 1 is not valid UTF-8"):  # each row, not the whole
         HDF5Dataset(path, "cut")
+
+
+def test_gzip_chunks_are_inflated_in_threads(tmp_path, monkeypatch):
+    # Note [Inflating chunks in threads]: same values as h5py, for every chunk shape,
+    # byte order and pipeline; chunks never written fall back to read_direct
+    rng = np.random.default_rng(3)
+    path = tmp_path / "gz.h5"
+    with h5py.File(path, "w") as f:
+        kw = {"compression": "gzip"}
+        f.create_dataset("a", data=np.arange(1000.0).reshape(100, 10), chunks=(7, 3), **kw)
+        f.create_dataset("b", data=rng.random((100, 4, 5)).astype(">f4"), chunks=(9, 4, 2), **kw)
+        f.create_dataset(
+            "c", data=rng.integers(-999, 999, 100).astype("<i2"), chunks=(16,), shuffle=True, **kw
+        )
+        f.create_dataset("d", data=rng.random((100, 3)), chunks=(100, 3), shuffle=True, **kw)
+        partial = f.create_dataset("e", shape=(100,), dtype="f4", chunks=(10,), fillvalue=7, **kw)
+        partial[:35] = 1
+    decoded, threads = [], set()
+    real_decode = hdf5._decode
+
+    def decode(raw, mask, filters, itemsize):
+        decoded.append(filters)
+        threads.add(threading.get_ident())
+        return real_decode(raw, mask, filters, itemsize)
+
+    monkeypatch.setattr(hdf5, "_decode", decode)
+    monkeypatch.setattr(hdf5, "_INFLATE_THREADS", 3)
+    ds = HDF5Dataset(path)
+    batch = ds[:]
+    with h5py.File(path) as f:
+        for key in "abcde":
+            np.testing.assert_array_equal(batch[key].numpy(), f[key][()])
+            assert batch[key].numpy().dtype == f[key].dtype.newbyteorder("=")
+    chunks = 15 * 4 + 12 * 3 + 7 + 1  # a, b, c, d; e is read by read_direct
+    assert len(decoded) == chunks
+    assert [2, 1] in decoded and [1] in decoded  # shuffle + deflate, deflate alone
+    assert threading.get_ident() not in threads and len(threads) > 1
+
+
+def test_contiguous_datasets_are_copied_from_their_file_offset(tmp_path):
+    # a user block shifts every offset; an unwritten dataset has no offset (h5py gives
+    # garbage for it), a big-endian one is swapped after the raw copy
+    path = tmp_path / "ub.h5"
+    with h5py.File(path, "w", userblock_size=1024) as f:
+        f["x"] = np.arange(4000, dtype=">f8").reshape(1000, 4)
+        f["y"] = np.arange(1000, dtype=np.uint16)
+        f.create_dataset("unwritten", shape=(1000,), dtype=np.float32, fillvalue=2.5)
+    ds = HDF5Dataset(path, ["x", "y", "unwritten"], output="tuple")
+    batch = ds[:]
+    np.testing.assert_array_equal(batch[0].numpy(), np.arange(4000.0).reshape(1000, 4))
+    np.testing.assert_array_equal(batch[1].numpy(), np.arange(1000, dtype=np.uint16))
+    assert batch[0].dtype == torch.float64 and (batch[2] == 2.5).all()
+    with h5py.File(path) as f:
+        end = f["x"].id.get_offset() + 3000 * 8  # inside x's data
+    gc.collect()
+    fds = open_fds()
+    source = HDF5Source(path, "x")  # HDF5 checks the length at open: cut the file after
+    os.truncate(path, end)
+    with pytest.raises(OSError, match=r"ub\.h5: dataset 'x' ended early.*truncated") as info:
+        load_columns(source, progress=False)
+    assert isinstance(info.value, sd.SourceReadError)
+    del info, source
+    gc.collect()
+    assert open_fds() == fds
 
 
 def test_garbage_truncated_and_corrupt_files(tmp_path):

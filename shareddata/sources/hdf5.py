@@ -1,12 +1,15 @@
 """HDF5 source: datasets of an HDF5 file, read with h5py straight into shared memory.
 
 Opening the file reads metadata only (shapes, types, filters). Fixed-shape numeric
-datasets are then read with ``Dataset.read_direct`` into the shared buffer, in
-bounded blocks of rows aligned to the dataset's chunks, so no private copy of the
-data exists (FACTS.md: no temporary for contiguous data, a chunk's worth for
-compressed data). Variable-length datasets (strings, ``vlen`` sequences) are read
-twice in bounded blocks of rows: once to size the ``values`` buffer exactly, once
-to fill it; at most one block exists as Python objects at any time.
+datasets are then read straight into the shared buffer, so no private copy of the
+data exists: contiguous, unfiltered ones with ``os.preadv`` from the dataset's
+offset in the file; gzip-compressed ones chunk by chunk, decoded in several threads
+(Note [Inflating chunks in threads]); all others with ``Dataset.read_direct`` in
+bounded blocks of rows aligned to the dataset's chunks (FACTS.md: a chunk's worth
+of temporary memory for compressed data). Variable-length datasets (strings,
+``vlen`` sequences) are read twice in bounded blocks of rows: once to size the
+``values`` buffer exactly, once to fill it; at most one block exists as Python
+objects at any time.
 
 How HDF5 types map to columns:
 
@@ -27,8 +30,12 @@ compound, reference, other enum, object    refused      ``UnsupportedDtypeError`
 
 from __future__ import annotations
 
+import collections
+import math
 import os
+import zlib
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +53,7 @@ from ..errors import (
     UnsupportedDtypeError,
     missing_dependency,
 )
+from ._io import read_into
 
 __all__ = ["HDF5Dataset", "HDF5Source"]
 
@@ -61,6 +69,49 @@ _MAX_BLOCK_ROWS = 1 << 20
 _LISTED = 20  # how many dataset names an error message lists
 
 _NUMERIC = "biufc"
+
+
+# Note [Inflating chunks in threads]
+# ==================================
+# HDF5 runs its filters in the calling thread, one chunk after another, and h5py
+# serialises every call, so ``read_direct`` of a gzip dataset uses one core. For
+# the common pipelines (``deflate``, optionally after ``shuffle``), shareddata reads
+# each stored chunk's bytes itself (``chunk_iter`` gives their offsets, ``os.pread``
+# reads them) and decodes them in several threads (``zlib`` and numpy release the
+# GIL), each writing its chunk straight into the shared buffer; at most four chunks
+# per thread wait in memory. A chunk's ``filter_mask`` says which filters were
+# skipped for it. Other filters (lzf, szip, fletcher32, plugins), chunks never
+# written (the fill value) and other file drivers go through ``read_direct``.
+
+_DEFLATE = 1  # H5Z_FILTER_DEFLATE
+_SHUFFLE = 2  # H5Z_FILTER_SHUFFLE
+_INFLATE_THREADS: int | None = None
+"""Threads decoding gzip chunks (None: one per usable core, at most 8)."""
+
+
+def _inflate_threads() -> int:
+    if _INFLATE_THREADS is not None:
+        return max(1, _INFLATE_THREADS)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _decode(raw: bytes, mask: int, filters: list[int], itemsize: int) -> bytes:
+    """Undo a chunk's filters, last first, skipping those its ``filter_mask`` names."""
+    data = raw
+    for index in reversed(range(len(filters))):
+        if mask >> index & 1:
+            continue
+        if filters[index] == _DEFLATE:
+            data = zlib.decompress(data)
+        elif itemsize > 1:  # shuffle: byte j of every element was stored together
+            count = len(data) // itemsize
+            planes = np.frombuffer(data, np.uint8, count * itemsize).reshape(itemsize, count)
+            data = planes.T.tobytes() + data[count * itemsize :]
+    return data
 
 
 def _import_h5py() -> Any:
@@ -428,6 +479,16 @@ class HDF5Source:
     ) -> None:
         if out.size == 0:
             return
+        offset = self._raw_offset(plan, ds, out.nbytes)
+        if offset is not None:  # contiguous and unfiltered: the bytes straight from the file
+            what = f"{self.label}: dataset {plan.name!r}"
+            read_into(self.label, offset, out, progress, what)
+            if not ds.dtype.isnative and ds.dtype.itemsize > 1:
+                out.byteswap(inplace=True)
+            return
+        filters = self._inflatable(plan, ds)
+        if filters is not None and self._inflate(plan, ds, filters, out, progress):
+            return
         row_bytes = out.nbytes // plan.rows
         if plan.reader == "array":
             h5s, h5t = self._h5py.h5s, self._h5py.h5t
@@ -442,6 +503,106 @@ class HDF5Source:
                 mem_space = h5s.create_simple(count)
                 ds.id.read(mem_space, file_space, out[start:stop], mtype=mtype)
             progress((stop - start) * row_bytes)
+
+    def _raw_offset(self, plan: _Plan, ds: Any, nbytes: int) -> int | None:
+        """Where a contiguous, unfiltered numeric dataset's bytes start in the file, or None.
+
+        Such a dataset is stored as one run of raw bytes (in the file's byte order),
+        so ``preadv`` can copy it without HDF5's per-call overhead. Anything else
+        (chunked, compact, external, virtual, not yet written, a driver other than a
+        single plain file, a type HDF5 converts) goes through ``read_direct``.
+        """
+        if plan.reader != "direct" or ds.dtype.kind not in "iufc" or self._file.driver != "sec2":
+            return None
+        try:
+            dcpl = ds.id.get_create_plist()
+            if (
+                dcpl.get_layout() != self._h5py.h5d.CONTIGUOUS
+                or dcpl.get_nfilters()
+                or dcpl.get_external_count()
+                or ds.id.get_storage_size() != nbytes  # unallocated: its offset is garbage
+            ):
+                return None
+            offset = ds.id.get_offset()
+        except (OSError, RuntimeError, ValueError, AttributeError):
+            return None
+        return None if offset is None or offset < 0 else int(offset)
+
+    def _inflatable(self, plan: _Plan, ds: Any) -> list[int] | None:
+        """The filter pipeline of a deflate-compressed numeric dataset, or None.
+
+        Only pipelines of ``deflate`` (gzip) and ``shuffle`` qualify: Note [Inflating
+        chunks in threads].
+        """
+        if plan.reader != "direct" or ds.chunks is None or ds.dtype.kind not in "iufc":
+            return None
+        if self._file.driver != "sec2" or not hasattr(ds.id, "chunk_iter"):
+            return None
+        try:
+            dcpl = ds.id.get_create_plist()
+            filters = [int(dcpl.get_filter(i)[0]) for i in range(dcpl.get_nfilters())]
+        except (OSError, RuntimeError, ValueError):
+            return None
+        if _DEFLATE not in filters or not set(filters) <= {_DEFLATE, _SHUFFLE}:
+            return None
+        return filters
+
+    def _inflate(
+        self,
+        plan: _Plan,
+        ds: Any,
+        filters: list[int],
+        out: np.ndarray,
+        progress: Callable[[int], None],
+    ) -> bool:
+        """Read every chunk raw and decode it in threads, into ``out``; False if unsuitable."""
+        stored: list[tuple[tuple[int, ...], int, int, int]] = []
+        ds.id.chunk_iter(
+            lambda c: stored.append((c.chunk_offset, c.filter_mask, c.byte_offset, c.size))
+        )
+        shape, chunks = tuple(ds.shape), tuple(ds.chunks)
+        if len(stored) != math.prod(-(-s // c) for s, c in zip(shape, chunks)):
+            return False  # chunks never written hold the fill value: HDF5 knows it
+        dtype = ds.dtype
+        chunk_bytes = math.prod(chunks) * dtype.itemsize
+        what = f"{self.label}: reading dataset {plan.name!r}"
+
+        def place(offset: tuple[int, ...], mask: int, address: int, size: int) -> int:
+            raw = os.pread(fd, size, address)
+            if len(raw) != size:
+                raise SourceReadError(f"{what} failed: the file ends inside a chunk")
+            data = _decode(raw, mask, filters, dtype.itemsize)
+            if len(data) != chunk_bytes:
+                raise SourceReadError(
+                    f"{what} failed: a chunk decodes to {len(data)} bytes, not {chunk_bytes}"
+                )
+            where = tuple(slice(o, min(o + c, s)) for o, c, s in zip(offset, chunks, shape))
+            block = np.frombuffer(data, dtype).reshape(chunks)
+            out[where] = block[tuple(slice(0, w.stop - w.start) for w in where)]
+            return math.prod(w.stop - w.start for w in where) * out.itemsize
+
+        threads = _inflate_threads()
+        fd = os.open(self.label, os.O_RDONLY | os.O_CLOEXEC)
+        executor = ThreadPoolExecutor(threads, thread_name_prefix="shareddata-hdf5")
+        pending: collections.deque[Future[int]] = collections.deque()
+        try:
+            for chunk in stored:
+                if len(pending) >= 4 * threads:
+                    progress(pending.popleft().result())
+                pending.append(executor.submit(place, *chunk))
+            while pending:
+                progress(pending.popleft().result())
+        except (zlib.error, OSError, ValueError) as error:
+            if isinstance(error, SourceReadError):
+                raise
+            raise SourceReadError(
+                f"{what} failed ({error}). The file is truncated or corrupt; re-create or "
+                "re-download it."
+            ) from error
+        finally:  # no thread writes to ``out`` once this returns, on an error too
+            executor.shutdown(wait=True, cancel_futures=True)
+            os.close(fd)
+        return True
 
     def _fixed_blocks(self, plan: _Plan, ds: Any) -> Iterator[tuple[int, int, Any]]:
         """Blocks of fixed-width rows read as numpy arrays, about ``_BLOCK / 3`` bytes each."""

@@ -22,6 +22,7 @@ from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
 from .._storage import copy_chunked
 from ..errors import MissingColumnError, MissingFileError, SourceReadError, UnsupportedDtypeError
+from ._io import read_into
 
 __all__ = ["NumpyDataset", "NumpySource"]
 
@@ -160,27 +161,7 @@ class _NpyFile(_Entry):
             copy_chunked(out, mapped[start : start + len(out)], progress)
             del mapped
             return
-        view = out.reshape(-1).view(np.uint8).data
-        first = self.offset + start * self.row_bytes()
-        pos = 0
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                while pos < len(view):
-                    n = os.preadv(fd, [view[pos : pos + _CHUNK]], first + pos)
-                    if n == 0:
-                        raise SourceReadError(f"{self.path} ended early, after {pos} bytes of data")
-                    pos += n
-                    progress(n)
-            finally:
-                os.close(fd)
-        except SourceReadError:
-            raise
-        except OSError as e:  # an I/O error of the disk or file system: name the file
-            raise SourceReadError(
-                f"{self.path} could not be read after {pos} bytes of data ({e}). Check the disk "
-                "or file system, or copy the file elsewhere and load it again."
-            ) from e
+        read_into(self.path, self.offset + start * self.row_bytes(), out, progress, self.path)
         _byteswap_if_needed(out, self.dtype)
 
 
