@@ -338,3 +338,27 @@ def test_mutated_files_end_in_data_or_a_named_error(fmt, tmp_path):
     for b in report["bad"]:  # the format's own library crashes or hangs on these files too
         print(f"  {b['outcome']}: case {b['case']} ({b['kind']}), kept as {b['file']}")
     shutil.rmtree(work)
+
+
+# Cases the long run (scripts/fuzz.sh) found, replayed by every default run.
+REGRESSIONS = [
+    ("npz", 20261203, 485),  # a header declaring 2**31 empty rows (a hang of the harness)
+    ("hdf5", 20261203, 27),  # a float type h5py cannot map to numpy: ValueError
+]
+
+
+@pytest.mark.parametrize(
+    "fmt, seed, i", REGRESSIONS, ids=[f"{f}-{s}-{i}" for f, s, i in REGRESSIONS]
+)
+def test_cases_found_by_long_runs(fmt, seed, i, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(FAULTS, "fuzzworker.py"), fmt, str(seed), str(i),
+         str(i + 1), str(tmp_path)],
+        capture_output=True, text=True, timeout=CASE_TIMEOUT + 60,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = [line for line in proc.stdout.splitlines() if line.startswith("@@DONE ")]
+    assert done, proc.stdout
+    result = json.loads(done[0].split(" ", 2)[2])
+    assert result["outcome"] in ("equal", "named"), result

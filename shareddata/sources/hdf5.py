@@ -222,11 +222,20 @@ class HDF5Source:
         except (KeyError, ValueError, TypeError):  # a path through a dataset, a bad name
             return None
 
+    def _corrupt_metadata(self, name: str, error: BaseException) -> SourceReadError:
+        return SourceReadError(
+            f"{self.label}: the metadata of dataset {name!r} cannot be read ({error}); the "
+            "file is corrupt. Re-create or re-download it."
+        )
+
     def _select(self, keys: str | Sequence[str] | None) -> list[str]:
         if keys is None:
             with_rows = []
             for name in self._dataset_names():
-                shape = self._file[name].shape
+                try:
+                    shape = self._file[name].shape
+                except (OSError, RuntimeError, ValueError, TypeError, KeyError) as error:
+                    raise self._corrupt_metadata(name, error) from error
                 if shape:  # not a scalar (()) or an empty dataspace (None)
                     with_rows.append((name, shape[0]))
             if not with_rows:
@@ -304,8 +313,11 @@ class HDF5Source:
 
     def _plan(self, name: str, auto: bool) -> _Plan:
         h5py = self._h5py
-        ds = self._file[name]
-        shape, dtype = ds.shape, ds.dtype
+        try:
+            ds = self._file[name]
+            shape, dtype = ds.shape, ds.dtype
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError) as error:
+            raise self._corrupt_metadata(name, error) from error
         if shape is None:
             raise self._refuse(
                 name, "is empty (no dataspace)", "write it with a shape, rows first", auto
