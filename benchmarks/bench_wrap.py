@@ -1,24 +1,35 @@
-"""SharedDataset benchmark: materialisation rate, and memory after an epoch with 4 workers.
+"""SharedDataset benchmark: materialisation time, and memory after an epoch with 4 workers.
 
-Compares, side by side in one run (medians of --repeats):
+Compares, side by side in one run (medians of --repeats, the order of the methods
+alternating between repetitions):
 
-* materialisation: ``sd.SharedDataset(ds)`` vs simply iterating ``ds`` once;
-* memory after an epoch with 4 spawn workers (``sd.verify``): the original dataset
-  (a Python list of samples, as users often keep them), detectron2-style
-  serialisation (every sample pickled into one numpy byte buffer + offsets), and
-  ``sd.SharedDataset``.
+* materialisation at each of --items sizes: ``sd.SharedDataset(ds)`` (and with
+  ``num_workers=2``) vs simply iterating ``ds`` once, each item dropped as it comes
+  (``for i in range(len(ds)): ds[i]``, the baseline of the target), and vs
+  collecting the items into a list (``[ds[i] for i in ...]``, which also pays for
+  the memory the items take); wall time, this process's CPU time (the writer thread
+  included) and the cores other processes used meanwhile;
+* memory after an epoch with 4 spawn workers (``sd.verify``), at --memory-items: the
+  original dataset (a Python list of samples, as users often keep them),
+  detectron2-style serialisation (every sample pickled into one numpy byte buffer +
+  offsets), and ``sd.SharedDataset``.
 
-Run: python benchmarks/bench_wrap.py [--items N] [--repeats R] [--quick]
+Run: python benchmarks/bench_wrap.py [--items N [N ...]] [--repeats R] [--quick]
+(under ``flock /tmp/shareddata-heavy.lock`` on a shared machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pickle
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +37,14 @@ from torch.utils.data import DataLoader, Dataset
 
 import shareddata as sd
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import bench_foundation as bf  # noqa: E402  (machine info, CPU monitor, wait for idle)
+
+TARGET_RATIO = 1.2  # materialisation time / iterating once, at most
 
 
 class Generated(Dataset):
@@ -77,30 +95,68 @@ class Serialized(Dataset):
         return int(self.data.nbytes + self.addr.nbytes)
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _iterate(ds: Dataset) -> None:
+    for i in range(len(ds)):
+        ds[i]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=32768)  # ~384 MiB of images
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
-    args = parser.parse_args()
-    if args.quick:
-        args.items, args.repeats = 4096, 1
+def _collect(ds: Dataset) -> None:
+    items = [ds[i] for i in range(len(ds))]
+    del items
 
-    src = Generated(args.items)
-    iterate = _median_time(lambda: [src[i] for i in range(len(src))], args.repeats)
-    build = _median_time(lambda: sd.SharedDataset(src, progress=False), args.repeats)
-    rate = args.items / build
 
-    in_memory = InMemory(args.items)
+def _methods(workers: bool) -> dict[str, Callable[[Dataset], Any]]:
+    methods: dict[str, Callable[[Dataset], Any]] = {
+        "iterate": _iterate,
+        "collect": _collect,
+        "shared": lambda ds: sd.SharedDataset(ds, progress=False),
+    }
+    if workers:
+        methods["shared_2_workers"] = lambda ds: sd.SharedDataset(ds, num_workers=2, progress=False)
+    return methods
+
+
+def time_materialisation(n: int, repeats: int, workers: bool, wait_idle: float) -> dict:
+    """Each method ``repeats`` times, interleaved; medians and every repetition."""
+    src = Generated(n)
+    methods = _methods(workers)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in methods}
+    for rep in range(repeats):
+        order = list(methods) if rep % 2 == 0 else list(reversed(methods))
+        for name in order:
+            gc.collect()
+            if wait_idle:
+                bf.wait_idle(wait_idle)
+            mon = bf.CpuMonitor()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            result = methods[name](src)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            cores = mon.result()
+            del result
+            runs[name].append(
+                {
+                    "wall_s": wall,
+                    "cpu_s": cpu,
+                    "others_cores": cores["others_cores"],
+                    "steal_cores": cores["steal_cores"],
+                }
+            )
+    med = {name: statistics.median(r["wall_s"] for r in rs) for name, rs in runs.items()}
+    return {
+        "items": n,
+        "median_wall_s": med,
+        "median_cpu_s": {
+            name: statistics.median(r["cpu_s"] for r in rs) for name, rs in runs.items()
+        },
+        "ratio_to_iterate": {name: med[name] / med["iterate"] for name in med},
+        "ratio_to_collect": {name: med[name] / med["collect"] for name in med},
+        "runs": runs,
+    }
+
+
+def measure_memory(n: int) -> list[dict]:
+    src = Generated(n)
+    in_memory = InMemory(n)
     shared = sd.SharedDataset(src, progress=False)
     serialized = Serialized(in_memory.items)
     rows = []
@@ -111,32 +167,88 @@ def main() -> None:
     ]:
         loader = DataLoader(ds, batch_size=128, num_workers=4, multiprocessing_context="spawn")
         report = sd.verify(loader, max_duplication=None, dataset_bytes=nbytes)
-        rows.append((label, report.duplication, report.total_pss))
-    out = {
-        "items": args.items,
-        "iterate_s": iterate,
-        "materialise_s": build,
-        "materialise_ratio": build / iterate,
-        "items_per_s": rate,
-        "memory": [{"dataset": r[0], "held": r[1], "total_pss": r[2]} for r in rows],
-    }
+        rows.append({"dataset": label, "held": report.duplication, "total_pss": report.total_pss})
+    return rows
+
+
+def _report(info: dict, timing: list[dict], memory: list[dict], memory_items: int) -> list[str]:
     lines = [
-        f"# SharedDataset benchmark ({args.items} items of 12 KiB image + int + str)",
+        "# SharedDataset benchmark",
         "",
-        f"Materialisation: {build:.2f} s ({rate:,.0f} items/s) vs iterating the original once "
-        f"{iterate:.2f} s: **{build / iterate:.2f}x** its time (target <= 1.2x).",
+        "Items of (float32 tensor [3, 32, 32] (12 KiB), int label, str caption), computed per",
+        "item (`Generated` in `bench_wrap.py`). Machine: "
+        f"{info.get('cores', '?')} cores, {info.get('cpu', '?')}, "
+        f"Python {info.get('python', '?')}, torch {info.get('torch', '?')}, "
+        f"commit {info.get('commit', '?')}.",
         "",
-        "Memory after an epoch, 4 spawn workers (`sd.verify`):",
+        "## Materialisation vs iterating the original once",
         "",
-        "| dataset | held (x the data) | total PSS MiB |",
-        "|---|---:|---:|",
-        *[f"| {n} | {d:.2f} | {p / 2**20:.0f} |" for n, d, p in rows],
+        f"Medians of {len(timing[0]['runs']['iterate'])} interleaved repetitions. `iterate`: "
+        "`for i in range(len(ds)): ds[i]` (the baseline of the target, "
+        f"<= {TARGET_RATIO}x); `collect`: `[ds[i] for i in range(len(ds))]`. CPU: this "
+        "process, every thread. Others: cores used by other processes meanwhile (max over "
+        "the repetitions).",
+        "",
+        "| items | method | wall s | x iterate | x collect | CPU s | others (cores) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "wrap.md"), "w") as f:
+    for t in timing:
+        for name in t["median_wall_s"]:
+            others = max(r["others_cores"] for r in t["runs"][name])
+            lines.append(
+                f"| {t['items']} | {name} | {t['median_wall_s'][name]:.3f} | "
+                f"**{t['ratio_to_iterate'][name]:.2f}** | {t['ratio_to_collect'][name]:.2f} | "
+                f"{t['median_cpu_s'][name]:.3f} | {others:.2f} |"
+            )
+    if memory:
+        lines += [
+            "",
+            f"## Memory after an epoch, 4 spawn workers (`sd.verify`), {memory_items} items",
+            "",
+            "| dataset | held (x the data) | total PSS MiB |",
+            "|---|---:|---:|",
+            *[
+                f"| {m['dataset']} | {m['held']:.2f} | {m['total_pss'] / 2**20:.0f} |"
+                for m in memory
+            ],
+        ]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--memory-items", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--workers-at",
+        type=int,
+        nargs="*",
+        default=[16384],
+        help="sizes at which num_workers=2 is timed too",
+    )
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="S")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat")
+    parser.add_argument("--out", default=os.path.join(RESULTS, "wrap"))
+    args = parser.parse_args()
+    if args.quick:
+        args.items, args.repeats, args.memory_items, args.workers_at = [2048], 1, 2048, [2048]
+        if args.out == os.path.join(RESULTS, "wrap"):
+            args.out += "-quick"
+
+    info = bf.machine_info()
+    timing = [
+        time_materialisation(n, args.repeats, n in args.workers_at, args.wait_idle)
+        for n in args.items
+    ]
+    memory = [] if args.no_memory else measure_memory(args.memory_items)
+    lines = _report(info, timing, memory, args.memory_items)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(RESULTS, "wrap.json"), "w") as f:
-        json.dump(out, f, indent=2)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"machine": info, "materialise": timing, "memory": memory}, f, indent=2)
     print("\n".join(lines))
 
 

@@ -1,6 +1,8 @@
 import dataclasses
 import gc
+import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -230,3 +232,142 @@ def test_shared_list_does_not_grow_workers_where_a_plain_list_does():
     assert t1 == t2 == t3 == n * (n - 1) // 2
     assert plain_growth > 50 << 20  # refcounts copied the list's pages into the worker
     assert shared_growth < 8 << 20 and spawn_growth < 8 << 20
+
+
+class Shifting(Dataset):
+    """A 4 KiB tensor whose shape changes for items 1500-1599 only, where its token list
+    also turns to floats: columns adapt mid-way, after blocks of rows were written."""
+
+    def __len__(self):
+        return 3000
+
+    def __getitem__(self, i):
+        odd = 1500 <= i < 1600
+        x = torch.full((5 if odd else 4, 256), float(i))
+        return {"x": x, "tokens": [i + 0.5] if odd else [i, i], "id": i, "name": f"n{i}"}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_columns_adapt_after_blocks_were_written(workers):
+    original = Shifting()
+    ds = sd.SharedDataset(original, num_workers=workers)
+    assert "x.shape" in ds.columns  # x became ragged, its first 1024+ rows read back
+    for i in [0, 1023, 1024, 1499, 1500, 1599, 1600, 2047, 2048, 2999]:
+        _equal(ds[i], original[i])
+    assert [ds[i]["tokens"] for i in range(1495, 1605)] == [
+        original[i]["tokens"] for i in range(1495, 1605)
+    ]
+    assert not any(t.name == "shareddata-writer" for t in threading.enumerate())
+
+
+class Odd(Dataset):
+    """Item 5 holds ``odd``, every other item ``usual``."""
+
+    def __init__(self, usual, odd):
+        self.usual, self.odd = usual, odd
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"v": self.odd if i == 5 else self.usual}
+
+
+@pytest.mark.parametrize(
+    ("usual", "odd", "error", "match"),
+    [
+        (1, 2**70, ValueError, r"item 5, field 'v': 1180591620717411303424 does not fit in"),
+        ("ok", "bad \ud800", ValueError, r"item 5, field 'v': the str is not valid text"),
+        (torch.ones(2), torch.ones(2, 2), TypeError, r"item 5, field 'v'.*2 dimensions, item 0"),
+        (Box(1, "a"), lambda: 0, TypeError, r"item 5, field 'v': a function cannot be pickled"),
+    ],
+    ids=["int-beyond-int64", "surrogate-str", "ndim-changes", "unpicklable"],
+)
+def test_values_a_column_cannot_hold_name_index_and_field(usual, odd, error, match):
+    with pytest.raises(error, match=match) as info:
+        sd.SharedDataset(Odd(usual, odd))
+    assert isinstance(info.value, sd.SharedDataError)
+
+
+def test_lists_widen_and_grad_tensors_are_copied():
+    class Lists(Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return [] if i < 3 else [i / 2], torch.ones(3, requires_grad=True) * i
+
+    ds = sd.SharedDataset(Lists())
+    assert ds[4][0] == [2.0] and ds[0][0] == [] and isinstance(ds[3][0][0], float)
+    assert not ds[5][1].requires_grad and ds[5][1].tolist() == [5.0] * 3
+
+
+def _worker_error(i):
+    if i == 700:
+        raise ValueError("bad record")
+    return torch.zeros(1024), f"{i}"
+
+
+class BrokenInWorker(Dataset):
+    def __len__(self):
+        return 2000
+
+    def __getitem__(self, i):
+        return _worker_error(i)
+
+
+def test_workers_report_the_index_and_free_everything():
+    fds = open_fds()
+    with pytest.raises(ValueError, match="bad record") as info:
+        sd.SharedDataset(BrokenInWorker(), num_workers=2)
+    assert "item 700 of BrokenInWorker" in str(info.value)
+    with pytest.raises(TypeError, match=r"item 3, field 'y': expected str.*got int"):
+        sd.SharedDataset(Mixed(), num_workers=2)
+    del info
+    gc.collect()
+    assert open_fds() == fds
+
+
+class Mixed(Dataset):
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return {"x": torch.zeros(2), "y": "a" if i < 3 else 7}
+
+
+@pytest.mark.parametrize("failure", ["full", "interrupt"])
+def test_a_failure_mid_way_stops_the_writer_and_frees_everything(failure, monkeypatch):
+    import errno
+
+    from shareddata import _materialise
+
+    class Big(Dataset):
+        def __len__(self):
+            return 4000
+
+        def __getitem__(self, i):
+            if failure == "interrupt" and i == 3500:
+                raise KeyboardInterrupt
+            return torch.zeros(1024), i
+
+    if failure == "full":
+        real, calls = os.pwrite, []
+
+        def pwrite(fd, data, offset):
+            calls.append(1)
+            if len(calls) > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, data, offset)
+
+        monkeypatch.setattr(_materialise.os, "pwrite", pwrite)
+    fds = open_fds()
+    expected = sd.SharedMemoryFullError if failure == "full" else KeyboardInterrupt
+    with pytest.raises(expected) as info:
+        sd.SharedDataset(Big())
+    assert failure == "interrupt" or "ran out of room" in str(info.value)
+    monkeypatch.undo()
+    del info
+    gc.collect()
+    assert open_fds() == fds
+    assert not any(t.name == "shareddata-writer" for t in threading.enumerate())
