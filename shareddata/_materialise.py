@@ -365,8 +365,9 @@ class _VarBuffer:
 # Note [Writing rows in the background]
 # =====================================
 # Filling new shared pages is kernel work: each 4 KiB page of a memfd is allocated
-# when it is first written (~2 us per page on the 2-core VM of FACTS.md, 0.1 s for
-# 192 MiB, half the time it takes to iterate the benchmark's dataset once). The
+# when it is first written (~2 us per page on the 2-core VM measured in
+# benchmarks/results/wrap.md: 0.1 s for 192 MiB, half the time it takes to iterate
+# that benchmark's dataset once). The
 # builder hides it behind the iteration: the main thread only checks each item and
 # collects its values; every ``chunk`` rows it hands the fixed-size values to a
 # writer thread, which stacks them into a private staging block (``torch.stack``)

@@ -44,13 +44,21 @@ class SharedDataset(ColumnDataset):
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``).
         transform: applied to each rebuilt item, in the worker.
-        num_workers: read the original with a DataLoader of this many workers.
+        num_workers: read the original with a DataLoader of this many workers, which
+            write the fixed-size fields straight into the shared columns (for datasets
+            whose ``__getitem__`` is expensive: decoding, augmenting); 0 reads it here.
         progress: show a progress bar for materialisations longer than ~2 s.
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
 
     Raises:
         TypeError: for an ``IterableDataset``, or an item whose structure or types
             differ from the first item's (naming the index and the field).
+        ValueError: for an empty dataset, or a value its column cannot hold (an int
+            beyond int64, text that is not valid UTF-8), naming the index and field.
+        SharedMemoryFullError: when the data does not fit in RAM (or ``storage_dir``).
+
+    Whatever fails (an error above, ``__getitem__`` raising, Ctrl-C), everything
+    allocated is freed before the error propagates.
 
     Example:
         >>> import torch, shareddata as sd
