@@ -1,10 +1,14 @@
 """Wrap an existing Dataset in one line: every item is materialised once into shared memory.
 
 Run: python examples/wrap_existing.py [--items N]
+
+Measures the dataset as it is (each spawn worker unpickles its own copy), wraps it
+in `sd.SharedDataset`, and measures again.
 """
 
 import argparse
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -12,30 +16,42 @@ import shareddata as sd
 
 
 class MyDataset(Dataset):
-    """A typical user dataset: an image tensor, an int label and a caption."""
+    """A typical user dataset: images in a numpy array, labels and captions in lists."""
 
     def __init__(self, n: int) -> None:
-        self.n = n
+        rng = np.random.default_rng(0)
+        self.images = rng.integers(0, 255, (n, 3, 64, 64), dtype=np.uint8)  # 12 KiB each
+        self.labels = [i % 10 for i in range(n)]
+        self.captions = [f"image {i}" for i in range(n)]
 
     def __len__(self) -> int:
-        return self.n
+        return len(self.labels)
 
     def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(i)
-        return torch.rand(3, 32, 32, generator=g), i % 10, f"image {i}"
+        return torch.from_numpy(self.images[i]), self.labels[i], self.captions[i]
+
+
+def make_loader(dataset: Dataset) -> DataLoader:
+    return DataLoader(
+        dataset, batch_size=128, shuffle=True, num_workers=2, multiprocessing_context="spawn"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--items", type=int, default=8192)
+    parser.add_argument("--items", type=int, default=20_000)  # 234 MiB of images
     args = parser.parse_args()
 
-    ds = sd.SharedDataset(MyDataset(args.items))  # the one-line change
-    image, label, caption = ds[0]  # same structure and types as MyDataset returned
+    original = MyDataset(args.items)
+    before = sd.verify(make_loader(original), batches=10, max_duplication=None)
+
+    shared = sd.SharedDataset(original)  # the one-line change
+    image, label, caption = shared[0]  # same structure and types as MyDataset returned
     assert isinstance(label, int) and isinstance(caption, str)
-    loader = DataLoader(ds, batch_size=128, num_workers=2, multiprocessing_context="spawn")
-    report = sd.verify(loader, batches=20)
-    print(report)
+    del original  # the shared copy is all the workers need
+    after = sd.verify(make_loader(shared), batches=10)
+    print(after)
+    print(f"before: {before.verdict()}\nafter:  {after.verdict()}")
 
 
 if __name__ == "__main__":

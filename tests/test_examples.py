@@ -13,10 +13,10 @@ from conftest import REPO
 # 1.10 limit is meaningful next to the workers' few MiB of working memory)
 EXAMPLES = {
     "quickstart.py": ["--rows", "100000"],
-    "wrap_existing.py": ["--items", "8192"],
+    "wrap_existing.py": ["--items", "4096"],
     "hdf5_images.py": ["--images", "4096"],
     "parquet_text.py": ["--rows", "60000"],
-    "lightning_datamodule.py": ["--rows", "131072", "--epochs", "1"],
+    "lightning_datamodule.py": ["--rows", "40000", "--epochs", "1", "--workers", "1"],
 }
 # examples run by other tests (they need more than one process to launch)
 ELSEWHERE = {
