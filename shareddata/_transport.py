@@ -67,20 +67,21 @@ class _Outbox:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        # (fd, the whole memfd as a numpy view, offset of the acknowledgement bytes, parts)
-        self.pending: collections.deque[tuple[int, Any, int, int]] = collections.deque()
+        # (fd, offset of the acknowledgement bytes, number of parts); no mapping is kept,
+        # so a batch in flight counts once, in the process that holds it
+        self.pending: collections.deque[tuple[int, int, int]] = collections.deque()
 
     def reap(self) -> None:
         """Close every batch whose parts were all received (and the oldest beyond the cap).
 
-        Only the descriptor is closed and the mapping dropped: a tensor still alive in
-        this process keeps its pages mapped until it goes.
+        The acknowledgement bytes are read through the descriptor (``pread``): the
+        worker keeps no mapping of a batch it has sent.
         """
         excess = len(self.pending) - MAX_UNACKNOWLEDGED + 1  # room for the next batch
-        keep: collections.deque[tuple[int, Any, int, int]] = collections.deque()
+        keep: collections.deque[tuple[int, int, int]] = collections.deque()
         for i, entry in enumerate(self.pending):
-            fd, buf, at, parts = entry
-            if i < excess or buf[at : at + parts].all():
+            fd, at, parts = entry
+            if i < excess or all(os.pread(fd, parts, at)):
                 os.close(fd)
             else:
                 keep.append(entry)
@@ -132,12 +133,11 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
         except BaseException:
             os.close(fd)
             raise
-        flags = base.numpy()
-        box.pending.append((fd, flags, ack_at, len(parts)))
+        box.pending.append((fd, ack_at, len(parts)))
     out: list[torch.Tensor] = []
     for k, ((shape, dtype), (start, nbytes)) in enumerate(zip(parts, layout)):
         if nbytes == 0:
-            flags[ack_at + k] = 1  # nothing to receive
+            os.pwrite(fd, b"\x01", ack_at + k)  # nothing to receive
             out.append(torch.empty(shape, dtype=dtype))
             continue
         part = base[start : start + nbytes].view(dtype).view(shape).as_subclass(WorkerBatch)
