@@ -39,7 +39,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, count, islice
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -443,7 +443,7 @@ class _BlockWriter:
         return np.asarray(values, dtype=target.dtype)
 
     def _pwrite(self, data: np.ndarray, offset: int) -> None:
-        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
         while view:
             try:
                 written = os.pwrite(self.fd, view, offset)
@@ -606,11 +606,13 @@ class _Builder:
 
         Note [Materialising with workers].
         """
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader, Dataset
 
         snapshot = [(leaf.kind, leaf.ragged) for leaf in self.leaves]
         reader = _BlockReader(dataset, self.schema, self.leaves, self.fixed, self.chunk, self)
-        loader = DataLoader(reader, batch_size=None, num_workers=workers, collate_fn=_identity)
+        loader: DataLoader[Any] = DataLoader(
+            cast("Dataset[Any]", reader), batch_size=None, num_workers=workers, collate_fn=_identity
+        )
         blocks = iter(loader)
         try:
             for block in blocks:
@@ -726,6 +728,9 @@ class _Builder:
                     fast = self.fast
             self._flush(rows)
             return
+        var = block.var
+        if var is None:  # a worker sends either the items or the var leaves' values
+            raise RuntimeError(f"rows {block.start}-{block.stop} came back with no values")
         changed = False
         for n, (leaf, sink) in enumerate(zip(self.leaves, self.sinks)):
             if n in self.fixed:
@@ -733,9 +738,9 @@ class _Builder:
             if n in self.orphans:  # fixed when the workers started, ragged since
                 sink.extend(self.orphans[n].numpy()[block.start : block.stop])
             elif (leaf.kind, leaf.ragged) == snapshot[n]:
-                sink.extend(block.var[n])
+                sink.extend(var[n])
             else:  # the leaf changed since: check each value against it
-                for index, value in enumerate(block.var[n], block.start):
+                for index, value in enumerate(var[n], block.start):
                     value, adapted = self._accept(n, value, index)
                     sink.append(value)
                     changed = changed or adapted
