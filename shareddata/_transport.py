@@ -38,6 +38,7 @@ import collections
 import math
 import os
 import threading
+import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -67,21 +68,29 @@ class _Outbox:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        # (fd, offset of the acknowledgement bytes, number of parts); no mapping is kept,
-        # so a batch in flight counts once, in the process that holds it
-        self.pending: collections.deque[tuple[int, int, int]] = collections.deque()
+        # (fd, offset of the acknowledgement bytes, number of parts, weakrefs to the
+        # parts); no mapping is kept, so a batch in flight counts once, where it is held
+        self.pending: collections.deque[tuple[int, int, int, list[Any]]] = collections.deque()
+        self.sent: set[int] = set()  # descriptors of batches pickled for the main process
 
     def reap(self) -> None:
-        """Close every batch whose parts were all received (and the oldest beyond the cap).
+        """Close every batch that is done with (and the oldest beyond the cap).
 
-        The acknowledgement bytes are read through the descriptor (``pread``): the
-        worker keeps no mapping of a batch it has sent.
+        A sent batch is done once every part is acknowledged (the bytes are read
+        through the descriptor, ``pread``: the worker keeps no mapping of a batch it
+        has sent); a batch never sent, once its parts are garbage (views of them
+        keep their own mapping).
         """
         excess = len(self.pending) - MAX_UNACKNOWLEDGED + 1  # room for the next batch
-        keep: collections.deque[tuple[int, int, int]] = collections.deque()
+        keep: collections.deque[tuple[int, int, int, list[Any]]] = collections.deque()
         for i, entry in enumerate(self.pending):
-            fd, at, parts = entry
-            if i < excess or all(os.pread(fd, parts, at)):
+            fd, at, parts, refs = entry
+            if fd in self.sent:
+                done = all(os.pread(fd, parts, at))  # every part received
+            else:  # never sent (a transform or collate_fn made another batch of it)
+                done = all(ref() is None for ref in refs)
+            if i < excess or done:
+                self.sent.discard(fd)
                 os.close(fd)
             else:
                 keep.append(entry)
@@ -133,7 +142,8 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
         except BaseException:
             os.close(fd)
             raise
-        box.pending.append((fd, ack_at, len(parts)))
+        refs: list[Any] = []
+        box.pending.append((fd, ack_at, len(parts), refs))
     out: list[torch.Tensor] = []
     for k, ((shape, dtype), (start, nbytes)) in enumerate(zip(parts, layout)):
         if nbytes == 0:
@@ -142,6 +152,7 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
             continue
         part = base[start : start + nbytes].view(dtype).view(shape).as_subclass(WorkerBatch)
         part._sd_handle = (box.pid, fd, (st.st_dev, st.st_ino), total, start, nbytes, ack_at + k)  # type: ignore[attr-defined]
+        refs.append(weakref.ref(part))
         out.append(part)
     return out
 
@@ -165,6 +176,9 @@ def _reduce(tensor: WorkerBatch) -> Any:
         or plain.nbytes != handle[5]
     ):
         return reduce_tensor(plain)
+    with _OUTBOX_LOCK:
+        if _OUTBOX is not None:
+            _OUTBOX.sent.add(handle[1])
     return _receive, (*handle, tuple(plain.shape), plain.dtype)
 
 

@@ -153,3 +153,18 @@ def test_index_batches_reach_workers_by_value_as_plain_tensors():
     sent = pickle.loads(ForkingPickler.dumps(batch))  # what a DataLoader worker receives
     assert type(sent) is torch.Tensor and torch.equal(sent, batch)
     assert not sent.is_shared(), "indices are copied into the pickle, not put in /dev/shm"
+
+
+def test_a_worker_closes_batches_that_a_transform_replaced():
+    import os
+
+    ds = sd.NumpyDataset(np.zeros((4096, 64), np.float32), transform=lambda s: s["data"] + 1)
+    loader = DataLoader(ds, batch_size=8, num_workers=1, persistent_workers=True)
+    it = iter(loader)
+    counts = []
+    for i in range(200):
+        assert float(next(it)[0, 0]) == 1.0
+        if i % 50 == 49:
+            counts.append(len(os.listdir(f"/proc/{it._workers[0].pid}/fd")))
+    assert max(counts) - min(counts) <= 4, counts  # gathered, never sent, closed
+    del it, loader
