@@ -693,6 +693,40 @@ def test_arrow_memory_goes_back_after_a_load(tmp_path):
     assert grown_mib < 12, f"loading {data_mib} MiB left {grown_mib} MiB of private memory"
 
 
+def test_row_groups_are_decoded_in_bounded_batches(tmp_path, monkeypatch):
+    # one row group of 2000 rows: each column arrives in batches of ~_BATCH_BYTES
+    rows = 2000
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((rows, 8))
+    text = [f"row {i} " * (i % 7) for i in range(rows)]
+    table = pa.table(
+        {
+            "x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 8),
+            "text": text,
+            "n": pa.array(np.arange(rows, dtype=np.int16)),
+        }
+    )
+    path = tmp_path / "one_group.parquet"
+    pq.write_table(table, path, row_group_size=rows)
+    monkeypatch.setattr(sp, "_BATCH_BYTES", 6400)  # 100 rows of x
+    chunks = []
+    real = sp._Writer.write
+
+    def write(self, arr, where):
+        chunks.append((self.spec.name, len(arr)))
+        return real(self, arr, where)
+
+    monkeypatch.setattr(sp._Writer, "write", write)
+    ds = ParquetDataset(path)
+    x_chunks = [n for name, n in chunks if name == "x"]
+    assert sum(x_chunks) == rows and max(x_chunks) <= 110 and len(x_chunks) >= 18
+    assert max(n for name, n in chunks if name == "n") <= 6400 // 2 + 100
+    batch = ds[:]
+    np.testing.assert_array_equal(batch["x"].numpy(), x)
+    assert batch["text"] == text
+    assert batch["n"].tolist() == list(range(rows))
+
+
 def test_load_columns_with_an_arrow_source_directly(table):
     columns = load_columns(ArrowSource(table, ["text", "i32"]), progress=False)
     assert list(columns) == ["text", "i32"]

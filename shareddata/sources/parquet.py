@@ -6,21 +6,27 @@ Note [Reading Parquet into shared memory]
 sized from the file metadata alone (row counts, and the null counts of the column
 statistics). Variable-length columns (strings, binary, lists) need the number of
 values, which Parquet metadata gives only as an upper bound, so a *sizing pass*
-reads each of them one row group at a time and keeps nothing but the total.
+reads each of them once and keeps nothing but the total.
 
-``read()`` then copies ONE ROW GROUP x ONE COLUMN at a time into the preallocated
-shared buffers: fixed-shape columns through ``to_numpy`` (zero-copy over the decoded
-Arrow buffer), variable-length columns through Arrow's ``offsets`` and ``values``
-buffers. Each chunk's offsets (int32 for ``string``/``list``) are rebased onto the
-running int64 total (:func:`rebase_offsets`), so columns beyond 2 GiB work. Arrow's
-memory is given back to the system after every row group (``release_unused``): its
-allocator otherwise keeps several times the data after a load (FACTS.md). Row groups
-are decoded with ``use_threads=False``: with one column per read, threads bring no
-speed, and their per-thread allocator heaps are what ``release_unused`` cannot return
-(measured on a 201 MiB file of 8 row groups: private memory peaked 53 MiB above the
-start and ended 3 MiB above it, against 77 and 31 MiB with threads). The loading
-process thus needs about one decoded row group of one column on top of the shared
-data.
+``read()`` then copies ONE COLUMN at a time, in batches of rows of one row group
+(``iter_batches``, about ``_BATCH_BYTES`` of decoded values each, from the row
+group's uncompressed size), into the preallocated shared buffers: fixed-shape
+columns through ``to_numpy`` (zero-copy over the decoded Arrow buffer),
+variable-length columns through Arrow's ``offsets`` and ``values`` buffers. Each
+chunk's offsets (int32 for ``string``/``list``) are rebased onto the running int64
+total (:func:`rebase_offsets`), so columns beyond 2 GiB work. Arrow's memory is
+given back to the system after every row group (``release_unused``): its allocator
+otherwise keeps several times the data after a load (FACTS.md).
+
+The loading process's private memory is thus bounded by a batch, not by the row
+group: decoding needs about eight times the batch's values (levels, pages, the
+values), so a whole row group at once peaked at 0.26x the data for a 1 GiB file of
+64 MiB row groups, and 4 MiB batches at 0.07x, in the same time
+(``benchmarks/bench_formats.py``). Batches are decoded with ``use_threads=False``,
+and not ahead in other threads: two threads decoding row groups ahead gained at
+most 17% on two cores for 2.5x the peak memory, and their per-thread allocator
+heaps are what ``release_unused`` cannot return (measured on a 201 MiB file of 8
+row groups: private memory ended 31 MiB above the start with threads, 3 without).
 
 Type mapping (Arrow type -> column kind):
 
@@ -85,6 +91,11 @@ def _parquet() -> ModuleType:
     import pyarrow.parquet
 
     return pyarrow.parquet
+
+
+_BATCH_BYTES = 4 << 20
+"""Decoded bytes of one column per batch (from the row group's uncompressed size)."""
+_MAX_BATCH_ROWS = 1 << 20
 
 
 def _release_arrow_memory() -> None:
@@ -769,34 +780,56 @@ class ParquetSource:
         return self._open
 
     def _each_chunk(self, column: _Column, fn: Callable[[str, str, Any], None]) -> None:
-        """Call ``fn(file, where, chunk)`` for one column, one row group at a time.
+        """Call ``fn(file, where, chunk)`` for one column, in bounded batches of rows.
 
-        Nothing of a row group is referenced once ``fn`` returns, and Arrow's memory
-        is given back before the next one is read.
+        Each row group is decoded a batch of about ``_BATCH_BYTES`` at a time
+        (Note [Reading Parquet into shared memory]); nothing of a batch is
+        referenced once ``fn`` returns, and Arrow's memory is given back after
+        every row group.
         """
         for info in self.files:
             pf = self._file(info)
             for i, rows in enumerate(info.row_groups):
                 where = f"{info.path} (row group {i})"
+                batch_rows = self._batch_rows(info, column, i)
+                seen = 0
                 try:
-                    table = pf.read_row_group(i, columns=[column.name], use_threads=False)
+                    for batch in pf.iter_batches(
+                        batch_size=batch_rows, row_groups=[i], columns=[column.name],
+                        use_threads=False,
+                    ):  # fmt: skip
+                        seen += batch.num_rows
+                        if seen > rows:
+                            break
+                        chunk = batch.column(0)
+                        del batch
+                        fn(info.path, where, _normalize(chunk))
+                        del chunk
                 except _arrow_errors() as e:
                     if isinstance(e, SharedDataError):
                         raise
                     raise _read_error(
                         info.path, e, f"reading column {column.name!r} of row group {i}"
                     ) from e
-                if table.num_rows != rows:
+                if seen != rows:
                     raise SourceReadError(
-                        f"{where} gave {table.num_rows} rows of {column.name!r} where its "
-                        f"metadata says {rows}; re-create the file."
+                        f"{where} gave {seen} rows of {column.name!r} where its metadata says "
+                        f"{rows}; re-create the file."
                     )
-                chunks = table.column(0).chunks
-                del table
-                while chunks:
-                    fn(info.path, where, _normalize(chunks.pop(0)))
                 _release_arrow_memory()
             self._close_open()
+
+    def _batch_rows(self, info: _ParquetFileInfo, column: _Column, i: int) -> int:
+        """Rows per batch so that one decoded batch is about ``_BATCH_BYTES``."""
+        rows = info.row_groups[i]
+        first = info.leaf_index.get(column.name)
+        if first is None or rows == 0:
+            return max(1, min(rows, _MAX_BATCH_ROWS))
+        group = info.metadata.row_group(i)
+        leaves = range(first, first + _leaf_count(column.arrow_type))
+        size = sum(group.column(j).total_uncompressed_size for j in leaves)
+        per_row = max(1, size // rows)
+        return max(1, min(rows, _MAX_BATCH_ROWS, _BATCH_BYTES // per_row))
 
     def _stats_nulls(self, column: _Column) -> dict[str, int] | None:
         """Nulls per file from the column statistics, or None where they are missing."""
@@ -844,7 +877,7 @@ class ParquetSource:
     def read(
         self, spec: ColumnSpec, buffers: dict[str, np.ndarray], progress: Callable[[int], None]
     ) -> None:
-        """Fill one column's buffers, one row group at a time."""
+        """Fill one column's buffers, one batch of rows at a time."""
         writer = _Writer(self._by_name[spec.name], spec, buffers)
         self._each_chunk(
             writer.column, lambda _, where, chunk: progress(writer.write(chunk, where))
@@ -866,9 +899,10 @@ class ParquetDataset(ColumnDataset):
     """A dataset of Parquet columns, loaded once into shared memory.
 
     The constructor reads each file's metadata, sizes the columns exactly (reading
-    variable-length columns once, one row group at a time), allocates one shared
-    segment, and copies one row group of one column at a time into it; the loading
-    process needs about one decoded row group on top of the data.
+    variable-length columns once), allocates one shared segment, and copies one
+    column at a time into it, in batches of a few MiB: the loading process needs
+    only a batch's worth of private memory on top of the data, whatever the size
+    of the row groups.
 
     Column types: integers, floats and bool give scalar tensors; ``fixed_size_list``
     of numbers (nested for more dimensions) gives tensors of that shape; strings give
