@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import functools
 import math
 import os
 import pickle
@@ -393,6 +394,17 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 _FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
 
 
+def _chunk_rows(rows: int, row_bytes: int) -> int:
+    """Rows per block: up to ``_BLOCK_BYTES``, and ~1/64 of a small dataset.
+
+    The main thread waits at the end for the blocks still queued (up to three): small
+    blocks keep that tail short for small datasets, 64+ rows keep the cost per block
+    (a few Python calls) negligible per row.
+    """
+    return max(16, min(4096, _BLOCK_BYTES // max(row_bytes, 1), max(64, -(-rows // 64))))
+
+
+@functools.cache
 def _madvise() -> Any:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -578,8 +590,7 @@ class _Builder:
         }
         self.sinks: list[list[Any]] = [[] for _ in self.leaves]
         self.start = 0  # the row of the first value in the sinks
-        row_bytes = sum(a.nbytes for a in arrays) // rows
-        self.chunk = max(16, min(4096, _BLOCK_BYTES // max(row_bytes, 1)))
+        self.chunk = _chunk_rows(rows, sum(a.nbytes for a in arrays) // rows)
         self.writer: _Writer | None = None  # started at the first block (not before a fork)
         self.fast = _compile(self.schema, self.leaves, self.sinks)
         self.orphans: dict[int, SharedArray] = {}  # fixed leaves made ragged (their old rows)
