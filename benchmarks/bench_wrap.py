@@ -21,8 +21,10 @@ Run: python benchmarks/bench_wrap.py [--items N [N ...]] [--repeats R] [--quick]
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
+import mmap
 import os
 import pickle
 import statistics
@@ -113,10 +115,35 @@ def _collect(ds: Dataset) -> None:
     del items
 
 
+def _pages_only(ds: Dataset) -> None:
+    """The kernel's part alone: fill and map fresh shared pages for ``ds``'s images.
+
+    What SharedDataset's writer thread does, without any dataset: ``pwrite`` blocks of
+    4 MiB into a new memfd, each mapped with ``MADV_POPULATE_READ``.
+    """
+    size = len(ds) * 3 * 32 * 32 * 4
+    block = np.zeros(4 << 20, np.uint8)
+    fd = os.memfd_create("bench-wrap", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as mapped:
+            address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+            for offset in range(0, size, block.nbytes):
+                n = os.pwrite(fd, block[: size - offset], offset)
+                LIBC.madvise(address + offset, n, 22)  # MADV_POPULATE_READ
+    finally:
+        os.close(fd)
+
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
 def _methods(workers: bool) -> dict[str, Callable[[Dataset], Any]]:
     methods: dict[str, Callable[[Dataset], Any]] = {
         "iterate": _iterate,
         "collect": _collect,
+        "pages_only": _pages_only,
         "shared": lambda ds: sd.SharedDataset(ds, progress=False),
     }
     if workers:
@@ -126,14 +153,16 @@ def _methods(workers: bool) -> dict[str, Callable[[Dataset], Any]]:
 
 def _measure(fn: Callable[[], Any]) -> dict[str, float]:
     mon = bf.CpuMonitor()
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    main0, cpu0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
     result = fn()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    main = time.thread_time() - main0
     cores = mon.result()
     del result
     return {
         "wall_s": wall,
         "cpu_s": cpu,
+        "main_cpu_s": main,
         "others_cores": cores["others_cores"],
         "steal_cores": cores["steal_cores"],
     }
@@ -171,6 +200,9 @@ def time_materialisation(
         "median_wall_s": med,
         "median_cpu_s": {
             name: statistics.median(r["cpu_s"] for r in rs) for name, rs in runs.items()
+        },
+        "median_main_cpu_s": {
+            name: statistics.median(r["main_cpu_s"] for r in rs) for name, rs in runs.items()
         },
         "ratio_to_iterate": {name: med[name] / med["iterate"] for name in med},
         "ratio_to_collect": {name: med[name] / med["collect"] for name in med},
@@ -235,13 +267,15 @@ def _report(
         f"Medians of {len(timing[0]['runs']['iterate'])} interleaved repetitions (range in "
         "brackets). `iterate`: `for i in range(len(ds)): ds[i]` (the baseline of the target, "
         f"<= {TARGET_RATIO}x); `collect`: `[ds[i] for i in range(len(ds))]`, which also pays "
-        "for the memory the items take. CPU: this process, every thread (the writer thread "
-        "runs beside the iteration; workers are not counted). A repetition during which "
-        "other processes used more than a few tenths of a core was measured again "
-        "(`re-run`).",
+        "for the memory the items take; `pages_only`: no dataset, only what SharedDataset's "
+        "writer thread asks of the kernel for the images (fill fresh shared pages with "
+        "`pwrite`, map them), the part that runs beside the iteration. CPU: this process, "
+        "every thread (DataLoader workers not counted); main: the calling thread alone. A "
+        "repetition during which other processes used more than a few tenths of a core was "
+        "measured again (`re-run`).",
         "",
-        "| items | method | wall s | x iterate | x collect | CPU s | re-run |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| items | method | wall s | x iterate | x collect | CPU s | main CPU s | re-run |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for t in timing:
         for name in t["median_wall_s"]:
@@ -250,7 +284,7 @@ def _report(
                 f"| {t['items']} | {name} | {t['median_wall_s'][name]:.3f} "
                 f"({min(walls):.3f}-{max(walls):.3f}) | **{t['ratio_to_iterate'][name]:.2f}** | "
                 f"{t['ratio_to_collect'][name]:.2f} | {t['median_cpu_s'][name]:.3f} | "
-                f"{len(t['disturbed'][name])} |"
+                f"{t['median_main_cpu_s'][name]:.3f} | {len(t['disturbed'][name])} |"
             )
     if waiting:
         lines += [
