@@ -51,7 +51,8 @@ class Source(Protocol):
     ) -> None:
         """Fill ``buffers`` (laid out as ``COLUMN_KINDS[spec.kind].layout(spec)``).
 
-        Call ``progress(nbytes)`` as data arrives.
+        Call ``progress(nbytes)`` as data arrives, and ``_storage.ready(buffer[:end])``
+        before writing up to ``end``: the pages may still be being allocated.
         """
         ...
 
@@ -149,7 +150,9 @@ def _load_here(
             check_lengths(specs, source.label)
         layouts = [(spec, COLUMN_KINDS[spec.kind].layout(spec)) for spec in specs]
         flat = [shape_dtype for _, layout in layouts for shape_dtype in layout.values()]
-        arrays = allocate(flat, storage_dir, what=source.label)
+        # pages are allocated while the source fills the first ones: Note [Filling
+        # while the pages are allocated] in _storage.py
+        arrays = allocate(flat, storage_dir, what=source.label, ahead=True)
         grouped: list[dict[str, Any]] = []
         it = iter(arrays)
         for _, layout in layouts:
@@ -157,10 +160,13 @@ def _load_here(
         del it
         try:
             _fill(source, layouts, grouped, progress)
+            if arrays:
+                arrays[0].segment.finish_population()
         except BaseException:
             # Free the segment now, although the traceback still refers to the
             # buffers: Note [Freeing a failed load] in _storage.py.
             if arrays:
+                arrays[0].segment.stop_population()
                 arrays[0].segment.discard()
             raise
     finally:

@@ -259,6 +259,7 @@ class Segment:
         storage_dir: str | os.PathLike[str] | None = None,
         what: str = "this allocation",
         reserve: bool = True,
+        ahead: bool = False,
     ) -> Segment:
         """Allocate a segment of ``nbytes``, reserving every page before returning.
 
@@ -270,6 +271,11 @@ class Segment:
             reserve: ``False`` only sizes the file (capacity still checked): for a
                 writer that fills it with ``os.pwrite`` on :attr:`fd`, which reports a
                 full memory as an error, never through the mapping (a SIGBUS then).
+            ahead: with ``reserve``, for RAM with room to spare, return at once while
+                threads allocate the pages in address order; the caller fills the
+                first ones meanwhile, calling :func:`ready` before writing any range,
+                and ends with :meth:`finish_population` (:meth:`stop_population` on an
+                error). Note [Filling while the pages are allocated].
 
         Raises:
             SharedMemoryFullError: before anything is written, when there is no room.
@@ -303,32 +309,44 @@ class Segment:
         segment.created_here = True
         if reserve:
             try:
-                segment._reserve(by_faults, directory, what)
+                if ahead and directory is None and available_memory(None) >= 2 * size:
+                    segment._population = _Population(segment, directory, what)
+                else:
+                    segment._reserve(by_faults, directory, what)
             except BaseException:
                 segment.close()
                 raise
         return segment._register()
+
+    _population: _Population | None = None
 
     def _reserve(self, by_faults: bool, directory: str | None, what: str) -> None:
         """Allocate (``by_faults``) and map every page: Note [Allocating shared pages]."""
         if by_faults:
             _madvise(_address(self.mmap), self.size, _MADV_HUGEPAGE)  # a hint; may do nothing
         error = self._populate()
-        if not by_faults or error == 0:
-            return
-        if error in _FULL_ERRNOS or error == errno.EFAULT:  # EFAULT: the fault hit SIGBUS
-            raise _full_error(self.size, available_memory(directory), directory, what)
-        try:  # MADV_POPULATE_WRITE unknown (Linux < 5.14): reserve with fallocate
-            os.posix_fallocate(self.fd, 0, self.size)
-        except OSError as e:
-            if e.errno in _FULL_ERRNOS:
-                raise _full_error(self.size, available_memory(directory), directory, what) from e
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
+        if by_faults and error:
+            _population_failed(error, self.fd, self.size, directory, what)
 
     def _populate(self) -> int:
         """Map (and allocate) every page with ``MADV_POPULATE_WRITE``; 0 or the errno."""
         return populate(_address(self.mmap), self.size)
+
+    def finish_population(self) -> None:
+        """Wait until the pages that ``create(ahead=True)`` allocates are all in.
+
+        Raises:
+            SharedMemoryFullError: a page could not be allocated.
+        """
+        if self._population is not None:
+            self._population.finish()
+            self._population = None
+
+    def stop_population(self) -> None:
+        """Stop allocating the pages of ``create(ahead=True)`` and wait for the threads."""
+        if self._population is not None:
+            self._population.stop()
+            self._population = None
 
     def handle(self) -> tuple[Any, ...]:
         """What pickling sends: enough for another process to open and map this file."""
@@ -591,6 +609,158 @@ def populate(address: int, nbytes: int, threads: int | None = None) -> int:
         if interrupted is not None:
             raise interrupted
     return errors[0] if errors else 0
+
+
+def _population_failed(error: int, fd: int, size: int, directory: str | None, what: str) -> None:
+    """Raise SharedMemoryFullError for a failed population, or fall back to fallocate."""
+    if error in _FULL_ERRNOS or error == errno.EFAULT:  # EFAULT: the fault hit SIGBUS
+        raise _full_error(size, available_memory(directory), directory, what)
+    try:  # MADV_POPULATE_WRITE unknown (Linux < 5.14): reserve with fallocate
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in _FULL_ERRNOS:
+            raise _full_error(size, available_memory(directory), directory, what) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+# Note [Filling while the pages are allocated]
+# ============================================
+# A dataset's segment is filled front to back (column after column, row block after
+# row block). ``Segment.create(ahead=True)`` therefore returns as soon as the file
+# is sized, and threads allocate and map its pages in address order (``_Population``,
+# 32 MiB per step) while the source already copies into the first ones: the copy
+# hides behind the page allocation (``benchmarks/bench_formats.py``, section 1).
+#
+# Writes never overtake the population: a writer calls :func:`ready` for the range
+# it is about to fill, which waits for the steps below its end. So a page is only
+# ever written once it is allocated, and a failed allocation is raised there as
+# SharedMemoryFullError (the loader then stops the threads and discards the
+# segment), never as a SIGBUS. ``load_columns`` ends the fill with
+# ``finish_population`` (the pages no writer asked for, e.g. alignment gaps) or, on
+# any error, ``stop_population`` before ``discard``: no thread ever touches a
+# segment that is gone.
+#
+# Allocation can then fail after the first rows are copied, where a reserved
+# segment fails before. Only RAM segments with at least twice their size free are
+# filled this way, so that takes another process grabbing the memory in between;
+# near the limit, and for ``storage_dir`` (a small tmpfs, a disk), every page is
+# reserved before the source gets its buffers, as for any other segment.
+
+_POPULATIONS: list[_Population] = []
+_POPULATIONS_LOCK = threading.Lock()
+
+
+class _Population:
+    """The pages of a new segment, allocated and mapped by threads in address order."""
+
+    def __init__(self, segment: Segment, directory: str | None, what: str) -> None:
+        self.fd, self.size = segment.fd, segment.size
+        self.base = _address(segment.mmap)
+        self.directory, self.what = directory, what
+        self.steps = -(-self.size // _POPULATE_STEP)
+        self._done = [False] * self.steps
+        self._ready = 0  # steps [0, _ready) are done
+        self._next = 0
+        self._error = 0
+        self._stopped = False
+        self._cond = threading.Condition()
+        _madvise(self.base, self.size, _MADV_HUGEPAGE)  # a hint; may do nothing
+        with _POPULATIONS_LOCK:
+            _POPULATIONS.append(self)
+        # a segment dropped without finish()/stop(): end the threads before it unmaps
+        self._finalizer = weakref.finalize(segment, self.stop)
+        self._threads = [
+            threading.Thread(target=self._work, name="shareddata-populate", daemon=True)
+            for _ in range(population_threads(self.size))
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped or self._error or self._next >= self.steps:
+                    return
+                step = self._next
+                self._next += 1
+            start = step * _POPULATE_STEP
+            length = min(_POPULATE_STEP, self.size - start)
+            error = _madvise(self.base + start, length, _MADV_POPULATE_WRITE)
+            with self._cond:
+                self._error = self._error or error
+                self._done[step] = True
+                while self._ready < self.steps and self._done[self._ready]:
+                    self._ready += 1
+                self._cond.notify_all()
+
+    def wait(self, end: int) -> None:
+        """Return once bytes ``[0, end)`` are allocated and mapped; raise if that failed."""
+        need = min(self.steps, -(-end // _POPULATE_STEP))
+        with self._cond:
+            while self._ready < need and not self._error:
+                self._cond.wait()
+            error = self._error
+        if error:
+            self._stop_threads()
+            with self._cond:
+                if self._error:  # the first waiter handles it; an old kernel falls back
+                    _population_failed(error, self.fd, self.size, self.directory, self.what)
+                    self._error, self._ready = 0, self.steps
+
+    def finish(self) -> None:
+        self.wait(self.size)
+        self._stop_threads()
+        self._unregister()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+        self._stop_threads()
+        self._unregister()
+
+    def _unregister(self) -> None:
+        self._finalizer.detach()
+        with _POPULATIONS_LOCK:
+            if self in _POPULATIONS:
+                _POPULATIONS.remove(self)
+
+    def _stop_threads(self) -> None:
+        interrupted: BaseException | None = None
+        for thread in self._threads:
+            if thread is threading.current_thread():  # a collection ran in this thread
+                continue
+            while thread.is_alive():  # never return (or raise) with a thread running
+                try:
+                    thread.join()
+                except BaseException as e:
+                    with self._cond:
+                        self._stopped = True
+                    interrupted = e
+        if interrupted is not None:
+            raise interrupted
+
+
+def ready(array: np.ndarray, nbytes: int | None = None) -> None:
+    """Wait until the pages under ``array`` (its first ``nbytes``) may be written.
+
+    Only segments made with ``create(ahead=True)`` wait (Note [Filling while the
+    pages are allocated]); for any other memory this returns at once.
+
+    Raises:
+        SharedMemoryFullError: a page of the segment could not be allocated.
+
+    Example:
+        >>> ready(np.zeros(4))  # private memory: nothing to wait for
+    """
+    if not _POPULATIONS:
+        return
+    start = array.__array_interface__["data"][0]
+    end = start + (array.nbytes if nbytes is None else nbytes)
+    for population in list(_POPULATIONS):
+        if population.base <= start < population.base + population.size:
+            population.wait(end - population.base)
+            return
 
 
 def _is_tmpfs(fd: int) -> bool:
@@ -893,6 +1063,7 @@ def allocate(
     storage_dir: str | os.PathLike[str] | None = None,
     what: str = "this dataset",
     reserve: bool = True,
+    ahead: bool = False,
 ) -> list[SharedArray]:
     """Allocate several arrays in ONE segment (one descriptor, one capacity check).
 
@@ -901,6 +1072,7 @@ def allocate(
         storage_dir: ``None`` for RAM; a directory for file-backed arrays.
         what: how to name the allocation in errors.
         reserve: see :meth:`Segment.create`.
+        ahead: see :meth:`Segment.create`: write only after :func:`ready`.
 
     Returns:
         The arrays, writable, in the order given.
@@ -913,7 +1085,8 @@ def allocate(
         offsets.append(end)
         end += math.prod(shape) * dtype.itemsize
         norm.append((shape, dtype))
-    segment = Segment.create(end, storage_dir, what=what, reserve=reserve)
+    ahead = ahead and end > 0  # nothing to fill: nothing to wait for
+    segment = Segment.create(end, storage_dir, what=what, reserve=reserve, ahead=ahead)
     return [SharedArray(segment, o, s, d) for o, (s, d) in zip(offsets, norm)]
 
 
@@ -925,12 +1098,14 @@ def copy_chunked(dest: np.ndarray, src: np.ndarray, progress: Any = None) -> Non
     if dest.shape != src.shape:
         raise ValueError(f"shape mismatch: {src.shape} into {dest.shape}")
     if dest.ndim == 0 or dest.shape[0] == 0:
+        ready(dest)
         dest[...] = src
         return
     row_bytes = max(1, dest.nbytes // dest.shape[0])
     step = max(1, _CHUNK // row_bytes)
     for start in range(0, dest.shape[0], step):
         stop = min(start + step, dest.shape[0])
+        ready(dest[:stop])  # a segment still being allocated: Note [Filling while ...]
         dest[start:stop] = src[start:stop]
         if progress is not None:
             progress((stop - start) * row_bytes)

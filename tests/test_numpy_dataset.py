@@ -314,48 +314,59 @@ def test_verify_passes_a_numpy_dataset_with_4_workers(method):
     assert len([p for p in report.processes if p.role.startswith("worker")]) == 4
 
 
-def _mapped_bytes(array: np.ndarray) -> int:
-    """Resident bytes (smaps ``Rss``) of the mapping that holds ``array``."""
-    start = array.ctypes.data
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= start < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the array")
-
-
-def test_a_dataset_is_allocated_and_mapped_before_it_is_filled(tmp_path, monkeypatch):
-    # Note [Allocating shared pages]: when the source gets its buffers, every page is
-    # allocated and mapped, by several threads when there are cores and bytes for them
+def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, monkeypatch):
+    # Note [Filling while the pages are allocated]: threads allocate and map the
+    # segment in address order while the file is read into its first pages; a read
+    # waits until the pages it fills are in
     from shareddata import _storage
-    from shareddata.sources import npy
+    from shareddata.sources import _io
 
-    nbytes = 96 << 20
+    nbytes = 160 << 20
     np.save(tmp_path / "x.npy", np.ones(nbytes // 4, np.float32))
-    mapped, threads = [], []
-    real_read, real_populate = npy._NpyFile.read, _storage.populate
+    monkeypatch.setattr(_io, "_CHUNK", 16 << 20)
+    reads, real_preadv = [], os.preadv
 
-    def read(self, out, progress, *args):
-        mapped.append(_mapped_bytes(out))
-        return real_read(self, out, progress, *args)
+    def preadv(fd, buffers, offset):
+        (population,) = _storage._POPULATIONS
+        address = np.frombuffer(buffers[0], np.uint8).ctypes.data
+        end = address + len(buffers[0]) - population.base
+        reads.append((end, population._ready * _storage._POPULATE_STEP))
+        return real_preadv(fd, buffers, offset)
 
-    def populate(address, size, count=None):
-        threads.append(_storage.population_threads(size) if count is None else count)
-        return real_populate(address, size, count)
-
-    monkeypatch.setattr(npy._NpyFile, "read", read)
-    monkeypatch.setattr(_storage, "populate", populate)
+    monkeypatch.setattr(os, "preadv", preadv)
     ds = sd.NumpyDataset(tmp_path / "x.npy")
-    assert mapped[0] >= nbytes
-    assert threads == [min(len(os.sched_getaffinity(0)), 3)]  # 32 MiB per thread at least
+    assert len(reads) == 10
+    assert all(end <= populated for end, populated in reads)  # never ahead of the pages
+    assert any(populated < nbytes for _, populated in reads)  # reads did not wait for all
+    assert not _storage._POPULATIONS
+    assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
     segment = ds._columns["x"].arrays["data"].segment
-    assert os.fstat(segment.fd).st_blocks * 512 >= nbytes
+    assert os.fstat(segment.fd).st_blocks * 512 >= nbytes  # every page allocated
     assert float(ds[:]["x"].sum()) == nbytes // 4
+
+
+def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkeypatch):
+    from shareddata import _storage
+
+    np.save(tmp_path / "x.npy", np.ones((128 << 20) // 4, np.float32))
+    real = _storage._madvise
+
+    def madvise(address, length, advice):  # memory runs out at the fourth step
+        populations = _storage._POPULATIONS
+        step = address - populations[-1].base if populations else 0
+        if advice == _storage._MADV_POPULATE_WRITE and step >= 3 * _storage._POPULATE_STEP:
+            return errno.ENOMEM
+        return real(address, length, advice)
+
+    monkeypatch.setattr(_storage, "_madvise", madvise)
+    gc.collect()
+    fds = open_fds()
+    with pytest.raises(sd.SharedMemoryFullError, match=r"x\.npy needs 128\.0 MiB"):
+        sd.NumpyDataset(tmp_path / "x.npy")
+    gc.collect()
+    assert open_fds() == fds  # the segment is gone
+    assert not _storage._POPULATIONS
+    assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
 
 
 def test_populating_stops_every_thread_at_the_first_error(monkeypatch):
@@ -373,3 +384,16 @@ def test_populating_stops_every_thread_at_the_first_error(monkeypatch):
     assert _storage.populate(1 << 30, 16 * _storage._POPULATE_STEP, threads=4) == errno.ENOMEM
     assert threading.active_count() == before  # every helper has ended
     assert len(calls) <= 4  # each thread stopped after its first step
+
+
+def test_a_segment_dropped_while_its_pages_are_allocated_stops_the_threads():
+    from shareddata import _storage
+
+    segment = _storage.Segment.create(256 << 20, ahead=True)
+    assert len(_storage._POPULATIONS) == 1
+    del segment
+    gc.collect()
+    assert not _storage._POPULATIONS
+    assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
+    small = sd.SharedArray.empty(16, np.uint8)  # new mappings are not mistaken for it
+    _storage.ready(small.numpy())

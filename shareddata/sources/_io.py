@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .._storage import ready
 from ..errors import SourceReadError
 
 __all__ = ["read_into"]
@@ -43,12 +44,14 @@ def read_into(
         >>> out.tolist()
         [3, 4, 5, 6]
     """
-    view = out.reshape(-1).view(np.uint8).data
+    flat = out.reshape(-1).view(np.uint8)
+    view = flat.data
     pos = 0
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             while pos < len(view):
+                ready(flat, pos + _CHUNK)  # pages still being allocated: wait for them
                 n = os.preadv(fd, [view[pos : pos + _CHUNK]], offset + pos)
                 if n == 0:
                     raise SourceReadError(

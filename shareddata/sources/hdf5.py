@@ -44,6 +44,7 @@ import numpy as np
 
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
+from .._storage import ready
 from ..errors import (
     ColumnLengthError,
     MissingColumnError,
@@ -507,6 +508,7 @@ class HDF5Source:
             mtype = h5t.py_create(np.dtype((plan.dtype, ds.dtype.subdtype[1])))
             file_space = ds.id.get_space()
         for start, stop in self._steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
+            ready(out[:stop])  # pages still being allocated: wait for them
             if plan.reader == "direct":
                 ds.read_direct(out, np.s_[start:stop], np.s_[start:stop])
             else:  # H5T_ARRAY: read_direct cannot convert, the low-level read can
@@ -601,6 +603,7 @@ class HDF5Source:
             for chunk in stored:
                 if len(pending) >= 4 * threads:
                     progress(pending.popleft().result())
+                ready(out[: min(chunk[0][0] + chunks[0], shape[0])])  # its pages are in
                 pending.append(executor.submit(place, *chunk))
             while pending:
                 progress(pending.popleft().result())
@@ -671,6 +674,7 @@ class HDF5Source:
         values: np.ndarray,
         progress: Callable[[int], None],
     ) -> None:
+        ready(offsets[:1])
         offsets[0] = 0
         progress(offsets.itemsize)
         if plan.reader == "opaque":
@@ -687,6 +691,8 @@ class HDF5Source:
                     f"{self.label}: dataset {plan.name!r} changed while it was being loaded "
                     f"(rows {start}:{stop}); load it again when nothing writes to the file."
                 )
+            ready(offsets[: stop + 1])  # pages still being allocated: wait for them
+            ready(values[: base + total])
             np.cumsum(lengths, out=offsets[start + 1 : stop + 1])
             offsets[start + 1 : stop + 1] += base
             dest = values[base : base + total]

@@ -20,7 +20,7 @@ import torch
 
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
-from .._storage import copy_chunked
+from .._storage import copy_chunked, ready
 from ..errors import MissingColumnError, MissingFileError, SourceReadError, UnsupportedDtypeError
 from ._io import read_into
 
@@ -189,7 +189,8 @@ class _NpzMember(_Entry):
                 f"{self.label} is stored in Fortran order inside an .npz; save it C-ordered "
                 "(np.ascontiguousarray) or as a separate .npy file."
             )
-        view = out.reshape(-1).view(np.uint8).data
+        flat = out.reshape(-1).view(np.uint8)
+        view = flat.data
         try:
             with cast(io.BufferedIOBase, self.archive.open(self.member)) as f:  # a ZipExtFile
                 _read_header(f, self.label)
@@ -201,6 +202,7 @@ class _NpzMember(_Entry):
                     skip -= n
                 pos = 0
                 while pos < len(view):
+                    ready(flat, pos + _CHUNK)  # pages still being allocated: wait for them
                     n = f.readinto(view[pos : pos + _CHUNK])
                     if not n:
                         raise SourceReadError(f"{self.label} ended early, after {pos} bytes")

@@ -59,6 +59,7 @@ import numpy as np
 
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
+from .._storage import ready
 from ..errors import (
     MissingColumnError,
     MissingFileError,
@@ -484,6 +485,7 @@ class _Writer:
         if spec.kind == "tensor":
             self.flat = buffers["data"].reshape(-1)
         else:
+            ready(buffers["offsets"][:1])
             buffers["offsets"][0] = 0
 
     def write(self, arr: Any, where: str) -> int:
@@ -501,6 +503,7 @@ class _Writer:
             leaf, mask = _leaf(arr)
             values = _numpy_values(leaf, spec.dtype)
             lo, hi = self.row * self.per_row, (self.row + n) * self.per_row
+            ready(self.flat[:hi])  # pages still being allocated: wait for them
             dest = self.flat[lo:hi]
             dest[...] = values
             if mask is not None:
@@ -514,6 +517,8 @@ class _Writer:
                 f"{where} has more values in column {spec.name!r} than the sizing pass counted "
                 f"({spec.values}); was the file changed while it was being loaded?"
             )
+        ready(self.buffers["offsets"][: self.row + n + 1])  # pages still being allocated
+        ready(self.buffers["values"][:end])
         dest_offsets = self.buffers["offsets"][self.row + 1 : self.row + n + 1]
         rebase_offsets(offsets, self.value, dest_offsets)
         dest = self.buffers["values"][self.value : end]
