@@ -1,58 +1,61 @@
-"""The page-fault limit behind HDF5/npy load ratios: first touch of 1 GiB, three ways.
+"""The page-fault limit behind the load ratios: first touch of fresh pages, five ways.
 
-    python benchmarks/bench_first_touch.py [--mib 1024]
+    python benchmarks/bench_first_touch.py [--mib 1024] [--repeats 3]
 
-numpy asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``) on large private
-arrays, so a baseline that reads into ``np.empty`` faults 2 MiB pages. Shared memory
-(memfd/tmpfs) gets huge pages only when ``/sys/kernel/mm/transparent_hugepage/
-shmem_enabled`` allows it, so a load into shared pages faults 4 KiB pages. The
-second and third lines are the fair comparison; the first is what the baseline gets.
+Runs section 1 of ``bench_formats.py`` alone (each measurement in a fresh process)
+and writes ``benchmarks/results/first_touch.md``. numpy asks for transparent huge
+pages (``madvise(MADV_HUGEPAGE)``) on large private arrays, so a baseline that reads
+into ``np.empty`` faults 2 MiB pages. Shared memory (memfd/tmpfs) gets huge pages
+only when ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` (or the tmpfs mount)
+allows it, so a load into shared pages faults 4 KiB pages unless the kernel allows
+more; shareddata allocates them with several threads (``_storage.populate``).
 """
 
+from __future__ import annotations
+
 import argparse
-import mmap
 import os
-import time
+import sys
+import tempfile
 
 import numpy as np
 
-
-def touch(array: np.ndarray) -> float:
-    start = time.perf_counter()
-    array[...] = 1
-    return time.perf_counter() - start
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_formats as bf  # noqa: E402  (the benchmarks folder is not a package)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     n = args.mib << 20
-    with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-        print(f"shmem_enabled: {f.read().strip()}")
-    times = {}
-    for huge in (True, False):
-        np._core.multiarray._set_madvise_hugepage(huge)
-        label = f"private numpy array, huge pages {'on' if huge else 'off'}"
-        times[label] = sorted(touch(np.empty(n, np.uint8)) for _ in range(args.repeats))
-    np._core.multiarray._set_madvise_hugepage(True)
-    shared = []
-    for _ in range(args.repeats):
-        fd = os.memfd_create("first-touch")
-        os.ftruncate(fd, n)
-        with mmap.mmap(fd, n) as m:
-            array = np.frombuffer(m, np.uint8)
-            shared.append(touch(array))
-            del array
-        os.close(fd)
-    times["shared memfd (what shareddata fills)"] = sorted(shared)
-    base = times["private numpy array, huge pages on"][args.repeats // 2]
-    print(f"| first touch of {args.mib} MiB | median s | vs private + huge pages |")
-    print("|---|---:|---:|")
-    for label, ts in times.items():
-        median = ts[args.repeats // 2]
-        print(f"| {label} | {median:.3f} | {median / base:.2f}x |")
+    with tempfile.TemporaryDirectory(prefix="sd-first-touch-") as tmp:
+        path = os.path.join(tmp, "data.npy")
+        np.save(path, np.ones(n, np.uint8))
+        bf.warm(path)
+        z = bf.Zygote()
+        try:
+            limits = bf.bench_limits(z, path, n, args.repeats)
+        finally:
+            z.close()
+    base = limits["private numpy, huge pages"]["s"]
+    lines = [
+        f"# First touch of {args.mib} MiB (median of {args.repeats} fresh processes)",
+        "",
+        f"`shmem_enabled`: `{bf.shmem_enabled()}`; "
+        f"{len(os.sched_getaffinity(0))} usable cores; load average {os.getloadavg()[0]:.2f}.",
+        "",
+        "| | s | GB/s | vs private + huge pages |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, v in limits.items():
+        lines.append(f"| {label} | {v['s']:.3f} | {n / v['s'] / 1e9:.2f} | {v['s'] / base:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    os.makedirs(bf.RESULTS, exist_ok=True)
+    with open(os.path.join(bf.RESULTS, "first_touch.md"), "w") as f:
+        f.write(text)
+    print(text)
 
 
 if __name__ == "__main__":

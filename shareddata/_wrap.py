@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from ._columns import BytesColumn, Column, ColumnSpec, TensorColumn, shared_empty
+from ._columns import BytesColumn, Column, ColumnSpec
 from ._dataset import ColumnDataset, _progress_bar
 from ._materialise import _VarBuffer, build_columns, rebuild, restore
 from ._storage import _fmt, allocate, seal
@@ -113,21 +113,6 @@ class SharedDataset(ColumnDataset):
                 kind = kind[: -len("+ragged")]
             leaf_values.append(restore(kind, value))
         return rebuild(self._schema, leaf_values)
-
-    def _gather_checked(self, idx: torch.Tensor, shared: bool) -> list[Any]:
-        if not shared:
-            return super()._gather_checked(idx, False)
-        # In a worker. Items are rebuilt from these batches and collated anew, so the
-        # batches never leave the worker: gather them into torch's shared memory, which
-        # is unmapped as soon as they go (a private temporary per batch grows the worker's
-        # heap, and a batch memfd of _transport.py waits for an acknowledgement that
-        # never comes).
-        return [
-            c.gather(idx, out=shared_empty(c.batch_shape(len(idx)), c.arrays["data"].torch().dtype))
-            if isinstance(c, TensorColumn)
-            else c.gather(idx)
-            for c in self._columns.values()
-        ]
 
     def __getitem__(self, index: Any) -> Any:
         from ._dataset import _is_int
