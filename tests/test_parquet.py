@@ -746,3 +746,15 @@ def test_arrow_tables_are_told_apart_across_ranks():
     assert key(a) == key(pa.table({"x": list(range(1000)), "s": [str(i) for i in range(1000)]}))
     assert key(a) != key(a.set_column(0, "x", pa.array(list(range(1, 1001)))))
     assert key(a) != key(a.select(["x"]))
+
+
+def test_invalid_utf8_in_a_string_column_is_refused_naming_file_and_column(tmp_path):
+    # Parquet readers do not check UTF-8: without the check, the load succeeded and a
+    # later ds[i] raised a UnicodeDecodeError that named nothing (found by fuzzing)
+    text = pa.array([b"ok", b"caf\xc3\xa9", b"bad \xbc byte"], pa.binary()).view(pa.string())
+    path = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"text": text, "n": [1, 2, 3]}), path)
+    with pytest.raises(sd.SourceReadError, match=r"text\.parquet.*'text'.*not UTF-8") as info:
+        ParquetDataset(path, progress=False)
+    assert "binary" in str(info.value)
+    assert ParquetDataset(path, columns=["n"], progress=False)[2]["n"].item() == 3
