@@ -375,6 +375,7 @@ class Segment:
         For a dataset's segment once it is filled: nothing writes to it any more,
         and no forked DataLoader worker can write through to the others.
         """
+        _libc_mmap()  # looked up here: a fork child must not dlopen (the loader's lock)
         with _ATTACH_LOCK:
             _SEALED.add(self)
 
@@ -461,6 +462,7 @@ _SEALED: weakref.WeakSet[Segment] = weakref.WeakSet()
 _MAP_PRIVATE_FIXED = 0x02 | 0x10
 
 
+@functools.lru_cache(maxsize=1)
 def _libc_mmap() -> Any:
     import ctypes
 

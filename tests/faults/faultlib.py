@@ -130,6 +130,8 @@ def wait_line(proc, marker, timeout=120):
 
 
 TRAIN = r"""
+import faulthandler
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks, on request
 import numpy as np, shareddata as sd
 from torch.utils.data import DataLoader
 method, workers, mib, where = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

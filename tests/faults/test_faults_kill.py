@@ -130,7 +130,15 @@ def test_ctrl_c_during_iteration_with_workers():
         wait_line(proc, "@@RUNNING")
         t = time.time()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # a hang: print every process's stacks, then fail
+            os.killpg(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            print("@@HUNG", json.dumps(err[-12000:]), flush=True)
+            raise SystemExit(1)
         print("@@RC", proc.returncode, time.time() - t)
         print("@@ERR", json.dumps(err[-3000:]))
         """
