@@ -499,6 +499,18 @@ def _stop_persistent_workers(loader: DataLoader) -> None:
     """Shut down workers a persistent loader kept, so the main process is measured alone."""
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None and getattr(iterator, "_workers", None):
+        done = getattr(iterator, "_num_yielded", 0)
+        if 0 < done < len(iterator):
+            import warnings
+
+            warnings.warn(
+                f"verify() restarts the workers of this persistent DataLoader, which is "
+                f"{done} batches into an epoch of {len(iterator)}: a loop still iterating it "
+                "(e.g. a Lightning fit loop) ends without an error. Call verify() between "
+                "epochs, or on a separate DataLoader built the same way.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         iterator._shutdown_workers()
         loader._iterator = None
 

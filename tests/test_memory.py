@@ -284,7 +284,10 @@ def test_persistent_workers_already_running_are_restarted(shared_tensor):
     )
     next(iter(loader))
     old = [w.pid for w in loader._iterator._workers]
-    report = verify(loader, batches=BATCHES)
+    # the epoch in progress ends with the workers: a loop still iterating it would stop
+    # without an error (a Lightning fit loop), so verify() says so
+    with pytest.warns(RuntimeWarning, match="1 batches into an epoch of .*between epochs"):
+        report = verify(loader, batches=BATCHES)
     # Measured from a main process without workers: still one copy, not 1 + 2/3.
     assert 0.9 <= report.duplication <= 1.10
     assert not set(old) & set(worker_pids(report))
