@@ -983,7 +983,10 @@ def bench_load(cfg: Config, tmp: str) -> dict[str, Any]:
         label = f"{size // MIB}MiB"
         try:
             if callable(run):
-                out[str(size)] = run(size=size, repeats=cfg.reps, tmp_dir=tmp)
+                # the full run's 1 GiB loads are also bench_formats' own results
+                results = os.path.join(REPO, "benchmarks", "results")
+                keep = results if size == GIB and not cfg.quick else None
+                out[str(size)] = run(size=size, repeats=cfg.reps, tmp_dir=tmp, out=keep)
             else:
                 copy_dir = os.path.join(tmp, f"formats-{label}")
                 os.makedirs(copy_dir, exist_ok=True)
