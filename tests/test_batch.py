@@ -168,3 +168,70 @@ def test_a_worker_closes_batches_that_a_transform_replaced():
             counts.append(len(os.listdir(f"/proc/{it._workers[0].pid}/fd")))
     assert max(counts) - min(counts) <= 4, counts  # gathered, never sent, closed
     del it, loader
+
+
+def _memfd_inode(tensor):
+    """The inode of the memfd that ``tensor``'s memory is mapped from (None if not one)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            start, stop = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < stop:
+                return int(fields[4]) if "shareddata-batch" in line else None
+    return None
+
+
+def _reuse_loader(data, **kwargs):
+    ds = sd.NumpyDataset(data)
+    return DataLoader(ds, batch_size=16, num_workers=1, persistent_workers=True, **kwargs)
+
+
+def test_a_worker_reuses_the_memory_of_batches_the_main_process_dropped():
+    # Note [Reusing a batch's pages] in _transport.py
+    data = np.arange(4096 * 64, dtype=np.float32).reshape(4096, 64)
+    it = iter(_reuse_loader(data, shuffle=True))
+    inodes = set()
+    for _ in range(100):
+        batch = next(it)["data"]
+        inodes.add(_memfd_inode(batch))
+        del batch
+    assert None not in inodes
+    assert len(inodes) <= 12, f"{len(inodes)} memfds for 100 batches: dropped ones not reused"
+    del it
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_batch_or_a_view_still_held_is_never_overwritten(method):
+    data = np.arange(1024 * 64, dtype=np.float32).reshape(1024, 64)
+    loader = _reuse_loader(data, multiprocessing_context=method)
+    held, views, expected_views = [], [], []
+    for _epoch in range(3):  # batches dropped in between are reused meanwhile
+        for i, batch in enumerate(loader):
+            if i % 3 == 0:
+                held.append((i, batch["data"]))  # the whole batch
+            elif i % 3 == 1:
+                views.append(batch["data"][5].numpy())  # a view of one row, as numpy
+                expected_views.append(data[i * 16 + 5])
+            del batch
+    for i, b in held:
+        assert torch.equal(b, torch.from_numpy(data[i * 16 : (i + 1) * 16])), f"batch {i} changed"
+    for view, expected in zip(views, expected_views):
+        assert np.array_equal(view, expected), "a view of a dropped batch changed"
+
+
+def test_a_fork_child_dropping_its_copy_of_a_batch_does_not_release_the_parents():
+    import os
+
+    data = np.arange(1024 * 64, dtype=np.float32).reshape(1024, 64)
+    it = iter(_reuse_loader(data))
+    held = next(it)["data"]
+    pid = os.fork()
+    if pid == 0:  # the child's copy of the batch dies here
+        del held
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    for _ in range(40):  # batches that the worker would gather into a released memfd
+        next(it)
+    assert torch.equal(held, torch.from_numpy(data[:16]))
+    del it
