@@ -135,6 +135,25 @@ def _pages_only(ds: Dataset) -> None:
         os.close(fd)
 
 
+def _shared_without_pages(ds: Dataset) -> None:
+    """A diagnostic, not a way to load: SharedDataset with its writer thread idle.
+
+    The writer's ``pwrite`` and mapping are patched out (the rows are never written),
+    so the main thread does all its own work (checking items, collecting values,
+    handing blocks over) with no kernel page work on the other core. Its main-thread
+    CPU next to ``shared``'s shows what that page work costs the iteration itself.
+    """
+    from shareddata import _materialise
+
+    write, populate = _materialise._BlockWriter.write, _materialise._Writer._map
+    _materialise._BlockWriter.write = lambda self, *args: None  # type: ignore[method-assign]
+    _materialise._Writer._map = lambda self, *args: None  # type: ignore[method-assign]
+    try:
+        sd.SharedDataset(ds, progress=False)
+    finally:
+        _materialise._BlockWriter.write, _materialise._Writer._map = write, populate
+
+
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -145,6 +164,7 @@ def _methods(workers: bool) -> dict[str, Callable[[Dataset], Any]]:
         "collect": _collect,
         "pages_only": _pages_only,
         "shared": lambda ds: sd.SharedDataset(ds, progress=False),
+        "shared_without_pages": _shared_without_pages,
     }
     if workers:
         methods["shared_2_workers"] = lambda ds: sd.SharedDataset(ds, num_workers=2, progress=False)
@@ -269,7 +289,10 @@ def _report(
         f"<= {TARGET_RATIO}x); `collect`: `[ds[i] for i in range(len(ds))]`, which also pays "
         "for the memory the items take; `pages_only`: no dataset, only what SharedDataset's "
         "writer thread asks of the kernel for the images (fill fresh shared pages with "
-        "`pwrite`, map them), the part that runs beside the iteration. CPU: this process, "
+        "`pwrite`, map them), the part that runs beside the iteration; "
+        "`shared_without_pages`: a diagnostic, `shared` with the writer thread's `pwrite` "
+        "and mapping patched out (nothing is written): the main thread's own work, with no "
+        "page work on the other core. CPU: this process, "
         "every thread (DataLoader workers not counted); main: the calling thread alone. A "
         "repetition during which other processes used more than a few tenths of a core was "
         "measured again (`re-run`).",
