@@ -407,6 +407,11 @@ ABLATIONS = [
         "from shareddata.sources import hdf5\nhdf5.HDF5Source._raw_offset = lambda *a: None",
     ),
     (
+        "hdf5 chunked",
+        "read_direct instead of each chunk of whole rows preadv-ed by threads",
+        "from shareddata.sources import hdf5\nhdf5.HDF5Source._inflatable = lambda *a: None",
+    ),
+    (
         "hdf5 gzip",
         "read_direct (HDF5 inflates chunks in one thread) instead of threads",
         "from shareddata.sources import hdf5\nhdf5.HDF5Source._inflatable = lambda *a: None",

@@ -488,6 +488,35 @@ def test_gzip_chunks_are_inflated_in_threads(tmp_path, monkeypatch):
     assert threading.get_ident() not in threads and len(threads) > 1
 
 
+def test_unfiltered_chunks_of_whole_rows_are_read_in_threads(tmp_path, monkeypatch):
+    # Note [Inflating chunks in threads]: chunks of whole rows go straight into their
+    # rows (a last chunk past the end, one chunk larger than the dataset, big-endian
+    # ones copied); chunks that split rows, or were never written, use read_direct
+    path = tmp_path / "chunked.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", data=np.arange(1030.0).reshape(103, 10), chunks=(8, 10))
+        f.create_dataset("b", data=np.arange(103, dtype=">i4"), chunks=(16,))
+        f.create_dataset("c", data=np.arange(103 * 6, dtype=np.int16).reshape(103, 2, 3),
+                         chunks=(500, 2, 3), maxshape=(None, 2, 3))  # fmt: skip
+        f.create_dataset("split", data=np.arange(1030.0).reshape(103, 10), chunks=(8, 5))
+        partial = f.create_dataset("partial", shape=(103,), dtype="f4", chunks=(10,), fillvalue=7)
+        partial[:35] = 1
+    direct = []
+    real = h5py.Dataset.read_direct
+
+    def spy(self, dest, source_sel=None, dest_sel=None):
+        direct.append(self.name)
+        return real(self, dest, source_sel, dest_sel)
+
+    monkeypatch.setattr(h5py.Dataset, "read_direct", spy)
+    monkeypatch.setattr(hdf5, "_INFLATE_THREADS", 3)
+    batch = HDF5Dataset(path)[:]
+    with h5py.File(path) as f:
+        for key in ["a", "b", "c", "split", "partial"]:
+            np.testing.assert_array_equal(batch[key].numpy(), f[key][()])
+    assert set(direct) == {"/split", "/partial"}
+
+
 def test_contiguous_datasets_are_copied_from_their_file_offset(tmp_path):
     # a user block shifts every offset; an unwritten dataset has no offset (h5py gives
     # garbage for it), a big-endian one is swapped after the raw copy

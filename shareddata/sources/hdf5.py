@@ -81,8 +81,10 @@ _NUMERIC = "biufc"
 # reads them) and decodes them in several threads (``zlib`` and numpy release the
 # GIL), each writing its chunk straight into the shared buffer; at most four chunks
 # per thread wait in memory. A chunk's ``filter_mask`` says which filters were
-# skipped for it. Other filters (lzf, szip, fletcher32, plugins), chunks never
-# written (the fill value) and other file drivers go through ``read_direct``.
+# skipped for it. Unfiltered chunks that hold whole rows take the same path, each
+# ``preadv``-ed by a thread straight into its rows (``read_direct`` copies them one
+# after another through HDF5). Other filters (lzf, szip, fletcher32, plugins), chunks
+# never written (the fill value) and other file drivers go through ``read_direct``.
 
 _DEFLATE = 1  # H5Z_FILTER_DEFLATE
 _SHUFFLE = 2  # H5Z_FILTER_SHUFFLE
@@ -545,8 +547,8 @@ class HDF5Source:
     def _inflatable(self, plan: _Plan, ds: Any) -> list[int] | None:
         """The filter pipeline of a deflate-compressed numeric dataset, or None.
 
-        Only pipelines of ``deflate`` (gzip) and ``shuffle`` qualify: Note [Inflating
-        chunks in threads].
+        Only pipelines of ``deflate`` (gzip) and ``shuffle`` qualify, and no filters
+        at all when each chunk holds whole rows: Note [Inflating chunks in threads].
         """
         if plan.reader != "direct" or ds.chunks is None or ds.dtype.kind not in "iufc":
             return None
@@ -557,6 +559,8 @@ class HDF5Source:
             filters = [int(dcpl.get_filter(i)[0]) for i in range(dcpl.get_nfilters())]
         except (OSError, RuntimeError, ValueError):
             return None
+        if not filters and tuple(ds.chunks[1:]) == tuple(ds.shape[1:]):
+            return filters  # chunks of whole rows, stored as they are
         if _DEFLATE not in filters or not set(filters) <= {_DEFLATE, _SHUFFLE}:
             return None
         return filters
@@ -582,6 +586,11 @@ class HDF5Source:
         what = f"{self.label}: reading dataset {plan.name!r}"
 
         def place(offset: tuple[int, ...], mask: int, address: int, size: int) -> int:
+            if not filters and dtype.isnative:  # whole rows: straight into them
+                rows = out[offset[0] : offset[0] + chunks[0]]
+                if size != chunk_bytes or os.preadv(fd, [rows.reshape(-1)], address) != rows.nbytes:
+                    raise SourceReadError(f"{what} failed: the file ends inside a chunk")
+                return rows.nbytes
             raw = os.pread(fd, size, address)
             if len(raw) != size:
                 raise SourceReadError(f"{what} failed: the file ends inside a chunk")
