@@ -588,7 +588,8 @@ class HDF5Source:
         def place(offset: tuple[int, ...], mask: int, address: int, size: int) -> int:
             if not filters and dtype.isnative:  # whole rows: straight into them
                 rows = out[offset[0] : offset[0] + chunks[0]]
-                if size != chunk_bytes or os.preadv(fd, [rows.reshape(-1)], address) != rows.nbytes:
+                target = rows.reshape(-1).view(np.uint8).data
+                if size != chunk_bytes or os.preadv(fd, [target], address) != rows.nbytes:
                     raise SourceReadError(f"{what} failed: the file ends inside a chunk")
                 return rows.nbytes
             raw = os.pread(fd, size, address)
