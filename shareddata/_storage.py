@@ -291,17 +291,15 @@ class Segment:
         # Note [Allocating shared pages]
         by_faults = reserve and (directory is None or _is_tmpfs(fd))
         try:
-            try:
-                if not reserve or by_faults:
+            # a disk file is reserved with fallocate; where it cannot be, sized only
+            # (its capacity was checked above)
+            if not (reserve and not by_faults and _fallocate(fd, size, directory, what)):
+                try:
                     os.ftruncate(fd, size)
-                else:
-                    os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno in _FULL_ERRNOS:
-                    raise _full_error(size, available_memory(directory), directory, what) from e
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                except OSError as e:
+                    if e.errno in _FULL_ERRNOS:
+                        raise _full_error(size, available_memory(directory), directory, what) from e
                     raise
-                os.ftruncate(fd, size)  # file system without fallocate: capacity checked above
             segment = cls(fd, size, secrets.token_hex(8))
         except BaseException:
             os.close(fd)
@@ -617,13 +615,24 @@ def _population_failed(error: int, fd: int, size: int, directory: str | None, wh
     """Raise SharedMemoryFullError for a failed population, or fall back to fallocate."""
     if error in _FULL_ERRNOS or error == errno.EFAULT:  # EFAULT: the fault hit SIGBUS
         raise _full_error(size, available_memory(directory), directory, what)
-    try:  # MADV_POPULATE_WRITE unknown (Linux < 5.14): reserve with fallocate
+    _fallocate(fd, size, directory, what)  # MADV_POPULATE_WRITE unknown (Linux < 5.14)
+
+
+def _fallocate(fd: int, size: int, directory: str | None, what: str) -> bool:
+    """Reserve ``size`` bytes of ``fd``; False where the file system cannot.
+
+    Raises:
+        SharedMemoryFullError: there is no room for them.
+    """
+    try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         if e.errno in _FULL_ERRNOS:
             raise _full_error(size, available_memory(directory), directory, what) from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
+        return False
+    return True
 
 
 # Note [Filling while the pages are allocated]
