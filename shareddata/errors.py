@@ -9,6 +9,7 @@ working::
     ├── MissingColumnError      (+ KeyError)           a key/column is not in the source
     ├── ColumnLengthError       (+ ValueError)         columns have different lengths
     ├── NullValuesError         (+ ValueError)         a column holds nulls, no fill given
+    ├── EmptySelectionError     (+ ValueError)         columns=[] / keys=[]: nothing selected
     ├── UnsupportedDtypeError   (+ TypeError)          object / nested / compound data
     ├── SourceReadError         (+ OSError)            corrupt or truncated file
     ├── MissingDependencyError  (+ ImportError)        an optional extra is not installed
@@ -27,6 +28,7 @@ __all__ = [
     "AttachError",
     "ColumnLengthError",
     "DuplicationError",
+    "EmptySelectionError",
     "MissingColumnError",
     "MissingDependencyError",
     "MissingFileError",
@@ -59,6 +61,14 @@ class ColumnLengthError(SharedDataError, ValueError):
 
 class NullValuesError(SharedDataError, ValueError):
     """A column holds null values and no fill value was given."""
+
+
+class EmptySelectionError(SharedDataError, ValueError):
+    """A selection (``columns=[]``, ``keys=[]``, an empty mapping) names no data at all.
+
+    A dataset of no columns would have no rows, and a training loop over it would
+    run no batches without a word; the message lists what the source has instead.
+    """
 
 
 class UnsupportedDtypeError(SharedDataError, TypeError):
