@@ -1,0 +1,194 @@
+"""The six dataset kinds, built over the same rows, for tests that must hold for every kind.
+
+Every kind serves rows with the columns ``x`` (float32, shape (4,)) and ``y`` (int64
+scalar); kinds that store text add ``t`` (str), and with ``ragged=True`` kinds that store
+variable-length numbers add ``r`` (1-D int32 of length ``i % 4``; the default collate
+cannot stack it, so it is off by default). Row ``i`` has
+``x = [i, i + .25, i + .5, i + .75]``, ``y = 3 * i - 7``, ``t = f"row {i}"``.
+
+    ds, expected = make("parquet", tmp_path, rows=64)
+    assert_item(ds[5], expected[5])
+
+The datasets are real: ``.npy`` files, an HDF5 file written by h5py, a Parquet file
+written by pyarrow, a ``pyarrow.Table``, a user ``Dataset`` wrapped by
+``sd.SharedDataset`` and a list of dicts in ``sd.SharedList``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import shareddata as sd
+
+KINDS = ["numpy", "hdf5", "parquet", "arrow", "shared_dataset", "shared_list"]
+"""Every dataset kind of the library."""
+
+FILE_KINDS = ["numpy", "hdf5", "parquet"]
+"""Kinds read from files on disk."""
+
+COLUMN_KINDS = ["numpy", "hdf5", "parquet", "arrow"]
+"""Kinds whose constructor takes ``output=`` ("dict" / "tuple")."""
+
+
+def columns_of(kind: str, ragged: bool = False) -> list[str]:
+    """The columns a kind's rows carry, in order."""
+    if kind == "numpy":
+        return ["x", "y"]
+    return ["x", "y", "t", "r"] if ragged else ["x", "y", "t"]
+
+
+def row(i: int, kind: str = "parquet", ragged: bool = False) -> dict[str, Any]:
+    """Row ``i`` as plain values: numpy arrays, ints and strs."""
+    values: dict[str, Any] = {
+        "x": np.arange(4, dtype=np.float32) / 4 + i,
+        "y": 3 * i - 7,
+        "t": f"row {i}",
+        "r": np.arange(i % 4, dtype=np.int32) + i,
+    }
+    return {c: values[c] for c in columns_of(kind, ragged)}
+
+
+def _arrays(rows: int) -> dict[str, np.ndarray]:
+    x = np.arange(4, dtype=np.float32)[None, :] / 4 + np.arange(rows, dtype=np.float32)[:, None]
+    y = 3 * np.arange(rows, dtype=np.int64) - 7
+    return {"x": x, "y": y}
+
+
+class UserDataset(torch.utils.data.Dataset):
+    """What a user's own Dataset looks like: dict items of tensors, ints, strs."""
+
+    def __init__(self, rows: int, ragged: bool = False) -> None:
+        self.rows = rows
+        self.ragged = ragged
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < self.rows:
+            raise IndexError(i)
+        r = row(i, ragged=self.ragged)
+        item = {"x": torch.from_numpy(r["x"]), "y": int(r["y"]), "t": r["t"]}
+        if self.ragged:
+            item["r"] = torch.from_numpy(r["r"])
+        return item
+
+
+def _table(rows: int, ragged: bool) -> Any:
+    import pyarrow as pa
+
+    a = _arrays(rows)
+    columns = {
+        "x": pa.FixedSizeListArray.from_arrays(pa.array(a["x"].reshape(-1)), 4),
+        "y": pa.array(a["y"]),
+        "t": pa.array([f"row {i}" for i in range(rows)]),
+    }
+    if ragged:
+        rs = [row(i, ragged=True)["r"].tolist() for i in range(rows)]
+        columns["r"] = pa.array(rs, pa.list_(pa.int32()))
+    return pa.table(columns)
+
+
+def make(
+    kind: str,
+    tmp_path: str | os.PathLike[str],
+    rows: int = 64,
+    *,
+    ragged: bool = False,
+    **kwargs: Any,
+) -> tuple[Any, list[dict[str, Any]]]:
+    """A dataset of ``kind`` over ``rows`` rows, and the expected row values.
+
+    Args:
+        kind: one of :data:`KINDS`.
+        tmp_path: a directory for the kind's files.
+        rows: number of rows.
+        ragged: add the variable-length column ``r`` (not to ``numpy``).
+        **kwargs: passed to the dataset's constructor (``share=``, ``storage_dir=``,
+            ``output=`` for :data:`COLUMN_KINDS`, ...).
+
+    Returns:
+        ``(dataset, expected)``: ``expected[i]`` is :func:`row` ``(i, kind)``.
+    """
+    expected = [row(i, kind, ragged) for i in range(rows)]
+    path = os.fspath(tmp_path)
+    if kind == "numpy":
+        folder = os.path.join(path, "npy")
+        os.makedirs(folder, exist_ok=True)
+        for name, array in _arrays(rows).items():
+            np.save(os.path.join(folder, f"{name}.npy"), array)
+        ds = sd.NumpyDataset(folder, **kwargs)
+    elif kind == "hdf5":
+        import h5py
+
+        file = os.path.join(path, "data.h5")
+        with h5py.File(file, "w") as f:
+            for name, array in _arrays(rows).items():
+                f[name] = array
+            texts = [f"row {i}" for i in range(rows)]
+            f.create_dataset("t", data=texts, dtype=h5py.string_dtype())
+            if ragged:
+                vlen = f.create_dataset("r", (rows,), dtype=h5py.vlen_dtype(np.int32))
+                for i in range(rows):
+                    vlen[i] = expected[i]["r"]
+        ds = sd.HDF5Dataset(file, columns_of(kind, ragged), **kwargs)
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        file = os.path.join(path, "data.parquet")
+        pq.write_table(_table(rows, ragged), file, row_group_size=max(1, rows // 3))
+        ds = sd.ParquetDataset(file, **kwargs)
+    elif kind == "arrow":
+        ds = sd.ArrowDataset(_table(rows, ragged), **kwargs)
+    elif kind == "shared_dataset":
+        ds = sd.SharedDataset(UserDataset(rows, ragged), **kwargs)
+    elif kind == "shared_list":
+        user = UserDataset(rows, ragged)
+        ds = sd.SharedList([user[i] for i in range(rows)], **kwargs)
+    else:
+        raise ValueError(f"unknown kind {kind!r}; kinds are {KINDS}")
+    return ds, expected
+
+
+def as_dict(item: Any, kind: str, ragged: bool = False) -> dict[str, Any]:
+    """A row as a dict, whether the dataset gave a dict or a tuple in column order."""
+    if isinstance(item, Mapping):
+        return dict(item)
+    if isinstance(item, Sequence) and not isinstance(item, (str, bytes)):
+        return dict(zip(columns_of(kind, ragged), item))
+    raise AssertionError(f"a row should be a dict or a tuple, got {type(item).__name__}")
+
+
+def _same(got: Any, want: Any) -> bool:
+    if isinstance(want, str) or isinstance(got, str):
+        return got == want
+    if isinstance(want, bytes) or isinstance(got, bytes):
+        return bytes(got) == bytes(want)
+    g = got if isinstance(got, torch.Tensor) else torch.as_tensor(np.asarray(got))
+    w = torch.as_tensor(np.asarray(want))
+    return tuple(g.shape) == tuple(w.shape) and bool((g.to(w.dtype) == w).all())
+
+
+def assert_item(got: Any, want: Mapping[str, Any], kind: str = "parquet") -> None:
+    """``got`` (a dict or tuple row) holds exactly the values of ``want``."""
+    got = as_dict(got, kind, "r" in want)
+    assert list(got) == list(want), f"columns {list(got)} != {list(want)}"
+    for name, value in want.items():
+        assert _same(got[name], value), f"column {name!r}: {got[name]!r} != {value!r}"
+
+
+def assert_batch(batch: Any, want: Sequence[Mapping[str, Any]], kind: str = "parquet") -> None:
+    """A default-collated batch (dict of columns, or list of columns) equals rows ``want``."""
+    if isinstance(batch, Mapping):
+        columns = dict(batch)
+    else:
+        columns = dict(zip(columns_of(kind, "r" in want[0]), batch))
+    for name in want[0]:
+        got = columns[name]
+        for k, w in enumerate(want):
+            assert _same(got[k], w[name]), f"row {k} column {name!r}: {got[k]!r} != {w[name]!r}"
