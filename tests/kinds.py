@@ -94,12 +94,26 @@ def _table(rows: int, ragged: bool) -> Any:
     return pa.table(columns)
 
 
+def _write_hdf5(file: str, rows: int, expected: list[dict[str, Any]], ragged: bool) -> None:
+    import h5py
+
+    with h5py.File(file, "w") as f:
+        for name, array in _arrays(rows).items():
+            f[name] = array
+        f.create_dataset("t", data=[f"row {i}" for i in range(rows)], dtype=h5py.string_dtype())
+        if ragged:
+            vlen = f.create_dataset("r", (rows,), dtype=h5py.vlen_dtype(np.int32))
+            for i in range(rows):
+                vlen[i] = expected[i]["r"]
+
+
 def make(
     kind: str,
     tmp_path: str | os.PathLike[str],
     rows: int = 64,
     *,
     ragged: bool = False,
+    reuse: bool = False,
     **kwargs: Any,
 ) -> tuple[Any, list[dict[str, Any]]]:
     """A dataset of ``kind`` over ``rows`` rows, and the expected row values.
@@ -109,6 +123,8 @@ def make(
         tmp_path: a directory for the kind's files.
         rows: number of rows.
         ragged: add the variable-length column ``r`` (not to ``numpy``).
+        reuse: open the kind's files in ``tmp_path`` if they exist instead of writing
+            them (several processes building the same dataset).
         **kwargs: passed to the dataset's constructor (``share=``, ``storage_dir=``,
             ``output=`` for :data:`COLUMN_KINDS`, ...).
 
@@ -119,29 +135,22 @@ def make(
     path = os.fspath(tmp_path)
     if kind == "numpy":
         folder = os.path.join(path, "npy")
-        os.makedirs(folder, exist_ok=True)
-        for name, array in _arrays(rows).items():
-            np.save(os.path.join(folder, f"{name}.npy"), array)
+        if not (reuse and os.path.isdir(folder)):
+            os.makedirs(folder, exist_ok=True)
+            for name, array in _arrays(rows).items():
+                np.save(os.path.join(folder, f"{name}.npy"), array)
         ds = sd.NumpyDataset(folder, **kwargs)
     elif kind == "hdf5":
-        import h5py
-
         file = os.path.join(path, "data.h5")
-        with h5py.File(file, "w") as f:
-            for name, array in _arrays(rows).items():
-                f[name] = array
-            texts = [f"row {i}" for i in range(rows)]
-            f.create_dataset("t", data=texts, dtype=h5py.string_dtype())
-            if ragged:
-                vlen = f.create_dataset("r", (rows,), dtype=h5py.vlen_dtype(np.int32))
-                for i in range(rows):
-                    vlen[i] = expected[i]["r"]
+        if not (reuse and os.path.exists(file)):
+            _write_hdf5(file, rows, expected, ragged)
         ds = sd.HDF5Dataset(file, columns_of(kind, ragged), **kwargs)
     elif kind == "parquet":
         import pyarrow.parquet as pq
 
         file = os.path.join(path, "data.parquet")
-        pq.write_table(_table(rows, ragged), file, row_group_size=max(1, rows // 3))
+        if not (reuse and os.path.exists(file)):
+            pq.write_table(_table(rows, ragged), file, row_group_size=max(1, rows // 3))
         ds = sd.ParquetDataset(file, **kwargs)
     elif kind == "arrow":
         ds = sd.ArrowDataset(_table(rows, ragged), **kwargs)
