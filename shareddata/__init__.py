@@ -28,7 +28,8 @@ from .errors import (
 from .memory import MemoryReport, ProcessMemory, verify
 from .sources.hdf5 import HDF5Dataset
 from .sources.npy import NumpyDataset
-from .sources.parquet import ArrowDataset, ParquetDataset
+from .sources.arrow import ArrowDataset
+from .sources.parquet import ParquetDataset
 
 __version__ = "0.1.0"
 

@@ -178,7 +178,12 @@ def test_column_subset_in_the_order_asked(pq_file, table):
     assert int(i32) == table["i32"][4].as_py() and text == table["text"][4].as_py()
     assert ArrowDataset(table, columns=["text"]).columns == ["text"]
     assert ParquetDataset(pq_file, "u8").columns == ["u8"]
-    assert ParquetDataset(pq_file, []).columns == []
+    with pytest.raises(sd.EmptySelectionError, match=r"columns=\[\] selects no column.*'i32'"):
+        ParquetDataset(pq_file, [])
+    with pytest.raises(ValueError, match="'text'"):
+        ArrowDataset(table, columns=[])
+    with pytest.raises(sd.EmptySelectionError, match="no column to load"):
+        ArrowDataset(pa.table({}))
 
 
 def test_dictionary_encoded_strings_in_parquet_and_arrow(tmp_path):

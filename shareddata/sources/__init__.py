@@ -2,6 +2,8 @@
 
 * ``npy``: NumPy ``.npy`` / ``.npz`` / folders / in-memory arrays.
 * ``hdf5``: datasets of an HDF5 file (h5py), numeric, string and variable-length.
-* ``parquet``: Parquet files, lists and folders of them, and in-memory Arrow tables
-  (pyarrow), copied one row group x one column at a time.
+* ``arrow``: in-memory Arrow tables (pyarrow, or any Arrow stream/array producer),
+  and the Arrow type -> column kind mapping Parquet shares.
+* ``parquet``: Parquet files, lists and folders of them (pyarrow), copied one row
+  group x one column at a time.
 """
