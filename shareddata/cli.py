@@ -152,7 +152,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .sources.npy import NumpyDataset
 
     if args.plot:  # fail now, not after the runs, when matplotlib is missing
-        from ._plot import figure_class
+        from .memory._plot import figure_class
 
         figure_class()
     row = 4096  # bytes per sample: 1024 float32
@@ -197,7 +197,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"({naive.total_pss / max(shared.total_pss, 1):.2f}x less, {_fmt(saved)} saved)."
     )
     if args.plot:
-        from ._plot import save
+        from .memory._plot import save
 
         who = f"{args.workers} {args.start_method} workers"
         panels = [(f"naive numpy Dataset, {who}", naive), (f"shareddata, {who}", shared)]

@@ -13,9 +13,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from shareddata import memory
 from shareddata.errors import DuplicationError, SharedDataError
-from shareddata.memory import MemoryReport, ProcessMemory, measure, verify
+from shareddata.memory import (
+    MemoryReport,
+    ProcessMemory,
+    _baseline,
+    _process,
+    _size,
+    measure,
+    verify,
+)
 
 pytestmark = [
     # 4 workers on a 2-core machine: DataLoader warns, which is expected here.
@@ -94,7 +101,7 @@ def test_measure_reads_this_process():
 
 
 def test_measure_falls_back_to_psutil(monkeypatch):
-    monkeypatch.setattr(memory, "_read_smaps_rollup", lambda pid: None)
+    monkeypatch.setattr(_process, "read_smaps_rollup", lambda pid: None)
     row = measure(role="main")
     assert row.role == "main"
     assert 0 < row.uss <= row.rss
@@ -122,16 +129,16 @@ def test_dataset_bytes_prefers_nbytes_attribute_then_estimates():
         nbytes = 12345
 
     arr = np.zeros((1000, 64), np.float32)
-    assert memory._dataset_nbytes(WithNbytes(arr)) == 12345
-    assert memory._dataset_nbytes(ArrayRows(arr)) >= arr.nbytes
-    assert memory._dataset_nbytes(ArrayRows(arr)) < arr.nbytes + 4096
+    assert _size.dataset_nbytes(WithNbytes(arr)) == 12345
+    assert _size.dataset_nbytes(ArrayRows(arr)) >= arr.nbytes
+    assert _size.dataset_nbytes(ArrayRows(arr)) < arr.nbytes + 4096
     tensor = torch.zeros(1000, 64)
     # Views of one storage are counted once.
     two_views = ArrayRows([tensor[:500], tensor[500:], tensor])
-    assert tensor.nbytes <= memory._dataset_nbytes(two_views) < tensor.nbytes + 4096
+    assert tensor.nbytes <= _size.dataset_nbytes(two_views) < tensor.nbytes + 4096
     # A large list is sampled and extrapolated, not walked element by element.
     strings = ArrayRows([f"sample-{i:08d}" for i in range(200_000)])
-    estimate = memory._dataset_nbytes(strings)
+    estimate = _size.dataset_nbytes(strings)
     exact = sum(len(s) + 49 for s in strings.data) + 8 * len(strings.data)
     assert 0.8 * exact < estimate < 1.2 * exact
 
@@ -143,7 +150,7 @@ def test_dataset_bytes_estimate_is_bounded_on_cycles_and_depth():
         node["next"] = {"next": None, "payload": np.zeros(8)}
         node = node["next"]
     node["next"] = head  # a cycle
-    assert memory._estimate_nbytes(head) > 0
+    assert _size.estimate_nbytes(head) > 0
 
 
 # -- num_workers=0, report structure, the check itself -------------------------------
@@ -326,7 +333,7 @@ def test_probe_carries_classes_by_reference_never_data(shared_tensor):
         collate_fn=dataset.__getitem__,  # a bound method: its self is the dataset
         worker_init_fn=lambda worker_id: None,  # not picklable: left out
     )
-    refs = memory._probe_references(loader)
+    refs = _baseline.probe_references(loader)
     assert ArrayRows in refs
     assert ArrayRows.__getitem__ in refs
     assert np.ndarray in refs

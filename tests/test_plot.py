@@ -10,7 +10,7 @@ from conftest import REPO
 from torch.utils.data import DataLoader, TensorDataset
 
 import shareddata as sd
-from shareddata import _plot
+from shareddata.memory import _plot
 
 MIB = 1 << 20
 

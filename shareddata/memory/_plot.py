@@ -13,10 +13,10 @@ import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import MissingDependencyError
+from ..errors import MissingDependencyError
 
 if TYPE_CHECKING:
-    from .memory import MemoryReport
+    from ._report import MemoryReport
 
 _MIB = 1024 * 1024
 PRIVATE_COLOR = "#d62728"

@@ -1,0 +1,135 @@
+"""``verify`` across the local ranks of a node: one measurement of every process at once.
+
+Local rank 0 measures the processes of every local rank at the same moments, over
+``distributed.exchange`` (the node socket, bounded waits); see Note [How duplication
+is measured] in ``_verify.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ..distributed import NodeContext, _socket_name, exchange, node_context, resolve_timeout
+from ._process import ProcessMemory, data_pss, measure_all
+from ._report import MemoryReport
+
+_ROUNDS = itertools.count()
+
+
+def dataset_identity(dataset: Any) -> frozenset[tuple[int, int]] | None:
+    """The (device, inode) of every segment a shareddata dataset maps; None for others."""
+    from .._dataset import ColumnDataset
+
+    for _ in range(8):  # Subset, wrappers: follow .dataset
+        if isinstance(dataset, ColumnDataset) or not hasattr(dataset, "dataset"):
+            break
+        dataset = dataset.dataset
+    if not isinstance(dataset, ColumnDataset):
+        return None
+    return frozenset(
+        array.segment._ident
+        for column in dataset._columns.values()
+        for array in column.arrays.values()
+    )
+
+
+class NodeVerify:
+    """What ``verify`` needs to measure every process of a node at the same moment.
+
+    Each :meth:`measurer` call is a node-wide barrier at which local rank 0 measures
+    the processes of every local rank at once; :meth:`combine` turns the ranks'
+    reports into the node's. See Note [How duplication is measured] in ``_verify.py``.
+    """
+
+    def __init__(self, ctx: NodeContext, timeout: float | None = None) -> None:
+        self.ctx = ctx
+        self.timeout = resolve_timeout(timeout)
+        self.number = next(_ROUNDS)
+        self.rows: dict[str, list[ProcessMemory]] = {}
+
+    def _name(self, phase: str) -> str:
+        return _socket_name(self.ctx, f"verify{phase}", self.number)
+
+    def measurer(self, phase: str) -> Callable[[list[tuple[int | None, str]]], list[ProcessMemory]]:
+        """A drop-in for ``measure_all`` that measures the whole node at once."""
+
+        def measure(procs: list[tuple[int | None, str]]) -> list[ProcessMemory]:
+            def respond(per_rank: list[list[tuple[int | None, str]]]) -> list[Any]:
+                owner: dict[int, tuple[int, str]] = {}
+                flat: list[tuple[int | None, str]] = []
+                for rank, rank_procs in enumerate(per_rank):
+                    for pid, role in rank_procs:
+                        if pid is not None:
+                            owner[pid] = (rank, role)
+                            flat.append((pid, f"r{rank} {role}"))
+                rows = measure_all(flat)
+                self.rows[phase] = rows
+                mine: list[list[ProcessMemory]] = [[] for _ in per_rank]
+                for row in rows:
+                    rank, role = owner[row.pid]
+                    mine[rank].append(replace(row, role=role))
+                return mine
+
+            return exchange(
+                self.ctx, self._name(phase), procs, respond, self.timeout, "sd.verify()"
+            )
+
+        return measure
+
+    def combine(self, report: MemoryReport, dataset: Any) -> MemoryReport:
+        """The node's report from every local rank's (the same report on every rank)."""
+        n_workers = sum(1 for p in report.processes if p.role.startswith("worker"))
+        info = {
+            "baseline": report.baseline_bytes,
+            "workers": n_workers,
+            "num_workers": report.num_workers,
+            "identity": dataset_identity(dataset),
+            "dataset_bytes": report.dataset_bytes,
+            "batches": report.batches,
+        }
+
+        def respond(infos: list[dict[str, Any]]) -> list[Any]:
+            before, after = self.rows["before"], self.rows["after"]
+            nbytes = infos[0]["dataset_bytes"]
+            identities = [i["identity"] for i in infos]
+            copies = len({x for x in identities if x is not None}) + identities.count(None)
+            extra = (
+                data_pss(after)
+                - data_pss(before)
+                - sum(i["workers"] * i["baseline"] for i in infos)
+            )
+            duplication = copies + extra / nbytes if nbytes > 0 else float(copies)
+            node = MemoryReport(
+                dataset_bytes=nbytes,
+                total_pss=sum(p.pss for p in after),
+                duplication=duplication,
+                processes=after,
+                baseline_bytes=round(sum(i["baseline"] for i in infos) / len(infos)),
+                start_method=report.start_method,
+                num_workers=sum(i["num_workers"] for i in infos),
+                pss_before=sum(p.pss for p in before),
+                extra_bytes=round((duplication - 1) * nbytes),
+                batches=infos[0]["batches"],
+                max_duplication=report.max_duplication,
+                local_ranks=len(infos),
+                rank_copies=copies,
+            )
+            return [node] * len(infos)
+
+        return exchange(self.ctx, self._name("combine"), info, respond, self.timeout, "sd.verify()")
+
+
+def node_verifier(across_ranks: bool | None) -> NodeVerify | None:
+    """The node-wide helper for ``verify``, or ``None`` to measure this process alone."""
+    if across_ranks is False:
+        return None
+    ctx = node_context()
+    if ctx is None or ctx.local_world_size <= 1:
+        return None
+    return NodeVerify(ctx)
+
+
+# --------------------------------------------------------------------------------------

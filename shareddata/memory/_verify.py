@@ -1,0 +1,309 @@
+"""`verify`: run a ``DataLoader``, measure all its processes, say how often the dataset is held.
+
+:func:`verify` runs a ``DataLoader`` for (part of) an epoch and measures every
+process of it with the kernel's own accounting, then says how many times the
+dataset is held in RAM. It works on any ``torch.utils.data.DataLoader``, not only on
+shareddata's datasets, so users can check their own loaders.
+
+Note [How duplication is measured]
+----------------------------------
+Each process is read from ``/proc/<pid>/smaps_rollup`` (``psutil`` as a fallback):
+
+- ``rss``: resident pages, each counted in full in every process that maps it;
+- ``uss``: ``Private_Clean + Private_Dirty``, pages only this process maps;
+- ``pss``: ``Pss``, each resident page divided by the number of processes mapping it;
+- ``shared``: ``Shared_Clean + Shared_Dirty``, pages some other process maps too;
+- ``pss_file``: ``Pss_File``, the part of ``pss`` backed by files (code, libraries,
+  memory-mapped files), as opposed to anonymous memory and shared memory.
+
+PSS is the only figure that can be summed over processes: a page mapped by the
+parent and four workers counts 1/5 in each, so it counts once in the sum, while a
+page copied into every worker counts once per copy. Summing RSS would count one
+shared copy five times; summing USS would not count it at all.
+
+The dataset's share of the sum is what is left once the processes' own costs are
+taken out::
+
+    duplication = 1 + (data_pss_after - data_pss_before - n_workers * baseline)
+                      / dataset_bytes
+
+- ``data_pss_after``: sum of ``pss - pss_file`` over the main process and every
+  worker, measured right after the last batch arrives (workers of a non-persistent
+  loader exit at ``StopIteration``, so this is the last moment they all exist);
+- ``data_pss_before``: the same for the main process before the workers start; it
+  holds the one copy of the dataset that is not duplication;
+- ``baseline``: the private dirty memory of a worker that holds no data, measured
+  on a probe ``DataLoader`` with the same start method, one worker and a two-item
+  dataset whose pickle carries (by reference) the classes and functions the real
+  workers import, once that worker has served its batches and is idle, as the real
+  ones are when they are measured. A ``spawn`` worker holds ~145 MiB of interpreter
+  and ``torch`` with no data at all (~8 MiB under ``fork``); without this
+  subtraction four workers over a 100 MiB dataset would read as ~7x even when the
+  data is perfectly shared.
+
+File-backed pages are left out because a copy of the data is never file-backed: a
+worker's private copy (an unpickled array, a copied-on-write page, a Python object)
+is anonymous memory, a shared tensor is shared memory, and a memory-mapped data file
+is one copy in the page cache however many processes map it. File pages are mostly
+``libtorch`` and friends, also mapped by processes outside the loader (the
+forkserver, other ranks, other jobs), whose share of each page moves into the sum as
+workers map it: with another ``torch`` process running, 4 ``spawn`` workers over a
+128 MiB shared tensor read 1.26x on the full PSS and 1.0x without file pages. Where
+the kernel does not report ``Pss_File`` (older kernels, or the ``psutil`` fallback),
+``pss_file`` is 0 and the full PSS is used.
+
+Under ``forkserver`` the server process is measured too (a ``"forkserver"`` row,
+before and after): workers are forked from it and share its pages (``torch``, when
+preloaded), which would otherwise move from the uncounted server into the sum and
+read as ~0.8x of a 128 MiB dataset that is not there.
+
+A dataset shared by every worker therefore reads as ~1.0; one that is pickled into
+each of four ``spawn`` workers reads as ~5. What remains is noise: batches in
+flight, allocator arenas and the workers' working memory (a few MiB per worker).
+For a dataset of a few MiB that noise dominates the ratio; pass ``dataset_bytes=``
+or ``max_duplication=None`` there. A ratio slightly below 1 is noise too. Processes
+outside the loader that map the same shared data (other ``torchrun`` ranks) are not
+measured: their share of it moves into the sum as well.
+
+Across the local ranks of a node (``verify`` called on every local rank, under
+``torchrun``), local rank 0 measures every process of the node at the same two
+moments (all main processes before any worker starts; every process after each
+rank's last batch; ``distributed.NodeVerify``), and the node's figure is::
+
+    duplication = copies + (nodedata_pss_after - nodedata_pss_before
+                            - sum over ranks of n_workers * baseline) / dataset_bytes
+
+``copies`` is the number of distinct copies the ranks' main processes hold: ranks
+whose shareddata datasets map the same segments (compared by device and inode)
+hold one; any other dataset counts as its own copy in every rank (the delta above
+cannot see what the main processes held before ``verify`` was called).
+
+``dataset_bytes`` is, in order: the argument; ``loader.dataset.nbytes`` when it is
+an integer (every shareddata dataset); an estimate that walks the dataset's object
+graph (numpy ``nbytes``, torch storage bytes, ``sys.getsizeof`` for the rest; depth
+and object count are bounded, large containers are sampled and extrapolated).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+from typing import Any
+
+import psutil
+from torch.utils.data import DataLoader, IterableDataset
+
+from ..errors import DuplicationError
+from ._baseline import probe_baseline
+from ._node import node_verifier
+from ._process import ProcessMemory, data_pss, measure_all
+from ._report import MemoryReport, duplication_message
+from ._size import dataset_nbytes
+
+
+def verify(
+    loader: DataLoader,
+    *,
+    batches: int | None = None,
+    max_duplication: float | None = 1.10,
+    dataset_bytes: int | None = None,
+    across_ranks: bool | None = None,
+) -> MemoryReport:
+    """Run ``loader``, measure all its processes, and check the dataset is held once.
+
+    Works on any ``DataLoader`` (any map-style or iterable dataset), with or without
+    workers, persistent or not, under every start method. The loader is left usable:
+    a non-persistent loader's workers are shut down; a persistent loader keeps the
+    workers started here (workers it already had are restarted first, so that the
+    main process can be measured alone). See Note [How duplication is measured].
+
+    Args:
+        loader: the DataLoader to check, as the training code builds it.
+        batches: how many batches to iterate before measuring; ``None`` is one full
+            epoch (``len(loader)``); capped at one epoch.
+        max_duplication: the largest acceptable :attr:`MemoryReport.duplication`;
+            ``None`` only measures.
+        dataset_bytes: the dataset's size; by default ``loader.dataset.nbytes`` or an
+            estimate from the dataset's object graph.
+        across_ranks: measure every process of the node (each local rank and its
+            workers) and return the node's report on every rank; then ``verify``
+            must be called on every local rank. The default does so under
+            ``torchrun`` with several local ranks; ``False`` measures this process
+            and its workers alone.
+
+    Returns:
+        The :class:`MemoryReport`.
+
+    Raises:
+        DuplicationError: ``duplication`` exceeds ``max_duplication``; ``.report``
+            holds the report.
+        ValueError: ``batches`` is not positive, or the loader yields no batch.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.zeros(64, 4)), batch_size=16)
+        >>> report = verify(loader, max_duplication=None)
+        >>> report.num_workers, [p.role for p in report.processes]
+        (0, ['main'])
+    """
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"verify() takes a torch.utils.data.DataLoader, got {type(loader)!r}")
+    if batches is not None and int(batches) < 1:
+        raise ValueError(f"batches must be a positive number of batches or None, got {batches!r}")
+    nbytes = dataset_nbytes(loader.dataset) if dataset_bytes is None else int(dataset_bytes)
+    if nbytes < 0:
+        raise ValueError(f"dataset_bytes must be >= 0, got {dataset_bytes!r}")
+    num_workers = int(loader.num_workers)
+
+    start_method = _start_method(loader)
+
+    _stop_persistent_workers(loader)
+    baseline = probe_baseline(loader, start_method) if num_workers > 0 else 0
+    # The forkserver (started by the probe at the latest) is the workers' template.
+    server = _forkserver_pid() if start_method == "forkserver" else None
+    gc.collect()
+
+    node = node_verifier(across_ranks)
+    measure_before = measure_all if node is None else node.measurer("before")
+    measure_after = None if node is None else node.measurer("after")
+    before = measure_before([(os.getpid(), "main"), (server, "forkserver")])
+    rows, received = _run_and_measure(
+        loader, None if batches is None else int(batches), server, measure_after
+    )
+
+    n_workers = sum(1 for p in rows if p.role.startswith("worker"))
+    extra = data_pss(rows) - data_pss(before) - n_workers * baseline
+    report = MemoryReport(
+        dataset_bytes=nbytes,
+        total_pss=sum(p.pss for p in rows),
+        duplication=1.0 + extra / nbytes if nbytes > 0 else 1.0,
+        processes=rows,
+        baseline_bytes=baseline,
+        start_method=start_method,
+        num_workers=num_workers,
+        pss_before=sum(p.pss for p in before),
+        extra_bytes=extra,
+        batches=received,
+        max_duplication=max_duplication,
+    )
+    if node is not None:
+        report = node.combine(report, loader.dataset)
+    if not report.passed:
+        raise DuplicationError(duplication_message(report), report)
+    return report
+
+
+def _start_method(loader: DataLoader) -> str | None:
+    if loader.num_workers == 0:
+        return None
+    ctx = loader.multiprocessing_context
+    if ctx is not None:
+        return str(ctx.get_start_method())
+    # get_start_method(allow_none=False) would fix the global default: ask without it.
+    return (
+        multiprocessing.get_start_method(allow_none=True)
+        or multiprocessing.get_all_start_methods()[0]
+    )
+
+
+def _stop_persistent_workers(loader: DataLoader) -> None:
+    """Shut down workers a persistent loader kept, so the main process is measured alone."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and getattr(iterator, "_workers", None):
+        done = getattr(iterator, "_num_yielded", 0)
+        if 0 < done < len(iterator):
+            import warnings
+
+            warnings.warn(
+                f"verify() restarts the workers of this persistent DataLoader, which is "
+                f"{done} batches into an epoch of {len(iterator)}: a loop still iterating it "
+                "(e.g. a Lightning fit loop) ends without an error. Call verify() between "
+                "epochs, or on a separate DataLoader built the same way.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
+def _run_and_measure(
+    loader: DataLoader, batches: int | None, server: int | None, measurer: Any = None
+) -> tuple[list[ProcessMemory], int]:
+    """Iterate ``loader`` and measure its processes right after the last batch."""
+    try:
+        length: int | None = len(loader)
+    except TypeError:
+        length = None
+    target = batches if length is None else length if batches is None else min(batches, length)
+    # An iterable dataset's len() may be wrong, and an unknown length gives no "last
+    # batch" to wait for: measure after every batch and keep the latest figures.
+    every = target is None or isinstance(loader.dataset, IterableDataset)
+    if measurer is not None:  # across ranks: one meeting, at a last batch known ahead
+        if target is None:
+            raise ValueError(
+                "verify() across local ranks needs batches= for a loader without len()"
+            )
+        every = False
+    before = _children() if loader.num_workers > 0 else set()
+    rows: list[ProcessMemory] = []
+    received = 0
+    iterator = iter(loader)
+    try:
+        while target is None or received < target:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            received += 1
+            if every or received == target:
+                rows = _measure_loader(iterator, loader.num_workers, before, server, measurer)
+            del batch
+    finally:
+        if not (loader.persistent_workers and loader.num_workers > 0):
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        # A persistent loader keeps its workers; the next iter(loader) resets them.
+        del iterator
+    if not rows:
+        raise ValueError("the DataLoader yielded no batch: there is nothing to measure")
+    return rows, received
+
+
+def _children() -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _measure_loader(
+    iterator: Any, num_workers: int, before: set[int], server: int | None, measurer: Any = None
+) -> list[ProcessMemory]:
+    procs: list[tuple[int | None, str]] = [(os.getpid(), "main"), (server, "forkserver")]
+    workers = getattr(iterator, "_workers", None)
+    if workers is not None:
+        procs += [(w.pid, f"worker {i}") for i, w in enumerate(workers)]
+    elif num_workers > 0:  # an iterator that does not expose its workers
+        new = sorted(_children() - before - {server})
+        procs += [(pid, f"worker {i}") for i, pid in enumerate(new)]
+    return (measurer or measure_all)(procs)
+
+
+def _forkserver_pid() -> int | None:
+    """The pid of this process's multiprocessing forkserver, if one is running."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if isinstance(pid, int) and psutil.pid_exists(pid):
+        return pid
+    try:  # the private attribute moved: find the server among our children
+        for child in psutil.Process().children():
+            if "multiprocessing.forkserver" in " ".join(child.cmdline()):
+                return child.pid
+    except psutil.Error:
+        pass
+    return None
+
