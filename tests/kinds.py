@@ -133,6 +133,7 @@ def make(
     """
     expected = [row(i, kind, ragged) for i in range(rows)]
     path = os.fspath(tmp_path)
+    os.makedirs(path, exist_ok=True)
     if kind == "numpy":
         folder = os.path.join(path, "npy")
         if not (reuse and os.path.isdir(folder)):
@@ -201,3 +202,43 @@ def assert_batch(batch: Any, want: Sequence[Mapping[str, Any]], kind: str = "par
         got = columns[name]
         for k, w in enumerate(want):
             assert _same(got[k], w[name]), f"row {k} column {name!r}: {got[k]!r} != {w[name]!r}"
+
+
+class AllKinds(torch.utils.data.Dataset):
+    """Row ``i`` of every dataset given, as ``{kind: row}``: one loader checks every kind.
+
+    ``__getitems__`` fetches each kind's batch the way the DataLoader would (its own
+    ``__getitems__`` where it has one), so both access paths run in the workers.
+    """
+
+    def __init__(self, datasets: Mapping[str, Any]) -> None:
+        self.datasets = dict(datasets)
+        self.rows = min(len(ds) for ds in self.datasets.values())
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {kind: ds[i] for kind, ds in self.datasets.items()}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        per_kind = {}
+        for kind, ds in self.datasets.items():
+            getitems = getattr(ds, "__getitems__", None)
+            per_kind[kind] = getitems(indices) if getitems else [ds[i] for i in indices]
+        return [{kind: per_kind[kind][k] for kind in self.datasets} for k in range(len(indices))]
+
+
+def to_plain(obj: Any) -> Any:
+    """``obj`` with every tensor/array turned into nested lists (crosses as plain data)."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return obj.tolist()
+    if isinstance(obj, Mapping):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return (
+            type(obj)(to_plain(v) for v in obj)
+            if isinstance(obj, tuple)
+            else [to_plain(v) for v in obj]
+        )
+    return obj

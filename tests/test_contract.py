@@ -1,0 +1,249 @@
+"""The contract every dataset kind keeps (SPEC "Every dataset"), checked for all six at once.
+
+A capability that holds for one kind must hold for every kind: each test here is
+parametrised over ``kinds.KINDS`` (NumpyDataset, HDF5Dataset, ParquetDataset,
+ArrowDataset, SharedDataset, SharedList), and over the start methods where processes
+are involved. A capability added to the library is added here once and is then
+checked for every kind.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+from conftest import REPO, START_METHODS
+from kinds import COLUMN_KINDS, KINDS, AllKinds, as_dict, assert_batch, assert_item, make, to_plain
+from torch.utils.data import DataLoader
+
+import shareddata as sd
+
+ROWS = 64
+
+
+# -- items and batches ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_items_equal_the_source(kind, tmp_path):
+    ds, expected = make(kind, tmp_path, rows=ROWS, ragged=kind != "numpy")
+    assert len(ds) == ROWS
+    for i in range(ROWS):
+        assert_item(ds[i], expected[i], kind)
+    for i in (-1, -ROWS):
+        assert_item(ds[i], expected[i], kind)
+    assert ds.nbytes > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batches_equal_the_source(kind, tmp_path):
+    """The default collate gives the batch of per-sample fetching, whatever the path."""
+    ds, expected = make(kind, tmp_path, rows=ROWS)
+    order = [5, 0, 63, 17, 17, 2, 40]
+    batched = next(iter(DataLoader(ds, batch_size=len(order), sampler=order)))
+    assert_batch(batched, [expected[i] for i in order], kind)
+    samples = next(iter(DataLoader(ds, batch_size=len(order), sampler=order, collate_fn=list)))
+    for got, i in zip(samples, order):
+        assert_item(got, expected[i], kind)
+
+
+@pytest.mark.parametrize("kind", COLUMN_KINDS)
+def test_tuple_output(kind, tmp_path):
+    ds, expected = make(kind, tmp_path, rows=ROWS, output="tuple")
+    assert isinstance(ds[3], tuple)
+    assert_item(ds[3], expected[3], kind)
+    first = next(iter(DataLoader(ds, batch_size=4)))
+    assert isinstance(first, (list, tuple))
+    assert_batch(first, expected[:4], kind)
+
+
+# -- pickling: handles, never data --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pickles_as_a_handle(kind, tmp_path):
+    """What workers receive is O(columns), not O(rows): 64x the rows, the same pickle."""
+    small, _ = make(kind, tmp_path / "small", rows=ROWS)
+    big, expected = make(kind, tmp_path / "big", rows=ROWS * 64)
+    sizes = [len(ForkingPickler.dumps(ds)) for ds in (small, big)]
+    assert sizes[1] < 16 << 10, sizes
+    assert sizes[1] <= sizes[0] * 1.2 + 64, sizes
+    again = pickle.loads(pickle.dumps(big))
+    assert_item(again[ROWS * 64 - 1], expected[-1], kind)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_out_of_range_is_an_index_error(kind, tmp_path):
+    ds, _ = make(kind, tmp_path, rows=ROWS)
+    for bad in (ROWS, -ROWS - 1, 10**12):
+        with pytest.raises(IndexError) as info:
+            ds[bad]
+        assert isinstance(info.value, sd.SharedDataError), type(info.value).__mro__
+        assert str(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_wrong_index_type_is_a_type_error(kind, tmp_path):
+    ds, _ = make(kind, tmp_path, rows=ROWS)
+    for bad in ("3", 1.5, None):
+        with pytest.raises(TypeError) as info:
+            ds[bad]
+        assert isinstance(info.value, sd.SharedDataError), (bad, type(info.value).__mro__)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_share_and_shard_arguments(kind, tmp_path):
+    for arguments in ({"share": "everywhere"}, {"shard": "rank"}):
+        with pytest.raises(ValueError) as info:
+            make(kind, tmp_path / "bad", rows=ROWS, **arguments)
+        assert isinstance(info.value, sd.SharedDataError), type(info.value).__mro__
+        assert str(next(iter(arguments.values()))) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_selection_is_a_value_error(kind, tmp_path):
+    """A dataset with nothing in it is a named ValueError, never a silent 0-row dataset."""
+    if kind == "numpy":
+        build = lambda: sd.NumpyDataset({})  # noqa: E731
+    elif kind in ("hdf5", "parquet"):
+        make(kind, tmp_path, rows=ROWS)
+        path = tmp_path / ("data.h5" if kind == "hdf5" else "data.parquet")
+        build = (
+            (lambda: sd.HDF5Dataset(path, keys=[]))
+            if kind == "hdf5"
+            else (lambda: sd.ParquetDataset(path, columns=[]))
+        )
+    elif kind == "arrow":
+        import pyarrow as pa
+
+        build = lambda: sd.ArrowDataset(pa.table({"x": [1, 2]}).select([]))  # noqa: E731
+    elif kind == "shared_dataset":
+        build = lambda: sd.SharedDataset(torch.utils.data.TensorDataset(torch.zeros(0, 2)))  # noqa: E731
+    else:
+        pytest.skip("an empty SharedList is an empty list, as for any Python sequence")
+    with pytest.raises(ValueError) as info:
+        build()
+    assert isinstance(info.value, sd.SharedDataError), type(info.value).__mro__
+
+
+# -- share=, shard=, storage_dir= -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_share_shard_and_storage_dir(kind, tmp_path):
+    """Outside torchrun: share="process" loads here; shard="node" is the whole dataset."""
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    for i, arguments in enumerate(
+        ({"share": "process"}, {"shard": "node"}, {"storage_dir": storage})
+    ):
+        ds, expected = make(kind, tmp_path / str(i), rows=ROWS, **arguments)
+        assert len(ds) == ROWS
+        assert_item(ds[ROWS - 1], expected[-1], kind)
+        if "shard" in arguments:
+            shard = ds.node_shard
+            assert (shard.start, shard.stop, shard.total) == (0, ROWS, ROWS)
+
+
+# -- worker processes, every start method ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def every_kind(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kinds")
+    built = {kind: make(kind, root / kind, rows=ROWS, ragged=kind != "numpy") for kind in KINDS}
+    return {k: ds for k, (ds, _) in built.items()}, {k: exp for k, (_, exp) in built.items()}
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_workers_index_one_copy(every_kind, method):
+    """Every kind in the workers of every start method: the rows, and one copy (verify)."""
+    datasets, expected = every_kind
+    loader = DataLoader(
+        AllKinds(datasets),
+        batch_size=8,
+        shuffle=True,
+        num_workers=2,
+        multiprocessing_context=multiprocessing.get_context(method),
+        collate_fn=to_plain,  # plain lists cross: this test is about indexing, not transport
+        persistent_workers=True,
+        timeout=60,
+    )
+    seen = set()
+    for batch in loader:
+        for rows in batch:
+            y = as_dict(rows["numpy"], "numpy")["y"]
+            index = (y + 7) // 3
+            seen.add(index)
+            for kind in KINDS:
+                assert_item(rows[kind], expected[kind][index], kind)
+    assert seen == set(range(ROWS))
+    report = sd.verify(loader, max_duplication=None)
+    assert report.duplication <= 1.10, str(report)
+
+
+# -- one copy per node under torchrun ----------------------------------------------------------
+
+
+def test_one_copy_per_node_under_torchrun(tmp_path):
+    """torchrun, 2 local ranks: every kind maps the same pages on both ranks (share default),
+    its own pages with share="process"."""
+    data = tmp_path / "data"
+    for kind in KINDS:
+        make(kind, data, rows=ROWS)  # the files, written once before the ranks start
+    found = {}
+    for share in ("node", "process"):
+        out = tmp_path / share
+        out.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_TORCHRUN_VARS)}
+        env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                os.path.join(REPO, "tests", "dist_scripts", "contract_node.py"),
+                str(data),
+                str(out),
+                "--share",
+                share,
+                "--rows",
+                str(ROWS),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=REPO,
+            env=env,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        found[share] = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for kind in KINDS:
+        node = [set(r[kind]) for r in found["node"]]
+        own = [set(r[kind]) for r in found["process"]]
+        assert node[0] and node[0] == node[1], (kind, node)
+        assert own[0] and own[1] and not own[0] & own[1], (kind, own)
+
+
+_TORCHRUN_VARS = (
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_",
+    "TORCHELASTIC_",
+    "SHAREDDATA_RANK_PID",
+)
