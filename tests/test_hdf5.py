@@ -3,7 +3,9 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -14,7 +16,8 @@ from torch.utils.data import DataLoader, default_collate
 
 import shareddata as sd
 from shareddata._dataset import load_columns
-from shareddata.sources import _io, hdf5
+from shareddata.sources import _hdf5_chunks, _hdf5_values, _io, hdf5
+from shareddata.sources._hdf5_values import VariableReader
 from shareddata.sources.hdf5 import HDF5Dataset, HDF5Source
 
 ROWS = 300
@@ -199,7 +202,7 @@ def test_empty_file_and_zero_rows(tmp_path):
 def test_bounded_chunk_aligned_reads(h5path, monkeypatch):
     """Tiny budgets: many blocks, each a whole number of chunks; same data."""
     monkeypatch.setattr(hdf5, "_CHUNK", 1000)
-    monkeypatch.setattr(hdf5, "_BLOCK", 600)
+    monkeypatch.setattr(_hdf5_values, "_BLOCK", 600)
     calls = []
     real = h5py.Dataset.read_direct
 
@@ -385,7 +388,7 @@ def test_group_key_lists_its_datasets(h5path):
 
 def test_keys_of_different_lengths(h5path, monkeypatch):
     sized = []
-    monkeypatch.setattr(HDF5Source, "_size", lambda self, plan: sized.append(plan) or 0)
+    monkeypatch.setattr(VariableReader, "size", lambda self, plan, ds: sized.append(plan) or 0)
     with pytest.raises(ValueError, match=r"'text': 300 rows, 'short': 10 rows") as info:
         HDF5Dataset(h5path, ["text", "short"])
     assert isinstance(info.value, sd.ColumnLengthError)
@@ -399,44 +402,67 @@ def test_duplicate_and_bad_keys(h5path):
         HDF5Dataset(h5path, [3])
 
 
+def _typed(name, htype):
+    """A 4-row dataset of an HDF5 type h5py has no numpy type for."""
+
+    def make(f):
+        h5py.h5d.create(f.id, name.encode(), htype, h5py.h5s.create_simple((4,)))
+
+    return make
+
+
 @pytest.mark.parametrize(
     "make, hint",
     [
-        (lambda f: f.create_dataset("col", data=np.zeros(3, "f4,i4")), "separate datasets"),
         (lambda f: f.create_dataset("col", data=[f.ref] * 3, dtype=h5py.ref_dtype), "reference"),
-        (
-            lambda f: f.create_dataset(
-                "col", data=[0, 1, 1], dtype=h5py.enum_dtype({"R": 0, "G": 1}, basetype="i1")
-            ),
-            "integer codes",
-        ),
         (
             lambda f: f.create_dataset("col", (3,), dtype=h5py.vlen_dtype(np.dtype("f4,i4"))),
             "plain numeric",
         ),
-        (lambda f: f.create_dataset("col", data=np.zeros((3, 2), "S3")), "one value per row"),
+        (lambda f: f.create_dataset("col", data=np.zeros((3, 2), "S3")), r"2 values per row"),
         (lambda f: f.create_dataset("col", data=1.0), "scalar"),
+        (_typed("col", h5py.h5t.UNIX_D64LE), r"H5T_TIME.*int64"),
+        (_typed("col", h5py.h5t.IEEE_F128LE), r"128-bit floats.*quad precision.*float64"),
+        (lambda f: f.create_dataset("col", data=np.zeros(3, np.longdouble)), "float64"),
+        (
+            lambda f: f.create_dataset("col", data=np.zeros(3, [("a", "i4"), ("t", "S2", (2,))])),
+            r"'col/t' .*2 fixed-length strings",
+        ),
     ],
-    ids=["compound", "reference", "enum", "vlen-compound", "2d-strings", "scalar"],
+    ids=["reference", "vlen-compound", "2d-strings", "scalar", "time", "quad", "f128", "str-array"],
 )
-def test_unsupported_dtypes_say_what_to_do(tmp_path, make, hint):
+def test_unsupported_dtypes_name_the_dataset_and_type(tmp_path, make, hint):
     path = tmp_path / "bad.h5"
     with h5py.File(path, "w") as f:
         make(f)
     with pytest.raises(TypeError, match=hint) as info:
         HDF5Dataset(path, ["col"])
-    assert "'col'" in str(info.value) and "bad.h5" in str(info.value)
+    assert "'col" in str(info.value) and "bad.h5" in str(info.value)
+    assert "corrupt" not in str(info.value)
     assert isinstance(info.value, sd.UnsupportedDtypeError)
 
 
-def test_unsupported_dataset_selected_by_keys_none_says_how_to_skip(tmp_path):
+def test_default_keys_skip_what_cannot_be_stored_with_a_warning(tmp_path):
     path = tmp_path / "mixed.h5"
     with h5py.File(path, "w") as f:
         f["a"] = np.arange(4)
-        f["b"] = np.zeros(4, "f4,i4")
-    with pytest.raises(TypeError, match=r"keys=\[\.\.\.\] without 'b'"):
+        _typed("when", h5py.h5t.UNIX_D32BE)(f)
+        _typed("quad", h5py.h5t.IEEE_F128BE)(f)
+    with pytest.warns(UserWarning, match=r"left out 2 .*'quad'.*quad precision.*'when'.*H5T_TIME"):
+        ds = HDF5Dataset(path)
+    assert ds.columns == ["a"] and ds[3]["a"] == 3
+    with pytest.raises(TypeError, match="'when'.*H5T_TIME"):
+        HDF5Dataset(path, ["a", "when"])
+    with h5py.File(path, "w") as f:
+        _typed("when", h5py.h5t.UNIX_D32BE)(f)
+    with pytest.raises(TypeError, match="no dataset shareddata can store.*H5T_TIME"):
         HDF5Dataset(path)
-    assert HDF5Dataset(path, ["a"]).columns == ["a"]
+
+
+def test_empty_keys_list_what_exists(h5path):
+    with pytest.raises(ValueError, match=r"keys=\[\] selects no dataset.*'arr', 'ascii'") as info:
+        HDF5Dataset(h5path, [])
+    assert isinstance(info.value, sd.EmptySelectionError)
 
 
 def test_invalid_utf8_text_is_refused_when_loading(tmp_path):
@@ -467,15 +493,15 @@ def test_gzip_chunks_are_inflated_in_threads(tmp_path, monkeypatch):
         partial = f.create_dataset("e", shape=(100,), dtype="f4", chunks=(10,), fillvalue=7, **kw)
         partial[:35] = 1
     decoded, threads = [], set()
-    real_decode = hdf5._decode
+    real_decode = _hdf5_chunks._decode
 
     def decode(raw, mask, filters, itemsize):
         decoded.append(filters)
         threads.add(threading.get_ident())
         return real_decode(raw, mask, filters, itemsize)
 
-    monkeypatch.setattr(hdf5, "_decode", decode)
-    monkeypatch.setattr(hdf5, "_INFLATE_THREADS", 3)
+    monkeypatch.setattr(_hdf5_chunks, "_decode", decode)
+    monkeypatch.setattr(_hdf5_chunks, "_INFLATE_THREADS", 3)
     ds = HDF5Dataset(path)
     batch = ds[:]
     with h5py.File(path) as f:
@@ -509,7 +535,7 @@ def test_unfiltered_chunks_of_whole_rows_are_read_in_threads(tmp_path, monkeypat
         return real(self, dest, source_sel, dest_sel)
 
     monkeypatch.setattr(h5py.Dataset, "read_direct", spy)
-    monkeypatch.setattr(hdf5, "_INFLATE_THREADS", 3)
+    monkeypatch.setattr(_hdf5_chunks, "_INFLATE_THREADS", 3)
     batch = HDF5Dataset(path)[:]
     with h5py.File(path) as f:
         for key in ["a", "b", "c", "split", "partial"]:
@@ -597,10 +623,29 @@ def test_shareddata_imports_without_h5py():
     assert "OK" in run.stdout and "shareddata[hdf5]" in run.stdout
 
 
-def test_unavailable_filter_names_the_plugin(h5path, monkeypatch):
-    monkeypatch.setattr(h5py.h5z, "filter_avail", lambda code: code != h5py.h5z.FILTER_DEFLATE)
-    with pytest.raises(ImportError, match=r"'images'.*'deflate'.*pip install hdf5plugin"):
-        HDF5Dataset(h5path, ["labels", "images"])
+@pytest.mark.parametrize(
+    "code, fix",
+    [
+        (32001, r"'blosc'.*pip install hdf5plugin"),
+        (305, r"LZO filter \(hdf5plugin has none\).*ptrepack"),
+        (40000, r"plugin of filter id 40000.*HDF5_PLUGIN_PATH"),
+    ],
+    ids=["blosc", "lzo", "unknown"],
+)
+def test_unavailable_filter_says_where_to_get_it(tmp_path, code, fix):
+    path = tmp_path / "filtered.h5"
+    with h5py.File(path, "w") as f:
+        f["ok"] = np.arange(8)
+        x = f.create_dataset(
+            "x", (8,), "f4", chunks=(4,), compression=code, allow_unknown_filter=True
+        )  # HDF5 accepts a filter it does not have as optional; a chunk stored through it:
+        x.id.write_direct_chunk((0,), b"bytes the filter made", filter_mask=0)
+    if code == 32001:  # as PyTables names it
+        fix = fix.replace("'blosc'", r"'(blosc|unnamed)'")
+    with pytest.raises(ImportError, match=r"'x'.*" + fix) as info:
+        HDF5Dataset(path)
+    assert isinstance(info.value, sd.MissingDependencyError)
+    assert HDF5Dataset(path, "ok").columns == ["ok"]
 
 
 def test_failure_halfway_frees_everything(h5path, monkeypatch):
@@ -622,3 +667,149 @@ def test_failure_halfway_frees_everything(h5path, monkeypatch):
     assert calls == ["images", "text"]
     assert open_fds() == fds
     assert h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE) == 0  # file closed
+
+
+# -- errors that name the real cause -------------------------------------------------------
+
+
+def _writer(path, code):
+    """A process that runs ``code`` (with ``f`` open on ``path``) and then waits."""
+    script = (
+        "import sys, h5py, numpy as np\n"
+        f"{code}\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"  # until the test closes our stdin
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HDF5_USE_FILE_LOCKING": "TRUE"},
+    )
+    ready = threading.Timer(60, proc.kill)  # a bound on the wait for its line
+    ready.start()
+    line = proc.stdout.readline()
+    ready.cancel()
+    assert line == "ready\n", "the writer process did not start"
+    return proc
+
+
+def _stop(proc, kill=False):
+    if kill:
+        proc.kill()
+    proc.stdin.close()  # the writer's end: it closes the file and exits
+    proc.wait(timeout=60)
+    proc.stdout.close()
+
+
+def test_file_held_by_a_writer_says_so_and_how_to_read_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)
+    path = tmp_path / "live.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.arange(10)
+    writer = _writer(path, f"f = h5py.File({str(path)!r}, 'a')")
+    try:
+        with pytest.raises(OSError, match=r"locked by another process") as info:
+            HDF5Dataset(path)
+        message = str(info.value)
+        assert "swmr_mode" in message and "HDF5_USE_FILE_LOCKING=FALSE" in message
+        assert "close the file in the writer" in message and "corrupt" not in message
+        assert isinstance(info.value, sd.SourceReadError)
+    finally:
+        _stop(writer)
+    assert HDF5Dataset(path)[9]["x"] == 9  # the writer closed it: it loads
+
+    # a SWMR writer: read as a SWMR reader, while the writer keeps the file open
+    code = (
+        f"f = h5py.File({str(path)!r}, 'w', libver='latest')\n"
+        "f['x'] = np.arange(6.0); f['s'] = np.array([b'ab'] * 6)\n"
+        "f.swmr_mode = True; f.flush()"
+    )
+    writer = _writer(path, code)
+    try:
+        ds = HDF5Dataset(path, progress=False)
+        assert ds.columns == ["s", "x"] and ds[5]["x"] == 5.0 and ds[0]["s"] == b"ab"
+    finally:
+        _stop(writer, kill=True)  # leaves the consistency flags set, as a crash would
+
+    # a writer without SWMR that crashed: the flags stay; h5clear clears them
+    writer = _writer(path, f"f = h5py.File({str(path)!r}, 'w', libver='latest'); f.flush()")
+    _stop(writer, kill=True)
+    with pytest.raises(OSError, match=r"marked as open for writing.*h5clear -s") as info:
+        HDF5Dataset(path)
+    assert "corrupt" not in str(info.value)
+
+
+_NOBODY = 65534
+
+
+def test_unreadable_file_or_folder_says_permission_denied():
+    with tempfile.TemporaryDirectory() as top:  # pytest's tmp_path is in a root-only folder
+        _check_permissions(Path(top))
+
+
+def _check_permissions(tmp_path):
+    folder = tmp_path / "closed"
+    folder.mkdir()
+    with h5py.File(folder / "data.h5", "w") as f:
+        f["x"] = np.arange(3)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    with h5py.File(open_dir / "data.h5", "w") as f:
+        f["x"] = np.arange(3)
+    os.chmod(open_dir / "data.h5", 0o600)
+    for p in (tmp_path, open_dir):
+        os.chmod(p, 0o755)
+    os.chmod(folder, 0o700)
+    code = (
+        "import os, sys\n"
+        "from shareddata.sources.hdf5 import HDF5Source\n"
+        f"if os.geteuid() == 0: os.setuid({_NOBODY})\n"  # root reads everything: drop it
+        "for path in sys.argv[1:]:\n"
+        "    try:\n        HDF5Source(path)\n"
+        "    except OSError as e:\n        print(type(e).__name__, e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": REPO}
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(open_dir / "data.h5"), str(folder / "data.h5")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    lines = run.stdout.splitlines()
+    assert len(lines) == 2, run.stderr
+    assert lines[0].startswith("SourceReadError") and "permission denied (owner uid" in lines[0]
+    assert "chmod a+r" in lines[0]
+    assert "permission denied on a folder of its path" in lines[1]
+    assert not any("corrupt" in line or "does not exist" in line for line in lines)
+
+
+def test_a_file_on_a_full_disk_loads(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+        capture_output=True,
+        timeout=30,
+    )
+    if done.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (not root)")
+    try:
+        path = mount / "data.h5"
+        with h5py.File(path, "w") as f:
+            f["x"] = np.arange(1000, dtype=np.int32)
+            f.create_dataset("s", data=["a", "bc"] * 500, dtype=h5py.string_dtype())
+        with open(mount / "filler", "wb") as filler, pytest.raises(OSError):
+            while True:  # until the file system is full
+                filler.write(b"\0" * 65536)
+                filler.flush()
+        ds = HDF5Dataset(path, progress=False)
+        assert ds[999]["x"] == 999 and ds[1]["s"] == "bc"
+        with pytest.raises(MemoryError) as info:  # shared storage there: no room
+            HDF5Dataset(path, storage_dir=mount, progress=False)
+        assert "corrupt" not in str(info.value)
+    finally:
+        gc.collect()
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)

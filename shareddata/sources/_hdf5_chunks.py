@@ -1,0 +1,219 @@
+"""Raw readers of HDF5 numeric data: a dataset's bytes copied or inflated by shareddata.
+
+HDF5 runs its filters in the calling thread and h5py serialises every call, so
+``read_direct`` uses one core and copies through HDF5's buffers. For the common
+layouts the bytes are read from the file here instead, straight into the rows
+they belong to:
+
+* contiguous, unfiltered datasets: ``os.preadv`` from the dataset's offset
+  (:func:`raw_offset`);
+* chunked ones whose pipeline is ``deflate`` (optionally after ``shuffle``), or no
+  filter with chunks of whole rows: each stored chunk read and decoded in threads
+  (:func:`inflatable`, :func:`inflate`; Note [Inflating chunks in threads]).
+
+Everything else (other filters, compound members, chunks never written, other
+file drivers) goes through h5py; see :mod:`shareddata.sources.hdf5`.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .._storage import ready
+from ..errors import SourceReadError
+
+__all__ = ["inflatable", "inflate", "raw_offset", "rows"]
+
+# Note [Inflating chunks in threads]
+# ==================================
+# HDF5 runs its filters in the calling thread, one chunk after another, and h5py
+# serialises every call, so ``read_direct`` of a gzip dataset uses one core. For
+# the common pipelines (``deflate``, optionally after ``shuffle``), shareddata reads
+# each stored chunk's bytes itself (``chunk_iter`` gives their offsets, ``os.pread``
+# reads them) and decodes them in several threads (``zlib`` and numpy release the
+# GIL), each writing its chunk straight into the shared buffer; at most four chunks
+# per thread wait in memory. A chunk's ``filter_mask`` says which filters were
+# skipped for it. Unfiltered chunks that hold whole rows take the same path, each
+# ``preadv``-ed by a thread straight into its rows (``read_direct`` copies them one
+# after another through HDF5). Other filters (lzf, szip, fletcher32, plugins), chunks
+# never written (the fill value) and other file drivers go through ``read_direct``.
+
+_DEFLATE = 1  # H5Z_FILTER_DEFLATE
+_SHUFFLE = 2  # H5Z_FILTER_SHUFFLE
+_INFLATE_THREADS: int | None = None
+"""Threads decoding gzip chunks (None: one per usable core, at most 8)."""
+
+
+def rows(buffer: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Rows ``[start, stop)`` of a buffer the loader gave, once their pages are in.
+
+    Example:
+        >>> rows(np.arange(6), 2, 4).tolist()
+        [2, 3]
+    """
+    take = getattr(buffer, "rows", None)
+    if take is not None:  # shareddata._load.Buffer
+        return take(start, stop)  # type: ignore[no-any-return]
+    ready(buffer[:stop])  # pages still being allocated: wait for them
+    return buffer[start:stop]
+
+
+def _inflate_threads() -> int:
+    if _INFLATE_THREADS is not None:
+        return max(1, _INFLATE_THREADS)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _decode(raw: bytes, mask: int, filters: list[int], itemsize: int) -> bytes:
+    """Undo a chunk's filters, last first, skipping those its ``filter_mask`` names."""
+    data = raw
+    for index in reversed(range(len(filters))):
+        if mask >> index & 1:
+            continue
+        if filters[index] == _DEFLATE:
+            data = zlib.decompress(data)
+        elif itemsize > 1:  # shuffle: byte j of every element was stored together
+            count = len(data) // itemsize
+            planes = np.frombuffer(data, np.uint8, count * itemsize).reshape(itemsize, count)
+            data = planes.T.tobytes() + data[count * itemsize :]
+    return data
+
+
+def raw_offset(h5py: Any, ds: Any, nbytes: int) -> int | None:
+    """Where a contiguous, unfiltered numeric dataset's bytes start in the file, or None.
+
+    Such a dataset is stored as one run of raw bytes (in the file's byte order),
+    so ``preadv`` can copy it without HDF5's per-call overhead. Anything else
+    (chunked, compact, external, virtual, not yet written, a driver other than a
+    single plain file, a type HDF5 converts) goes through h5py.
+    """
+    if ds.dtype.kind not in "iufc" or ds.file.driver != "sec2":
+        return None
+    try:
+        dcpl = ds.id.get_create_plist()
+        if (
+            dcpl.get_layout() != h5py.h5d.CONTIGUOUS
+            or dcpl.get_nfilters()
+            or dcpl.get_external_count()
+            or ds.id.get_storage_size() != nbytes  # unallocated: its offset is garbage
+        ):
+            return None
+        offset = ds.id.get_offset()
+    except (OSError, RuntimeError, ValueError, AttributeError):
+        return None
+    return None if offset is None or offset < 0 else int(offset)
+
+
+def inflatable(ds: Any) -> list[int] | None:
+    """The filter pipeline of a chunked numeric dataset :func:`inflate` can read, or None.
+
+    Only pipelines of ``deflate`` (gzip) and ``shuffle`` qualify, and no filters
+    at all when each chunk holds whole rows: Note [Inflating chunks in threads].
+    """
+    if ds.chunks is None or ds.dtype.kind not in "iufc":
+        return None
+    if ds.file.driver != "sec2" or not hasattr(ds.id, "chunk_iter"):
+        return None
+    try:
+        dcpl = ds.id.get_create_plist()
+        filters = [int(dcpl.get_filter(i)[0]) for i in range(dcpl.get_nfilters())]
+    except (OSError, RuntimeError, ValueError):
+        return None
+    if not filters and tuple(ds.chunks[1:]) == tuple(ds.shape[1:]):
+        return filters  # chunks of whole rows, stored as they are
+    if _DEFLATE not in filters or not set(filters) <= {_DEFLATE, _SHUFFLE}:
+        return None
+    return filters
+
+
+def inflate(
+    path: str,
+    what: str,
+    ds: Any,
+    filters: list[int],
+    out: np.ndarray,
+    progress: Callable[[int], None],
+) -> bool:
+    """Read every chunk of ``ds`` raw and decode it in threads, into ``out``.
+
+    Args:
+        path: the HDF5 file.
+        what: the dataset, for messages (``"f.h5: reading dataset 'x'"``).
+        ds: the h5py dataset.
+        filters: its pipeline, from :func:`inflatable`.
+        out: the dataset's buffer (native byte order).
+        progress: called with the bytes of each chunk placed.
+
+    Returns:
+        False, having written nothing, when a chunk was never written (HDF5 knows
+        the fill value): the caller reads the dataset with h5py instead.
+
+    Raises:
+        SourceReadError: a chunk is cut short or does not decode.
+    """
+    stored: list[tuple[tuple[int, ...], int, int, int]] = []
+    ds.id.chunk_iter(
+        lambda c: stored.append((c.chunk_offset, c.filter_mask, c.byte_offset, c.size))
+    )
+    shape, chunks = tuple(ds.shape), tuple(ds.chunks)
+    if len(stored) != math.prod(-(-s // c) for s, c in zip(shape, chunks)):
+        return False  # chunks never written hold the fill value: HDF5 knows it
+    dtype = ds.dtype
+    chunk_bytes = math.prod(chunks) * dtype.itemsize
+
+    def place(offset: tuple[int, ...], mask: int, address: int, size: int) -> int:
+        if not filters and dtype.isnative:  # whole rows: straight into them
+            block = out[offset[0] : offset[0] + chunks[0]]
+            target = block.reshape(-1).view(np.uint8).data
+            if size != chunk_bytes or os.preadv(fd, [target], address) != block.nbytes:
+                raise SourceReadError(f"{what} failed: the file ends inside a chunk")
+            return block.nbytes
+        raw = os.pread(fd, size, address)
+        if len(raw) != size:
+            raise SourceReadError(f"{what} failed: the file ends inside a chunk")
+        data = _decode(raw, mask, filters, dtype.itemsize)
+        if len(data) != chunk_bytes:
+            raise SourceReadError(
+                f"{what} failed: a chunk decodes to {len(data)} bytes, not {chunk_bytes}"
+            )
+        where = tuple(slice(o, min(o + c, s)) for o, c, s in zip(offset, chunks, shape))
+        block = np.frombuffer(data, dtype).reshape(chunks)
+        out[where] = block[tuple(slice(0, w.stop - w.start) for w in where)]
+        return math.prod(w.stop - w.start for w in where) * out.itemsize
+
+    threads = _inflate_threads()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    executor = ThreadPoolExecutor(threads, thread_name_prefix="shareddata-hdf5")
+    pending: collections.deque[Future[int]] = collections.deque()
+    try:
+        for chunk in stored:
+            if len(pending) >= 4 * threads:
+                progress(pending.popleft().result())
+            first = chunk[0][0]
+            rows(out, first, min(first + chunks[0], shape[0]))  # its pages are in
+            pending.append(executor.submit(place, *chunk))
+        while pending:
+            progress(pending.popleft().result())
+    except (zlib.error, OSError, ValueError) as error:
+        if isinstance(error, SourceReadError):
+            raise
+        raise SourceReadError(
+            f"{what} failed ({error}). The file is truncated or corrupt; re-create or "
+            "re-download it."
+        ) from error
+    finally:  # no thread writes to ``out`` once this returns, on an error too
+        executor.shutdown(wait=True, cancel_futures=True)
+        os.close(fd)
+    return True

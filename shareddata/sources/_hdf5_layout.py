@@ -1,0 +1,456 @@
+"""Which columns an HDF5 file holds: HDF5 types, compound fields and pandas frames as plans.
+
+A :class:`Plan` says how one column is read: which dataset, which field of a
+compound (record) type, which position of a pandas block, the column kind and
+dtype, and the reader. :func:`plans_of` turns one dataset (or one pandas frame)
+into plans, refusing types shareddata cannot store with an
+:class:`~shareddata.errors.UnsupportedDtypeError` that names the dataset, the type
+and the fix. :func:`is_bookkeeping` tells PyTables' and pandas' own arrays (table
+indexes, frame axes) from data.
+
+Nothing here reads data rows; attributes pandas wrote are parsed without
+executing anything (:func:`attr_value`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from ..errors import UnsupportedDtypeError
+
+__all__ = ["Plan", "attr_value", "frame_plans", "is_bookkeeping", "is_frame", "plans_of"]
+
+_NUMERIC = "biufc"
+_TORCH_ITEMSIZE = {"b": 1, "i": 8, "u": 8, "f": 8, "c": 16}
+"""Largest itemsize torch has a dtype for, per numpy kind (no float128/complex256)."""
+
+_BOOKKEEPING_CLASSES = {b"INDEXARRAY", b"LASTROWARRAY", b"CACHEARRAY", b"INDEX", b"TINDEX"}
+"""PyTables ``CLASS`` attributes of a table's index structures (never data)."""
+
+_FRAMES = {b"frame", b"frame_table", b"series_table"}
+"""pandas ``pandas_type`` attributes whose columns :func:`frame_plans` reads."""
+
+
+@dataclass
+class Plan:
+    """How one column is read.
+
+    ``reader`` is ``"direct"`` (a whole numeric dataset: raw bytes, inflated
+    chunks or ``read_direct``), ``"member"`` (numeric values HDF5 converts into
+    the buffer: a field of a compound, an ``H5T_ARRAY`` or enum dataset, a column of
+    a pandas block), ``"fixed"`` (fixed-length strings, trailing NULs stripped),
+    ``"opaque"`` (fixed-size raw bytes), ``"vlen_str"`` or ``"vlen"``
+    (variable-length strings / numbers), ``"vlen_ucs4"`` (PyTables' unicode
+    strings, code points re-encoded as UTF-8).
+    """
+
+    name: str
+    path: str
+    rows: int
+    kind: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    reader: str
+    member: tuple[str, ...] = ()
+    """Field names from the dataset's compound type down to this column's."""
+    index: int | None = None
+    """Position along the member's last axis (a column of a pandas block)."""
+    source: np.dtype | None = None
+    """The member's type as h5py gives it (enum labels kept), for HDF5 to convert from."""
+    labels: dict[str, int] | None = None
+    """An enum's (or pandas category's) labels and their codes."""
+    blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    """For variable-length kinds, after sizing: ``(start, stop, values)`` per block."""
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not loaded from a file")
+
+
+def attr_value(obj: Any, name: str) -> Any:
+    r"""Attribute ``name`` of an HDF5 object; pandas' pickled lists and dicts decoded.
+
+    pandas and PyTables store Python lists in attributes as protocol-0 pickles;
+    they are decoded with an unpickler that refuses every global, so a file can
+    give strings, numbers, lists and dicts but never run code. Undecodable: None.
+
+    Example:
+        >>> attr_value({"a": b"(lp0\nVx\np1\na."}, "a")
+        ['x']
+    """
+    try:
+        value = obj.attrs[name] if hasattr(obj, "attrs") else obj[name]
+    except (KeyError, OSError, RuntimeError, TypeError, ValueError):
+        return None
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bytes) and value.endswith(b"."):
+        try:
+            return _NoGlobals(io.BytesIO(value)).load()
+        except Exception:  # not a pickle, or one with globals: keep the bytes
+            return value
+    return value
+
+
+def is_frame(obj: Any) -> bool:
+    """Whether an h5py group is a pandas ``HDFStore`` frame :func:`frame_plans` reads."""
+    try:
+        return bytes(obj.attrs.get("pandas_type", b"")) in _FRAMES
+    except (OSError, RuntimeError, TypeError, ValueError):
+        return False
+
+
+def is_bookkeeping(name: str, obj: Any) -> bool:
+    """Whether a dataset is PyTables' own index data rather than the user's.
+
+    Example:
+        >>> is_bookkeeping("df/_i_table/index/sortedLR", {})
+        True
+    """
+    if any(part.startswith("_i_") for part in name.split("/")):
+        return True
+    try:
+        return bytes(obj.attrs.get("CLASS", b"")) in _BOOKKEEPING_CLASSES
+    except (AttributeError, OSError, RuntimeError, TypeError, ValueError):
+        return False
+
+
+Refuse = Callable[[str, str, str], UnsupportedDtypeError]
+"""``refuse(column, what, fix)``: the error for a type that cannot be stored."""
+
+
+def _htype_class(h5py: Any, htype: Any) -> str:
+    names = {
+        h5py.h5t.TIME: "H5T_TIME",
+        h5py.h5t.BITFIELD: "H5T_BITFIELD",
+        h5py.h5t.FLOAT: "H5T_FLOAT",
+        h5py.h5t.COMPOUND: "H5T_COMPOUND",
+    }
+    return names.get(htype.get_class(), f"class {htype.get_class()}")
+
+
+def _unreadable_type(h5py: Any, htype: Any, where: str) -> tuple[str, str] | None:
+    """What h5py cannot map to numpy in ``htype`` (quad floats, times): (what, fix)."""
+    cls = htype.get_class()
+    if cls == h5py.h5t.TIME:
+        return (
+            f"has the HDF5 time type H5T_TIME{where}, which has no numpy or torch type",
+            "store the times as int64 (e.g. seconds or nanoseconds since the epoch)",
+        )
+    if cls == h5py.h5t.FLOAT and htype.get_size() > 8:
+        return (
+            f"has {8 * htype.get_size()}-bit floats{where} (quad precision), which have no "
+            "torch type",
+            "store them as float64 (f['x64'] = values.astype('f8') in the writer)",
+        )
+    if cls == h5py.h5t.COMPOUND:
+        for i in range(htype.get_nmembers()):
+            name = htype.get_member_name(i).decode(errors="replace")
+            found = _unreadable_type(h5py, htype.get_member_type(i), f" in field {name!r}")
+            if found:
+                return found
+    if cls == h5py.h5t.ARRAY:
+        return _unreadable_type(h5py, htype.get_super(), where)
+    return None
+
+
+def plans_of(
+    h5py: Any,
+    ds: Any,
+    name: str,
+    refuse: Refuse,
+    member: tuple[str, ...] = (),
+    index: int | None = None,
+) -> list[Plan]:
+    """Plans for dataset ``ds`` (or its compound field ``member``), columns named from ``name``.
+
+    A compound dataset gives one plan per field, named ``name/field`` (nested
+    compounds ``name/a/b``). ``index`` picks one position of the member's last
+    axis (a pandas block holds several columns side by side).
+
+    Raises:
+        UnsupportedDtypeError: a type shareddata cannot store, from ``refuse``.
+    """
+    shape = ds.shape
+    if shape is None:
+        raise refuse(name, "is empty (no dataspace)", "write it with a shape, rows first")
+    if shape == ():
+        raise refuse(
+            name,
+            "is a scalar (one value)",
+            "a column needs a first dimension of rows; store it as shape (rows, ...), "
+            "or read it directly with h5py",
+        )
+    htype = ds.id.get_type()
+    try:
+        dtype = ds.dtype
+    except (TypeError, ValueError) as error:  # h5py maps no numpy type to it
+        found = _unreadable_type(h5py, htype, "")
+        what, fix = found or (
+            f"has an HDF5 type h5py cannot read ({error})",
+            "convert it to a numeric, string or variable-length numeric dataset",
+        )
+        raise refuse(name, what, fix) from error
+    for part in member:
+        htype = htype.get_member_type(htype.get_member_index(part.encode()))
+        dtype = dtype[part]
+    rows, row_shape = int(shape[0]), tuple(int(s) for s in shape[1:])
+    pseudo = attr_value(ds, "PSEUDOATOM") if not member else None
+    if pseudo in (b"object", "object"):
+        raise refuse(
+            name,
+            "holds pickled Python objects (a PyTables ObjectAtom / pandas object column), "
+            "and shareddata does not unpickle files",
+            "store numbers, strings or bytes instead (pandas: df.to_hdf(..., format='table'))",
+        )
+    if pseudo in (b"vlstring", "vlstring") and not row_shape:  # PyTables' VLStringAtom
+        path = ds.name.lstrip("/")
+        return [Plan(name, path, rows, "bytes", np.dtype(np.uint8), (), "vlen", source=dtype)]
+    if pseudo in (b"vlunicode", "vlunicode") and not row_shape:  # UCS-4 code points
+        path = ds.name.lstrip("/")
+        return [Plan(name, path, rows, "str", np.dtype(np.uint8), (), "vlen_ucs4", source=dtype)]
+    if index is not None:  # one column of a block: its last axis is the columns
+        if dtype.subdtype is not None:
+            dtype, htype = dtype.subdtype[0], htype.get_super()
+        else:
+            row_shape = row_shape[:-1]
+    path = ds.name.lstrip("/")
+    return _leaf(h5py, path, name, rows, row_shape, dtype, htype, member, index, refuse)
+
+
+def _leaf(
+    h5py: Any,
+    path: str,
+    name: str,
+    rows: int,
+    row_shape: tuple[int, ...],
+    dtype: np.dtype,
+    htype: Any,
+    member: tuple[str, ...],
+    index: int | None,
+    refuse: Refuse,
+) -> list[Plan]:
+    source = dtype  # what HDF5 converts from: before an array type is taken apart
+
+    def plan(kind: str, dt: np.dtype, shape: tuple[int, ...], reader: str, **kw: Any) -> Plan:
+        return Plan(name, path, rows, kind, dt, shape, reader, member, index, source, **kw)
+
+    per_row = (
+        f"holds {int(np.prod(row_shape))} values per row (shape {row_shape}) of a "
+        "string or variable-length type; a string or variable-length column holds one "
+        "value per row"
+    )
+    per_row_fix = "store one 1-D dataset per position, or flatten the rows"
+    string = h5py.check_string_dtype(dtype)
+    if string is not None:
+        if row_shape:
+            raise refuse(name, per_row, per_row_fix)
+        if string.length is None:
+            return [plan("str", np.dtype(np.uint8), (), "vlen_str")]
+        kind = "str" if string.encoding == "utf-8" else "bytes"
+        return [plan(kind, np.dtype(np.uint8), (), "fixed")]
+    if h5py.check_ref_dtype(dtype) is not None:
+        raise refuse(
+            name,
+            "holds object or region references",
+            "dereference them with h5py and store the referenced data as datasets",
+        )
+    base = h5py.check_vlen_dtype(dtype)
+    if base is not None:
+        base = np.dtype(base)
+        if base.kind not in _NUMERIC or base.fields is not None or base.subdtype is not None:
+            raise refuse(
+                name,
+                f"holds variable-length sequences of {base}",
+                "store variable-length sequences of a plain numeric type "
+                "(h5py.vlen_dtype(np.int32)), one dataset per field",
+            )
+        if row_shape:
+            raise refuse(name, per_row, per_row_fix)
+        return [plan("ragged", _native(base), (), "vlen")]
+    if dtype.fields is not None:
+        plans = []
+        for field_name in dtype.names or ():
+            index = htype.get_member_index(field_name.encode())
+            plans += _leaf(
+                h5py,
+                path,
+                f"{name}/{field_name}",
+                rows,
+                row_shape,
+                dtype[field_name],
+                htype.get_member_type(index),
+                (*member, field_name),
+                None,
+                refuse,
+            )
+        return plans
+    sub_shape: tuple[int, ...] = ()
+    if dtype.subdtype is not None:
+        sub, sub_shape = dtype.subdtype
+        if h5py.check_string_dtype(sub) is not None or sub.kind in "SU":
+            raise refuse(
+                name,
+                f"holds {int(np.prod(sub_shape))} fixed-length strings ({sub}) per row",
+                "store one string field per position, or the strings' bytes as uint8",
+            )
+        if sub.fields is not None or sub.subdtype is not None or sub.kind not in _NUMERIC:
+            raise refuse(
+                name,
+                f"has an array type of {sub}",
+                "store it as a plain numeric dataset with the array's shape as extra dimensions",
+            )
+        dtype, htype = sub, htype.get_super()
+    labels = h5py.check_enum_dtype(dtype)
+    if dtype.kind in _NUMERIC:
+        if dtype.itemsize > _TORCH_ITEMSIZE[dtype.kind]:
+            raise refuse(
+                name,
+                f"has dtype {dtype} (extended precision), which has no torch type",
+                "store it as float64 / complex128",
+            )
+        whole = not member and index is None and labels is None and not sub_shape
+        reader = "direct" if whole else "member"
+        if htype.get_class() == h5py.h5t.BITFIELD and dtype.itemsize == 1:
+            return [plan("tensor", np.dtype(np.bool_), row_shape, reader)]  # PyTables' bool
+        if labels is not None and dtype.kind != "b":
+            return [plan("tensor", _native(dtype), row_shape + sub_shape, "member", labels=labels)]
+        return [plan("tensor", _native(dtype), row_shape + sub_shape, reader)]
+    if dtype.kind == "V":
+        if row_shape:
+            raise refuse(name, per_row, per_row_fix)
+        return [plan("bytes", np.dtype(np.uint8), (), "opaque")]
+    raise refuse(
+        name,
+        f"has dtype {dtype} (HDF5 {_htype_class(h5py, htype)})",
+        "convert it to a numeric, string or variable-length numeric dataset",
+    )
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in native byte order, without h5py's metadata."""
+    return np.dtype(dtype.str).newbyteorder("=")
+
+
+def frame_plans(
+    h5py: Any, group: Any, refuse: Refuse, skipped: dict[str, str] | None
+) -> list[Plan]:
+    """Plans for the columns of a pandas frame stored by ``DataFrame.to_hdf``.
+
+    Columns are named by their pandas names, in the frame's order; a named index
+    comes first under its name (an unnamed one is not loaded). ``format="table"``
+    stores rows as records whose ``values_block_N`` fields hold several columns
+    each (their names in the table's ``values_block_N_kind`` attribute);
+    ``format="fixed"`` stores ``blockN_values`` arrays of shape (rows, columns).
+    Categories load as their integer codes (labels in :attr:`Plan.labels`), dates
+    and times as int64 in their unit, booleans as bool.
+
+    Args:
+        h5py: the module.
+        group: the frame's group.
+        refuse: makes the error for a column that cannot be stored.
+        skipped: when given, columns that cannot be stored are left out and
+            recorded here (column name: reason) instead of raising.
+    """
+    key = group.name.strip("/")
+    plans: list[Plan] = []
+
+    def add(column: str, make: Callable[[], list[Plan]], pandas_dtype: Any = None) -> None:
+        try:
+            made = make()
+        except UnsupportedDtypeError as error:
+            if skipped is None:
+                raise
+            skipped[column] = str(error)
+            return
+        for plan in made:
+            if plan.kind == "bytes":
+                plan.kind = "str"  # pandas decodes its strings (UTF-8)
+            if _text(pandas_dtype) == "bool" and plan.dtype.kind == "u":
+                plan.dtype = np.dtype(np.bool_)
+            plans.append(plan)
+
+    if bytes(group.attrs.get("pandas_type", b"")) == b"frame":  # format="fixed"
+        if "axis1" in group:
+            index_name = attr_value(group["axis1"], "name")  # pickled None, or the name
+            if isinstance(index_name, bytes):
+                index_name = _text(index_name)
+            if isinstance(index_name, str):
+                axis = group["axis1"]
+                add(index_name, lambda: plans_of(h5py, axis, index_name, refuse))
+        order = [_text(n) for n in group["axis0"][()]] if "axis0" in group else []
+        for block in range(int(attr_value(group, "nblocks") or 0)):
+            items = [_text(n) for n in group[f"block{block}_items"][()]]
+            values = group[f"block{block}_values"]
+            pickled = bytes(values.attrs.get("CLASS", b"")) == b"VLARRAY"
+            for position, column in enumerate(items):
+                if pickled:
+                    add(column, partial(_pickled_column, column, key, refuse))
+                else:
+                    add(column, partial(plans_of, h5py, values, column, refuse, index=position))
+        return _in_order(plans, order)
+
+    table = group["table"]  # format="table"
+    info = attr_value(group, "info")
+    index_name = None
+    if isinstance(info, dict) and isinstance(info.get("index"), dict):
+        index_name = info["index"].get("index_name")
+    if isinstance(index_name, str) and "index" in (table.dtype.names or ()):
+        add(index_name, lambda: plans_of(h5py, table, index_name, refuse, ("index",)))
+    for values_col in attr_value(group, "values_cols") or []:
+        kind = attr_value(table, f"{values_col}_kind")
+        pandas_dtype = attr_value(table, f"{values_col}_dtype")
+        labels = None
+        if _text(attr_value(table, f"{values_col}_meta") or b"") == "category":
+            labels = _categories(group, values_col)
+        block = isinstance(kind, list) and table.dtype[values_col].subdtype is not None
+        for position, column in enumerate(kind if block else [values_col]):
+            start = len(plans)
+            at = position if block else None
+            make = partial(plans_of, h5py, table, str(column), refuse, (values_col,), at)
+            add(str(column), make, pandas_dtype)
+            for plan in plans[start:]:
+                plan.labels = labels if labels is not None else plan.labels
+    axes = attr_value(group, "non_index_axes")  # [(1, [the frame's columns, in order])]
+    order = []
+    if isinstance(axes, list) and axes and isinstance(axes[0], tuple) and len(axes[0]) == 2:
+        order = [str(c) for c in axes[0][1]]
+    return _in_order(plans, order)
+
+
+def _in_order(plans: list[Plan], order: list[str]) -> list[Plan]:
+    """The frame's columns in the frame's order (pandas groups them by dtype); index first."""
+    position = {name: i for i, name in enumerate(order)}
+    return sorted(plans, key=lambda p: position.get(p.name, -1))
+
+
+def _pickled_column(column: str, key: str, refuse: Refuse) -> list[Plan]:
+    raise refuse(
+        column,
+        "is stored by pandas as pickled Python objects (an object column written with "
+        "format='fixed'), and shareddata does not unpickle files",
+        f"write the frame with df.to_hdf(path, key={key!r}, format='table')",
+    )
+
+
+def _categories(group: Any, values_col: str) -> dict[str, int] | None:
+    """A pandas categorical column's labels, from ``meta/<column>/meta/table``."""
+    try:
+        values = group[f"meta/{values_col}/meta/table"]["values"]
+    except (KeyError, OSError, RuntimeError, ValueError, TypeError):
+        return None
+    return {_text(v): code for code, v in enumerate(values)}
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value).decode("utf-8", errors="replace")
+    return str(value)
