@@ -813,3 +813,49 @@ def test_a_file_on_a_full_disk_loads(tmp_path):
     finally:
         gc.collect()
         subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+# -- records, enums, frames ------------------------------------------------------------------
+
+
+def test_compound_fields_by_key_and_in_small_blocks(tmp_path, monkeypatch):
+    color = h5py.enum_dtype({"red": 0, "green": 1, "blue": 2}, basetype=">i2")
+    dtype = np.dtype([("a", "<i4"), ("pos", [("lat", ">f8"), ("c", color)]), ("m", "<f4", (2, 2))])
+    rec = np.zeros(100, dtype)
+    rec["a"], rec["pos"]["lat"] = np.arange(100), np.arange(100) / 4
+    rec["pos"]["c"], rec["m"] = np.arange(100) % 3, np.arange(400).reshape(100, 2, 2)
+    path = tmp_path / "rec.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("rec", data=rec, chunks=(8,), compression="gzip")
+    monkeypatch.setattr(hdf5, "_CHUNK", 100)  # blocks of a chunk (8 rows): same values
+    with pytest.raises(ValueError, match=r"'rec/m' .* selected twice \(twice from 'rec'"):
+        HDF5Dataset(path, ["rec/m", "rec"])
+    ds = HDF5Dataset(path, ["rec/pos/c", "/rec/m", "rec/a", "rec/pos/lat"], progress=False)
+    assert ds.columns == ["rec/pos/c", "rec/m", "rec/a", "rec/pos/lat"]
+    assert HDF5Dataset(path).columns == ["rec/a", "rec/pos/lat", "rec/pos/c", "rec/m"]
+    batch = ds[list(range(100))]
+    np.testing.assert_array_equal(batch["rec/pos/c"].numpy(), rec["pos"]["c"])
+    assert batch["rec/pos/c"].dtype == torch.int16 and batch["rec/m"].shape == (100, 2, 2)
+    np.testing.assert_array_equal(batch["rec/m"].numpy(), rec["m"])
+    np.testing.assert_array_equal(batch["rec/pos/lat"].numpy(), rec["pos"]["lat"])
+    assert ds.labels == {"rec/pos/c": {"red": 0, "green": 1, "blue": 2}}
+    assert pickle.loads(pickle.dumps(ds)).labels == ds.labels  # what spawn workers get
+    with pytest.raises(KeyError, match=r"'rec/pos' has no field 'x'.*'lat', 'c'") as info:
+        HDF5Dataset(path, ["rec/pos/x"])
+    assert isinstance(info.value, sd.SharedDataError)
+
+
+def test_two_pandas_frames_with_one_column_name(tmp_path):
+    pd = pytest.importorskip("pandas")
+    path = tmp_path / "two.h5"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTables' own warnings
+        pd.DataFrame({"x": np.arange(5)}).to_hdf(path, key="train", format="table")
+        pd.DataFrame({"x": np.arange(5.0)}).to_hdf(path, key="test", format="table")
+    with pytest.raises(ValueError, match=r"'x' of .* is selected twice.*'test/table'") as info:
+        HDF5Dataset(path)
+    assert isinstance(info.value, sd.SharedDataError)
+    ds = HDF5Dataset(path, "train", progress=False)
+    assert ds.columns == ["x"] and ds[4]["x"] == 4 and len(ds) == 5

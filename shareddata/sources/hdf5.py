@@ -413,10 +413,15 @@ class HDF5Source:
         seen: dict[str, Plan] = {}
         for plan in plans:
             if plan.name in seen:
+                first = seen[plan.name].path
+                where = (
+                    f"from {first!r} and {plan.path!r}"
+                    if first != plan.path
+                    else (f"twice from {first!r}: by its own key and by the dataset or frame key")
+                )
                 raise InvalidArgumentError(
-                    f"column {plan.name!r} of {self.label} is selected twice (from "
-                    f"{seen[plan.name].path!r} and {plan.path!r}); every column needs its "
-                    "own name. Pass keys=[...] naming each dataset once."
+                    f"column {plan.name!r} of {self.label} is selected twice ({where}); every "
+                    "column needs its own name. Pass keys=[...] naming each column once."
                 )
             seen[plan.name] = plan
         return plans
