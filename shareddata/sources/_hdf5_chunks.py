@@ -173,13 +173,15 @@ def inflate(
     dtype = ds.dtype
     chunk_bytes = math.prod(chunks) * dtype.itemsize
 
-    def place(offset: tuple[int, ...], mask: int, address: int, size: int) -> int:
+    def place(
+        rows_of: np.ndarray, offset: tuple[int, ...], mask: int, address: int, size: int
+    ) -> int:
+        """Chunk ``offset`` into ``rows_of``, the rows it covers (from ``rows``)."""
         if not filters and dtype.isnative:  # whole rows: straight into them
-            block = out[offset[0] : offset[0] + chunks[0]]
-            target = block.reshape(-1).view(np.uint8).data
-            if size != chunk_bytes or os.preadv(fd, [target], address) != block.nbytes:
+            target = rows_of.reshape(-1).view(np.uint8).data
+            if size != chunk_bytes or os.preadv(fd, [target], address) != rows_of.nbytes:
                 raise SourceReadError(f"{what} failed: the file ends inside a chunk")
-            return block.nbytes
+            return rows_of.nbytes
         raw = os.pread(fd, size, address)
         if len(raw) != size:
             raise SourceReadError(f"{what} failed: the file ends inside a chunk")
@@ -188,10 +190,13 @@ def inflate(
             raise SourceReadError(
                 f"{what} failed: a chunk decodes to {len(data)} bytes, not {chunk_bytes}"
             )
-        where = tuple(slice(o, min(o + c, s)) for o, c, s in zip(offset, chunks, shape))
+        sizes = [min(c, s - o) for o, c, s in zip(offset, chunks, shape)]
+        where = (slice(0, sizes[0]),) + tuple(
+            slice(o, o + n) for o, n in zip(offset[1:], sizes[1:])
+        )
         block = np.frombuffer(data, dtype).reshape(chunks)
-        out[where] = block[tuple(slice(0, w.stop - w.start) for w in where)]
-        return math.prod(w.stop - w.start for w in where) * out.itemsize
+        rows_of[where] = block[tuple(slice(0, n) for n in sizes)]
+        return math.prod(sizes) * rows_of.itemsize
 
     threads = _inflate_threads()
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -202,8 +207,8 @@ def inflate(
             if len(pending) >= 4 * threads:
                 progress(pending.popleft().result())
             first = chunk[0][0]
-            rows(out, first, min(first + chunks[0], shape[0]))  # its pages are in
-            pending.append(executor.submit(place, *chunk))
+            rows_of = rows(out, first, min(first + chunks[0], shape[0]))  # pages are in
+            pending.append(executor.submit(place, rows_of, *chunk))
         while pending:
             progress(pending.popleft().result())
     except (zlib.error, OSError, ValueError) as error:

@@ -204,7 +204,7 @@ class HDF5Source:
             what = f"{self.label}: dataset {plan.name!r}"
             read_into(self.label, offset, out, progress, what)
             if not ds.dtype.isnative and ds.dtype.itemsize > 1:
-                out.byteswap(inplace=True)
+                rows(out, 0, plan.rows).byteswap(inplace=True)
             return
         filters = self._inflatable(plan, ds)
         what = f"{self.label}: reading dataset {plan.name!r}"
@@ -214,8 +214,7 @@ class HDF5Source:
             return
         row_bytes = out.nbytes // plan.rows
         for start, stop in self._steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
-            rows(out, start, stop)
-            ds.read_direct(out, np.s_[start:stop], np.s_[start:stop])
+            ds.read_direct(rows(out, start, stop), np.s_[start:stop])
             progress((stop - start) * row_bytes)
 
     def _read_member(
