@@ -87,8 +87,8 @@ class VariableReader:
         The blocks are kept (``plan.blocks``) so that :meth:`read` reads the same ones.
         """
         if plan.reader == "opaque":
-            assert plan.source is not None
-            return plan.rows * plan.source.itemsize
+            width = plan.source.itemsize if plan.source is not None else 0
+            return plan.rows * width
         plan.blocks = []
         with self._reading(plan):
             if plan.reader == "fixed":

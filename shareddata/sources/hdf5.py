@@ -231,8 +231,7 @@ class HDF5Source:
                 progress((stop - start) * row_bytes)
             return
         h5t, h5s = self._h5py.h5t, self._h5py.h5s
-        assert plan.source is not None
-        leaf = plan.source
+        leaf = plan.source if plan.source is not None else plan.dtype
         sub = leaf.subdtype
         base = sub[0] if sub else leaf
         labels = self._h5py.check_enum_dtype(base)
