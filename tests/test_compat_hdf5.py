@@ -137,6 +137,10 @@ def make_files(root):
         frame.drop(columns=["kind"]).to_hdf(root / "pandas-fixed.h5", key="df", format="fixed")
         made.update(dict.fromkeys(["pandas-table.h5", "pandas-table-dc.h5"], "pandas"))
         made["pandas-fixed.h5"] = "pandas"
+        series = frame["price"].rename("price")
+        series.to_hdf(root / "pandas-series-table.h5", key="df", format="table")
+        series.to_hdf(root / "pandas-series-fixed.h5", key="df", format="fixed")
+        made.update(dict.fromkeys(["pandas-series-table.h5", "pandas-series-fixed.h5"], "pandas"))
     _h5py_records(root / "h5py-records.h5")
     made["h5py-records.h5"] = "h5py"
     return {root / name: tool for name, tool in made.items()}
@@ -176,6 +180,8 @@ def _pytables_reference(path):
 
 def _pandas_reference(path):
     df = pd.read_hdf(path, "df")
+    if isinstance(df, pd.Series):  # a Series is one column, named by its name
+        return {"row": list(df.index), df.name: df.to_numpy()}, {}
     out = {"row": list(df.index)}
     labels = {}
     for column in df.columns:

@@ -34,7 +34,7 @@ _TORCH_ITEMSIZE = {"b": 1, "i": 8, "u": 8, "f": 8, "c": 16}
 _BOOKKEEPING_CLASSES = {b"INDEXARRAY", b"LASTROWARRAY", b"CACHEARRAY", b"INDEX", b"TINDEX"}
 """PyTables ``CLASS`` attributes of a table's index structures (never data)."""
 
-_FRAMES = {b"frame", b"frame_table", b"series_table"}
+_FRAMES = {b"frame", b"frame_table", b"series", b"series_table"}
 """pandas ``pandas_type`` attributes whose columns :func:`frame_plans` reads."""
 
 
@@ -378,14 +378,16 @@ def frame_plans(
                 plan.dtype = np.dtype(np.bool_)
             plans.append(plan)
 
+    if bytes(group.attrs.get("pandas_type", b"")) == b"series":  # a Series, format="fixed"
+        name = attr_value(group, "name")
+        name = _text(name) if isinstance(name, (bytes, str)) else key.rsplit("/", 1)[-1]
+        _named_index(h5py, group, "index", refuse, add)
+        if "values" in group:
+            add(name, partial(plans_of, h5py, group["values"], name, refuse))
+        return plans
+
     if bytes(group.attrs.get("pandas_type", b"")) == b"frame":  # format="fixed"
-        if "axis1" in group:
-            index_name = attr_value(group["axis1"], "name")  # pickled None, or the name
-            if isinstance(index_name, bytes):
-                index_name = _text(index_name)
-            if isinstance(index_name, str):
-                axis = group["axis1"]
-                add(index_name, lambda: plans_of(h5py, axis, index_name, refuse))
+        _named_index(h5py, group, "axis1", refuse, add)
         order = [_text(n) for n in group["axis0"][()]] if "axis0" in group else []
         for block in range(int(attr_value(group, "nblocks") or 0)):
             items = [_text(n) for n in group[f"block{block}_items"][()]]
@@ -430,6 +432,19 @@ def _in_order(plans: list[Plan], order: list[str]) -> list[Plan]:
     """The frame's columns in the frame's order (pandas groups them by dtype); index first."""
     position = {name: i for i, name in enumerate(order)}
     return sorted(plans, key=lambda p: position.get(p.name, -1))
+
+
+def _named_index(
+    h5py: Any, group: Any, axis: str, refuse: Refuse, add: Callable[..., None]
+) -> None:
+    """The index of a ``format="fixed"`` frame or series, as a column if it has a name."""
+    if axis not in group:
+        return
+    name = attr_value(group[axis], "name")  # pickled None, or the name
+    if isinstance(name, bytes):
+        name = _text(name)
+    if isinstance(name, str):
+        add(name, partial(plans_of, h5py, group[axis], name, refuse))
 
 
 def _pickled_column(column: str, key: str, refuse: Refuse) -> list[Plan]:
