@@ -183,6 +183,32 @@ def test_progress_reports_every_byte_of_every_buffer(h5path):
             assert sum(seen) == spec.nbytes, spec.name
 
 
+def test_progress_counts_every_byte_of_records_and_frames(tmp_path):
+    from shareddata._columns import COLUMN_KINDS
+
+    pd = pytest.importorskip("pandas")
+    path = tmp_path / "rec.h5"
+    color = h5py.enum_dtype({"r": 0, "g": 1}, basetype="u1")
+    dtype = np.dtype([("a", ">i2"), ("t", "S4"), ("s", h5py.string_dtype()), ("c", color)])
+    with h5py.File(path, "w") as f:
+        f["rec"] = np.array([(i, b"ab", "é" * (i % 3), i % 2) for i in range(50)], dtype)
+        f["empty"] = np.zeros(0, dtype)
+    frame = pd.DataFrame({"x": np.arange(50.0), "y": np.arange(50.0), "s": ["q"] * 50})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        frame.to_hdf(tmp_path / "df.h5", key="df", format="table")
+    for file, keys in [(path, ["rec"]), (path, ["empty"]), (tmp_path / "df.h5", None)]:
+        with HDF5Source(file, keys) as source:
+            for spec in source.specs():
+                layout = COLUMN_KINDS[spec.kind].layout(spec)
+                buffers = {k: np.empty(shape, dtype) for k, (shape, dtype) in layout.items()}
+                seen = []
+                source.read(spec, buffers, seen.append)
+                assert sum(seen) == spec.nbytes, spec.name
+
+
 def test_empty_file_and_zero_rows(tmp_path):
     with h5py.File(tmp_path / "empty.h5", "w") as f:
         f.create_group("nothing/here")
