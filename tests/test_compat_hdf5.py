@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import shareddata as sd
 from shareddata.sources.hdf5 import HDF5Dataset
@@ -301,8 +302,18 @@ def test_pandas_store_loads_its_frame_not_its_indexes(files):
     assert ds[3]["city"] == "Paris" and ds[1]["city"] == "Zürich" and ds[2]["city"] == "東京"
     assert ds[4]["ok"].dtype == torch.bool and bool(ds[4]["ok"])
     assert ds.labels["kind"] == {"a": 0, "b": 1, "c": 2}
-    one = HDF5Dataset(path, ["df/price", "df"], progress=False)  # a column, then the frame
-    assert one.columns[0] == "df/price" and len(one.columns) == 10
+    both = HDF5Dataset(path, ["df/price", "df"], progress=False)  # named by the key given
+    assert both.columns[:2] == ["df/price", "row"] and len(both.columns) == 10
+    one = HDF5Dataset(path, ["df/price", "df/city"], progress=False)
+    assert one.columns == ["df/price", "df/city"]
+    want = pd.read_hdf(path, "df")
+    loader = DataLoader(
+        ds, batch_size=64, num_workers=1, multiprocessing_context="fork", timeout=60
+    )
+    batches = list(loader)  # from a worker process, through the default collate
+    price = torch.cat([b["price"] for b in batches]).numpy()
+    np.testing.assert_array_equal(price, want["price"].to_numpy())
+    assert [c for b in batches for c in b["city"]] == list(want["city"])
 
 
 def test_blosc_is_refused_by_name_or_loads(files):
