@@ -304,6 +304,10 @@ def test_pandas_store_loads_its_frame_not_its_indexes(files):
     assert ds.labels["kind"] == {"a": 0, "b": 1, "c": 2}
     both = HDF5Dataset(path, ["df/price", "df"], progress=False)  # named by the key given
     assert both.columns[:2] == ["df/price", "row"] and len(both.columns) == 10
+    with pytest.raises(KeyError, match=r"its datasets are: 'df' \(a pandas frame\)\.$"):
+        HDF5Dataset(path, "nope")  # PyTables' index arrays are not offered
+    with pytest.raises(KeyError, match=r"frame '/df' has no column 'nope'.*'row', 'price'"):
+        HDF5Dataset(path, "df/nope")
     one = HDF5Dataset(path, ["df/price", "df/city"], progress=False)
     assert one.columns == ["df/price", "df/city"]
     want = pd.read_hdf(path, "df")

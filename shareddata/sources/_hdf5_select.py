@@ -27,10 +27,12 @@ __all__ = ["Selection"]
 _LISTED = 20  # how many dataset names an error message lists
 
 
-def _listing(names: Sequence[str]) -> str:
+def _listing(names: Sequence[str], frames: Sequence[str] = ()) -> str:
     if not names:
         return "no datasets"
-    shown = ", ".join(repr(n) for n in names[:_LISTED])
+    shown = ", ".join(
+        repr(n) + (" (a pandas frame)" if n in frames else "") for n in names[:_LISTED]
+    )
     more = len(names) - _LISTED
     return shown + (f" and {more} more" if more > 0 else "")
 
@@ -78,6 +80,12 @@ class Selection:
             return self._file.get(name)
         except (KeyError, ValueError, TypeError):  # a path through a dataset, a bad name
             return None
+
+    def _choices(self) -> str:
+        """What a key may name: data datasets and pandas frames (no bookkeeping)."""
+        frames: list[str] = []
+        names = self._names_and_frames(frames)
+        return _listing(names, frames)
 
     def corrupt_metadata(self, name: str, error: BaseException) -> SourceReadError:
         return SourceReadError(
@@ -176,8 +184,7 @@ class Selection:
         if not keys:
             raise EmptySelectionError(
                 f"keys=[] selects no dataset of {self.label}; pass the datasets to load, or "
-                f"keys=None for the default selection. Its datasets are: "
-                f"{_listing(self._dataset_names())}."
+                f"keys=None for the default selection. Its datasets are: {self._choices()}."
             )
         plans: list[Plan] = []
         for key in keys:
@@ -210,7 +217,7 @@ class Selection:
         if obj is not None:
             raise MissingColumnError(
                 f"key {key!r} of {self.label} is a {type(obj).__name__}, not a dataset; its "
-                f"datasets are: {_listing(self._dataset_names())}."
+                f"datasets are: {self._choices()}."
             )
         parts = name.split("/")
         for cut in range(len(parts) - 1, 0, -1):  # a field of a compound, a frame's column
@@ -245,8 +252,7 @@ class Selection:
             if owner is not None:
                 break
         raise MissingColumnError(
-            f"key {key!r} is not a dataset of {self.label}; its datasets are: "
-            f"{_listing(self._dataset_names())}."
+            f"key {key!r} is not a dataset of {self.label}; its datasets are: {self._choices()}."
         )
 
     def _unique(self, plans: list[Plan]) -> list[Plan]:
