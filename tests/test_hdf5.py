@@ -445,7 +445,10 @@ def _typed(name, htype):
             lambda f: f.create_dataset("col", (3,), dtype=h5py.vlen_dtype(np.dtype("f4,i4"))),
             "plain numeric",
         ),
-        (lambda f: f.create_dataset("col", data=np.zeros((3, 2), "S3")), r"2 values per row"),
+        (
+            lambda f: f.create_dataset("col", data=np.zeros((3, 2), "S3")),
+            r"2 fixed-length \(\|S3\) strings per row \(rows of shape \(2,\)\)",
+        ),
         (lambda f: f.create_dataset("col", data=1.0), "scalar"),
         (_typed("col", h5py.h5t.UNIX_D64LE), r"H5T_TIME.*int64"),
         (_typed("col", h5py.h5t.IEEE_F128LE), r"128-bit floats.*quad precision.*float64"),

@@ -252,7 +252,14 @@ def _leaf(
     string = h5py.check_string_dtype(dtype)
     if string is not None:
         if row_shape:
-            raise refuse(name, per_row, per_row_fix)
+            strings = "variable-length" if string.length is None else f"fixed-length ({dtype})"
+            raise refuse(
+                name,
+                f"holds {int(np.prod(row_shape))} {strings} strings per row (rows of shape "
+                f"{row_shape}); a string column holds one string per row",
+                f"store one 1-D dataset per position (f['{name}_0'] = f['{name}'][:, 0]), or "
+                "the strings' bytes as a uint8 dataset",
+            )
         if string.length is None:
             return [plan("str", np.dtype(np.uint8), (), "vlen_str")]
         kind = "str" if string.encoding == "utf-8" else "bytes"
