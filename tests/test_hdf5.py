@@ -888,3 +888,48 @@ def test_two_pandas_frames_with_one_column_name(tmp_path):
     assert isinstance(info.value, sd.SharedDataError)
     ds = HDF5Dataset(path, "train", progress=False)
     assert ds.columns == ["x"] and ds[4]["x"] == 4 and len(ds) == 5
+
+
+def test_fields_are_copied_out_of_raw_records(tmp_path, monkeypatch):
+    # Note [Fields of raw records]: unfiltered records (contiguous, or chunked with a
+    # last chunk past the end) are read raw in blocks; gzip / vlen ones through HDF5
+    dtype = np.dtype([("a", ">i4"), ("p", [("x", "<f8"), ("ok", "?")]), ("v", "<u2", (3,))])
+    rec = np.zeros(103, dtype)
+    rec["a"], rec["p"]["x"], rec["p"]["ok"] = np.arange(103), np.arange(103) / 8, True
+    rec["v"] = np.arange(309).reshape(103, 3)
+    with_text = np.dtype(dtype.descr + [("t", h5py.string_dtype())])
+    path = tmp_path / "raw.h5"
+    with h5py.File(path, "w") as f:
+        f["flat"] = rec
+        f.create_dataset("chunked", data=rec, chunks=(10,), maxshape=(None,))
+        f.create_dataset("gz", data=rec, chunks=(10,), compression="gzip")
+        text = f.create_dataset("text", (103,), with_text)
+        text[:] = [(*r.tolist(), "é") for r in rec]
+    copied = []
+    real = _hdf5_chunks.copy_field
+    monkeypatch.setattr(
+        _hdf5_chunks, "copy_field", lambda *a: copied.append(a[1].split("'")[1]) or real(*a)
+    )
+    monkeypatch.setattr(_hdf5_chunks, "_RECORD_BLOCK", 7 * dtype.itemsize)  # blocks of 7
+    ds = HDF5Dataset(path, progress=False)
+    batch = ds[list(range(103))]
+    for key in ("flat", "chunked", "gz", "text"):
+        np.testing.assert_array_equal(batch[f"{key}/a"].numpy(), rec["a"])
+        np.testing.assert_array_equal(batch[f"{key}/p/x"].numpy(), rec["p"]["x"])
+        assert batch[f"{key}/p/ok"].dtype == torch.bool and bool(batch[f"{key}/p/ok"].all())
+        np.testing.assert_array_equal(batch[f"{key}/v"].numpy(), rec["v"])
+    assert batch["text/t"] == ["é"] * 103
+    assert set(copied) == {"flat", "chunked"} and len(copied) == 2 * 4  # one per field
+
+    with h5py.File(path) as f:
+        end = f["flat"].id.get_offset() + 50 * dtype.itemsize
+    gc.collect()
+    fds = open_fds()
+    source = HDF5Source(path, "flat/p/x")
+    os.truncate(path, end)  # HDF5 checks the length at open: cut the file after
+    with pytest.raises(OSError, match=r"'flat' ended early.*inside its records") as info:
+        load_columns(source, progress=False)
+    assert isinstance(info.value, sd.SourceReadError)
+    del info, source
+    gc.collect()
+    assert open_fds() == fds

@@ -222,3 +222,130 @@ def inflate(
         executor.shutdown(wait=True, cancel_futures=True)
         os.close(fd)
     return True
+
+
+# Note [Fields of raw records]
+# ============================
+# A compound (record) dataset loads as one column per field, and the loader reads
+# one column at a time, so every field is a pass over all the records. Through
+# HDF5 each pass converts every record (a subset conversion per field); when the
+# records are stored raw (no filter, contiguous or chunked, a fixed-size type whose
+# numpy layout is HDF5's), shareddata instead reads a bounded block of records
+# with ``preadv`` and copies the field out with numpy (a strided copy, byte order
+# swapped on the way). Records with variable-length members (whose in-file size
+# differs from numpy's), filtered chunks, chunks never written and other drivers
+# go through HDF5.
+
+_RECORD_BLOCK = 4 << 20
+"""Bytes of records read per ``preadv`` when a field is copied out of raw records."""
+
+
+def _same_layout(h5py: Any, htype: Any, dtype: np.dtype) -> bool:
+    """Whether numpy ``dtype`` places every member where HDF5 type ``htype`` does."""
+    if htype.get_size() != dtype.itemsize:
+        return False
+    if htype.get_class() != h5py.h5t.COMPOUND or dtype.names is None:  # (complex: {r, i})
+        return not dtype.hasobject
+    names = dtype.names or ()
+    if htype.get_nmembers() != len(names):
+        return False
+    for i, name in enumerate(names):
+        sub, offset = dtype.fields[name][:2]  # type: ignore[index]
+        if htype.get_member_offset(i) != offset or htype.get_member_name(i) != name.encode():
+            return False
+        if not _same_layout(h5py, htype.get_member_type(i), sub):
+            return False
+    return True
+
+
+def record_runs(h5py: Any, ds: Any) -> list[tuple[int, int, int]] | None:
+    """``(first row, rows, file offset)`` of the raw records of a 1-D compound dataset.
+
+    None when the records are not stored raw in one plain file (Note [Fields of
+    raw records]): HDF5 must read them.
+    """
+    if ds.dtype.names is None or len(ds.shape or ()) != 1 or ds.file.driver != "sec2":
+        return None
+    try:
+        if not _same_layout(h5py, ds.id.get_type(), ds.dtype):
+            return None
+        dcpl = ds.id.get_create_plist()
+        if dcpl.get_nfilters() or dcpl.get_external_count():
+            return None
+        rows, size = int(ds.shape[0]), ds.dtype.itemsize
+        layout = dcpl.get_layout()
+        if layout == h5py.h5d.CONTIGUOUS:
+            offset = ds.id.get_offset()
+            if offset is None or ds.id.get_storage_size() != rows * size:
+                return None
+            return [(0, rows, int(offset))] if rows else []
+        if layout != h5py.h5d.CHUNKED or not hasattr(ds.id, "chunk_iter"):
+            return None
+        along = int(ds.chunks[0])
+        runs: list[tuple[int, int, int]] = []
+        ds.id.chunk_iter(
+            lambda c: runs.append(
+                (c.chunk_offset[0], min(along, rows - c.chunk_offset[0]), c.byte_offset)
+                if c.size == along * size and not c.filter_mask
+                else (-1, 0, 0)
+            )
+        )
+    except (OSError, RuntimeError, ValueError, TypeError, AttributeError):
+        return None
+    runs.sort()
+    if len(runs) != -(-rows // along) or any(r[0] != i * along for i, r in enumerate(runs)):
+        return None  # chunks never written (the fill value) or not as expected
+    return runs
+
+
+def copy_field(
+    path: str,
+    what: str,
+    ds: Any,
+    runs: list[tuple[int, int, int]],
+    take: Callable[[np.ndarray], np.ndarray],
+    out: np.ndarray,
+    progress: Callable[[int], None],
+) -> None:
+    """Copy ``take(records)`` of each block of raw records into the rows of ``out``.
+
+    Args:
+        path: the HDF5 file.
+        what: the column, for messages.
+        ds: the h5py dataset (its numpy dtype describes the records).
+        runs: from :func:`record_runs`.
+        take: the field of a block of records (``records["a"]["b"]``).
+        out: the column's buffer.
+        progress: called with the bytes of each block of rows written.
+
+    Raises:
+        SourceReadError: the file ends inside the records.
+    """
+    dtype = ds.dtype
+    step = max(1, _RECORD_BLOCK // dtype.itemsize)
+    block = np.empty(min(step, max((n for _, n, _ in runs), default=1)), dtype)
+    raw = block.view(np.uint8)
+    row_bytes = out.nbytes // max(1, len(out))
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for first, count, offset in runs:
+            for start in range(0, count, step):
+                n = min(step, count - start)
+                nbytes = n * dtype.itemsize
+                got = os.preadv(fd, [raw[:nbytes].data], offset + start * dtype.itemsize)
+                if got != nbytes:
+                    raise SourceReadError(
+                        f"{what} ended early: the file ends inside its records. It is "
+                        "truncated; re-create or re-download it."
+                    )
+                rows(out, first + start, first + start + n)[...] = take(block[:n])
+                progress(n * row_bytes)
+    except SourceReadError:
+        raise
+    except OSError as error:
+        raise SourceReadError(
+            f"{what} could not be read ({error}). Check the disk or file system, or copy "
+            "the file elsewhere and load it again."
+        ) from error
+    finally:
+        os.close(fd)

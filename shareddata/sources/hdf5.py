@@ -83,6 +83,7 @@ class HDF5Source:
         self.label = os.fspath(path)
         self._file: Any = None
         self._specs: list[ColumnSpec] | None = None
+        self._runs: dict[str, list[tuple[int, int, int]] | None] = {}
         self.skipped: dict[str, str] = {}
         self._file, self._swmr = open_file(self._h5py, self.label)
         try:
@@ -224,6 +225,13 @@ class HDF5Source:
         if out.size == 0:
             return
         row_bytes = out.nbytes // plan.rows
+        runs = self._record_runs(plan, ds)
+        if runs is not None:  # Note [Fields of raw records]
+            what = f"{self.label}: dataset {plan.path!r}"
+            _hdf5_chunks.copy_field(
+                self.label, what, ds, runs, lambda block: _field(plan, block), out, progress
+            )
+            return
         if plan.index is not None:  # a column of a pandas block: through a small block
             budget = _CHUNK // 16
             for start, stop in self._steps(plan.rows, ds.dtype.itemsize, budget, ds.chunks):
@@ -253,6 +261,14 @@ class HDF5Source:
             ds.id.read(h5s.create_simple(count), file_space, rows(out, start, stop), mtype=mtype)
             progress((stop - start) * row_bytes)
 
+    def _record_runs(self, plan: Plan, ds: Any) -> list[tuple[int, int, int]] | None:
+        """Where a compound dataset's raw records are (``_hdf5_chunks.record_runs``), or None."""
+        if not plan.member or self._swmr:  # a SWMR writer may be appending
+            return None
+        if plan.path not in self._runs:
+            self._runs[plan.path] = _hdf5_chunks.record_runs(self._h5py, ds)
+        return self._runs[plan.path]
+
     def _raw_offset(self, plan: Plan, ds: Any, nbytes: int) -> int | None:
         """Where a whole numeric dataset's raw bytes start (see ``_hdf5_chunks.raw_offset``)."""
         if plan.reader != "direct" or self._swmr:  # a SWMR writer may be appending
@@ -264,6 +280,13 @@ class HDF5Source:
         if plan.reader != "direct" or self._swmr:
             return None
         return _hdf5_chunks.inflatable(ds)
+
+
+def _field(plan: Plan, records: np.ndarray) -> np.ndarray:
+    """The plan's field (and block position) of a block of records."""
+    for part in plan.member:
+        records = records[part]
+    return records if plan.index is None else records[..., plan.index]
 
 
 class HDF5Dataset(ColumnDataset):
