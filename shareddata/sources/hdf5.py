@@ -2,10 +2,11 @@
 
 Opening the file reads metadata only (shapes, types, filters). Fixed-shape numeric
 data is then read straight into the shared buffer, so no private copy of a column
-exists: contiguous and gzip/unfiltered chunked datasets by shareddata itself
-(:mod:`~shareddata.sources._hdf5_chunks`), everything else by HDF5 in bounded
-blocks of rows aligned to the dataset's chunks, HDF5 converting types (byte
-order, enums, one field of a compound) on the way into the buffer. Variable-length
+exists: contiguous and gzip/unfiltered chunked datasets, and the fields of
+unfiltered records, by shareddata itself (:mod:`~shareddata.sources._hdf5_chunks`),
+everything else by HDF5 in bounded blocks of rows aligned to the dataset's chunks,
+HDF5 converting types (byte order, enums, one field of a compound) on the way
+into the buffer. Variable-length
 data (strings, ``vlen`` sequences) is read twice in bounded blocks of rows: once
 to size the ``values`` buffer exactly, once to fill it; at most one block exists
 as Python objects at any time. docs/internals.md gives the memory this takes.
@@ -43,7 +44,12 @@ import numpy as np
 
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
-from ..errors import ColumnLengthError, SourceReadError
+from ..errors import (
+    ColumnLengthError,
+    MissingDependencyError,
+    SourceReadError,
+    UnsupportedDtypeError,
+)
 from . import _hdf5_chunks
 from ._hdf5_chunks import rows
 from ._hdf5_layout import Plan
@@ -162,6 +168,19 @@ class HDF5Source:
         except SourceReadError:
             raise
         except (OSError, RuntimeError) as error:
+            text = str(error)
+            if "conversion path" in text:  # a type HDF5 cannot convert: not corruption
+                raise UnsupportedDtypeError(
+                    f"{self.label}: dataset {plan.path!r} ({plan.source}) cannot be converted "
+                    f"to {plan.dtype} by HDF5 ({error}). Fix: store the column as a plain "
+                    "numeric dataset, or pass keys=[...] without it."
+                ) from error
+            if "not registered" in text or "can't open directory" in text:  # a filter
+                raise MissingDependencyError(
+                    f"{self.label}: dataset {plan.path!r} needs an HDF5 filter plugin that "
+                    f"is not available ({error}). Fix: pip install hdf5plugin, or point "
+                    "HDF5_PLUGIN_PATH at the plugin's folder."
+                ) from error
             if isinstance(error, OSError) and error.errno == errno.EIO:
                 cause = (
                     "The disk or file system reported an I/O error; check it, or copy the "
