@@ -406,14 +406,12 @@ def test_missing_column_lists_what_exists(pq_file, table):
 @pytest.mark.parametrize(
     "column, hint",
     [
-        (pa.array([{"x": 1, "y": 2.0}] * 3), "table.flatten"),
         (pa.array([[(1, 2)]] * 3, pa.map_(pa.int64(), pa.int64())), "map_keys"),
-        (pa.array([[[1, 2], [3]]] * 3), "list_flatten"),
-        (pa.array([["a", "b"]] * 3), "list_flatten"),
+        (pa.array([[[(1, 2)]]] * 3, pa.list_(pa.map_(pa.int64(), pa.int64()))), "elements hold"),
         (pa.array([1, 2, 3], pa.decimal128(5, 2)), "float64"),
         (pa.array([None, None, None]), "only nulls"),
     ],
-    ids=["struct", "map", "list-of-lists", "list-of-strings", "decimal", "null"],
+    ids=["map", "list-of-maps", "decimal", "null"],
 )
 def test_unsupported_types_name_file_column_type_and_fix(tmp_path, column, hint):
     table = pa.table({"ok": [1, 2, 3], "bad": column})
@@ -431,8 +429,8 @@ def test_unsupported_types_name_file_column_type_and_fix(tmp_path, column, hint)
 
 def test_files_with_different_schemas_name_both_files(tmp_path):
     pq.write_table(pa.table({"a": [1, 2], "b": ["x", "y"]}), tmp_path / "1.parquet")
-    pq.write_table(pa.table({"a": [1.5, 2.5], "b": ["x", "y"]}), tmp_path / "2.parquet")
-    with pytest.raises(TypeError, match=r"'a' is int64 in .*1\.parquet but double in .*2\.parquet"):
+    pq.write_table(pa.table({"a": ["1.5", "2"], "b": ["x", "y"]}), tmp_path / "2.parquet")
+    with pytest.raises(TypeError, match=r"'a' is int64 in .*1\.parquet but string in .*2\.parquet"):
         ParquetDataset(tmp_path)
     assert len(ParquetDataset(tmp_path, ["b"])) == 4
     pq.write_table(pa.table({"a": [1], "c": [3]}), tmp_path / "3.parquet")
@@ -742,7 +740,7 @@ def test_arrow_tables_are_told_apart_across_ranks():
     # Under torchrun ranks match datasets by a fingerprint of their arguments; every
     # ArrowDataset has the same label, so the key must come from the table itself.
     from shareddata.distributed import fingerprint
-    from shareddata.sources.parquet import ArrowSource, _table_key
+    from shareddata.sources.arrow import ArrowSource, _table_key
 
     def key(table):
         return fingerprint(_table_key(ArrowSource(table), None))

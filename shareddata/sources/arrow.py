@@ -25,7 +25,6 @@ Structs, maps, unions, decimals and lists of non-numbers are refused with
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import numpy as np
 
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
+from .._nested import Level, NestedSpec
 from .._storage import ready
 from ..errors import (
     EmptySelectionError,
@@ -45,6 +45,7 @@ from ..errors import (
     UnsupportedDtypeError,
     missing_dependency,
 )
+from ._arrow_nested import Parts, Refused, decoded, level_of, parts
 
 __all__ = ["ArrowDataset", "ArrowSource", "rebase_offsets"]
 
@@ -103,9 +104,10 @@ def rebase_offsets(src: np.ndarray, base: int, out: np.ndarray) -> int:
 
 @dataclass(frozen=True)
 class _Kind:
-    kind: str  # "tensor", "ragged", "str", "bytes"
+    kind: str  # "tensor", "ragged", "str", "bytes", "nested"
     dtype: np.dtype
     shape: tuple[int, ...] = ()
+    tree: Level | None = None  # the levels of a "nested" column
 
 
 def _unsupported(name: str, label: str, arrow_type: Any, fix: str) -> UnsupportedDtypeError:
@@ -164,9 +166,11 @@ def _classify(t: Any, name: str, label: str) -> _Kind:
         return _classify(t.storage_type, name, label)
     if pa.types.is_dictionary(t):
         inner = _classify(t.value_type, name, label)
-        if inner.kind == "tensor" and inner.shape:
+        if inner.kind not in ("tensor", "str", "bytes") or inner.shape:
             raise _unsupported(name, label, t, "decode the dictionary (pc.dictionary_decode)")
         return inner
+    if pa.types.is_run_end_encoded(t):
+        return _classify(t.value_type, name, label)
     dtype = _numeric_dtype(t)
     if dtype is not None:
         return _Kind("tensor", dtype)
@@ -195,28 +199,32 @@ def _classify(t: Any, name: str, label: str) -> _Kind:
         return _Kind("tensor", item.dtype, (int(t.list_size), *item.shape))
     if _is_list(t):
         inner_dtype = _numeric_dtype(t.value_type)
-        if inner_dtype is None:
+        if inner_dtype is not None:
+            return _Kind("ragged", inner_dtype)
+        try:  # lists of strings, records, lists: Note [Nested Arrow columns]
+            return _Kind("nested", np.dtype(np.uint8), (), level_of(t))
+        except Refused as e:
             raise _unsupported(
                 name,
                 label,
                 t,
-                f"a list column must hold numbers (one flat list per row), not "
-                f"{t.value_type}. Flatten the inner level (pc.list_flatten) and keep the inner "
-                "lengths in another column, or serialise each row to binary",
-            )
-        return _Kind("ragged", inner_dtype)
+                f"its elements hold {e.args[0]}, which a nested column cannot store (lists, "
+                "structs, strings, binary and numbers can); cast that part to one of those",
+            ) from None
     if pa.types.is_struct(t):
         fix = (
-            "a struct: load its fields as separate columns. For an Arrow table pass "
-            "table.flatten(); for a Parquet file, rewrite it from table.flatten() (fields "
-            f"become '{name}.<field>')"
+            "a struct without fields (or inside a dictionary/extension type) has nothing to "
+            "load; drop it"
         )
     elif pa.types.is_map(t):
         fix = (
             "a map: store its keys and its values as two list columns (pc.map_keys, pc.map_values)"
         )
     elif pa.types.is_decimal(t):
-        fix = "cast it to float64 (pc.cast(column, pa.float64())) or to int64 in units of its scale"
+        fix = (
+            "decimals have no exact numpy type: cast it to float64 (pc.cast(column, "
+            "pa.float64())), to int64 in units of its scale, or to strings"
+        )
     elif pa.types.is_null(t):
         fix = "the column holds only nulls: drop it, or give it a type and values"
     else:
@@ -240,14 +248,20 @@ def _normalize(arr: Any) -> Any:
         t = arr.type
         if isinstance(t, pa.BaseExtensionType):
             arr = arr.storage
-        elif pa.types.is_dictionary(t):
-            arr = arr.dictionary_decode()
+        elif pa.types.is_dictionary(t) or pa.types.is_run_end_encoded(t):
+            arr = decoded(arr)
         elif pa.types.is_string_view(t):
             arr = arr.cast(pa.large_string())
         elif pa.types.is_binary_view(t) or pa.types.is_fixed_size_binary(t):
             arr = arr.cast(pa.large_binary())
         elif pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
-            arr = arr.cast(pa.large_list(t.value_field))
+            # rebuilt from the views' lengths and values in order: a view's offsets may
+            # be in any order, or overlap (a cast gave every row empty, pyarrow 26)
+            lengths = pa.compute.fill_null(pa.compute.list_value_length(arr), 0)
+            offsets = np.zeros(len(arr) + 1, np.int64)
+            np.cumsum(lengths.to_numpy(zero_copy_only=False), out=offsets[1:])
+            mask = arr.is_null() if arr.null_count else None
+            arr = pa.LargeListArray.from_arrays(pa.array(offsets), arr.flatten(), mask=mask)
         elif _temporal_storage(t) is not None:
             arr = arr.view(_temporal_storage(t))
         else:
@@ -306,16 +320,26 @@ class _Column:
     """One selected column: its kind, its fill value, and how a chunk is turned into buffers.
 
     Args:
-        name: the column name.
+        name: the column name (``s.a`` for field ``a`` of struct column ``s``).
         arrow_type: its Arrow type (as declared by the table or file).
         label: the source, for messages.
         fill: what its nulls become (None: refuse them).
         fill_is_global: ``fill`` is the scalar given for every column (a number then
             makes a string column's nulls empty instead of being refused).
+        path: the top-level column and the struct fields leading to this one.
+        records: a nested list of structs comes back as a list of dicts (else a dict
+            of lists).
     """
 
     def __init__(
-        self, name: str, arrow_type: Any, label: str, fill: Any, fill_is_global: bool = False
+        self,
+        name: str,
+        arrow_type: Any,
+        label: str,
+        fill: Any,
+        fill_is_global: bool = False,
+        path: tuple[str, ...] = (),
+        records: bool = True,
     ) -> None:
         self.name = name
         self.arrow_type = arrow_type
@@ -323,7 +347,41 @@ class _Column:
         self.kind = _classify(arrow_type, name, label)
         self.fill = fill
         self.fill_is_global = fill_is_global
+        self.path = path or (name,)
+        self.records = records
         self._fill: Any = None
+
+    def extract(self, chunk: Any) -> Any:
+        """This column's values out of a chunk of its top-level column, normalized.
+
+        A struct field comes with its struct's nulls merged in (``StructArray.flatten``),
+        as ``Table.flatten()`` gives it; a chunk of another type (a Parquet file whose
+        type was promoted) is cast to the column's.
+        """
+        for field in self.path[1:]:
+            chunk = decoded(chunk)
+            chunk = chunk.flatten()[chunk.type.get_field_index(field)]
+        if chunk.type != self.arrow_type:  # a file's type, promoted to the dataset's
+            chunk = chunk.cast(self.arrow_type)
+        return chunk if self.kind.kind == "nested" else _normalize(chunk)
+
+    # -- nested columns (Note [Nested Arrow columns] in _arrow_nested.py) --------------------
+    def nested_fill(self) -> tuple[bytes | None, Any] | None:
+        """The (text, number) put in place of a nested column's null leaves (None: refuse)."""
+        fill = self.fill
+        if fill is None:
+            return None
+        if isinstance(fill, str):
+            return fill.encode("utf-8"), None
+        if isinstance(fill, bytes):
+            return fill, None
+        if isinstance(fill, (bool, int, float, np.bool_, np.number)) and np.ndim(fill) == 0:
+            return b"", fill
+        raise self._bad_fill("a str or a number", "''")
+
+    def nested_parts(self, arr: Any, where: str) -> Parts:
+        """One chunk of a nested column taken apart into its levels' pieces."""
+        return parts(arr, self.kind.tree, self.nested_fill(), where, self.name)  # type: ignore[arg-type]
 
     # -- nulls -----------------------------------------------------------------------------
     def count_nulls(self, arr: Any) -> int:
@@ -442,12 +500,16 @@ class _Writer:
         self.buffers = buffers
         self.row = 0
         self.value = 0
-        self.per_row = math.prod(spec.shape)
-        if spec.kind == "tensor":
-            self.flat = buffers["data"].reshape(-1)
-        else:
-            ready(buffers["offsets"][:1])
-            buffers["offsets"][0] = 0
+        self.done: list[int] = []  # nested: elements written per level
+        self.bytes_done: list[int] = []  # nested: string bytes written per level
+        if spec.kind == "nested":
+            for key, buf in buffers.items():
+                if key.endswith(".offsets"):
+                    _rows(buf, 0, 1)[0] = 0
+            levels = len(column.kind.tree.levels())  # type: ignore[union-attr]
+            self.done, self.bytes_done = [0] * levels, [0] * levels
+        elif spec.kind != "tensor":
+            _rows(buffers["offsets"], 0, 1)[0] = 0
 
     def write(self, arr: Any, where: str) -> int:
         """Copy one normalized chunk; return the bytes written."""
@@ -457,15 +519,15 @@ class _Writer:
                 f"{where} has more rows than its metadata said ({spec.rows}); was the file "
                 "changed while it was being loaded?"
             )
+        if spec.kind == "nested":
+            return self._write_nested(col.nested_parts(arr, where), where)
         nulls = col.count_nulls(arr)
         if nulls and col.fill is None:  # the sizing pass did not see them: changed file
             raise col.null_error({where: nulls}, at_least=True)
         if spec.kind == "tensor":
             leaf, mask = _leaf(arr)
             values = _numpy_values(leaf, spec.dtype)
-            lo, hi = self.row * self.per_row, (self.row + n) * self.per_row
-            ready(self.flat[:hi])  # pages still being allocated: wait for them
-            dest = self.flat[lo:hi]
+            dest = _rows(self.buffers["data"], self.row, self.row + n).reshape(-1)
             dest[...] = values
             if mask is not None:
                 dest[~mask] = col.fill_scalar()
@@ -478,11 +540,9 @@ class _Writer:
                 f"{where} has more values in column {spec.name!r} than the sizing pass counted "
                 f"({spec.values}); was the file changed while it was being loaded?"
             )
-        ready(self.buffers["offsets"][: self.row + n + 1])  # pages still being allocated
-        ready(self.buffers["values"][:end])
-        dest_offsets = self.buffers["offsets"][self.row + 1 : self.row + n + 1]
+        dest_offsets = _rows(self.buffers["offsets"], self.row + 1, self.row + n + 1)
         rebase_offsets(offsets, self.value, dest_offsets)
-        dest = self.buffers["values"][self.value : end]
+        dest = _rows(self.buffers["values"], self.value, end)
         dest[...] = values
         if mask is not None:
             dest[~mask] = col.fill_scalar()
@@ -490,10 +550,61 @@ class _Writer:
         self.value = end
         return dest_offsets.nbytes + dest.nbytes
 
+    def _write_nested(self, pieces: Parts, where: str) -> int:
+        col, spec, buffers = self.column, self.spec, self.buffers
+        assert isinstance(spec, NestedSpec)
+        if pieces.nulls and col.fill is None:  # the sizing pass did not see them
+            raise col.null_error({where: pieces.nulls}, at_least=True)
+        written = 0
+        levels = spec.tree.levels()
+        for i, level in enumerate(levels):
+            n, e = pieces.count[i], self.done[i]
+            if e + n > spec.counts[i][0]:
+                raise SourceReadError(
+                    f"{where} has more values in column {spec.name!r} than the sizing pass "
+                    "counted; was the file changed while it was being loaded?"
+                )
+            if level.kind in ("list", "str", "bytes"):
+                # a list's child level follows it in preorder
+                base = self.done[i + 1] if level.kind == "list" else self.bytes_done[i]
+                dest = _rows(buffers[f"{i}.offsets"], e + 1, e + n + 1)
+                np.cumsum(pieces.lengths[i], out=dest)
+                dest += base
+                written += dest.nbytes
+            if level.kind in ("str", "bytes"):
+                data, v = pieces.data[i], self.bytes_done[i]
+                if v + len(data) > spec.counts[i][1]:
+                    raise SourceReadError(
+                        f"{where} has more text in column {spec.name!r} than the sizing pass "
+                        "counted; was the file changed while it was being loaded?"
+                    )
+                _rows(buffers[f"{i}.values"], v, v + len(data))[...] = data
+                self.bytes_done[i] = v + len(data)
+                written += len(data)
+            elif level.kind == "num":
+                dest = _rows(buffers[f"{i}.data"], e, e + n)
+                dest[...] = pieces.data[i]
+                written += dest.nbytes
+        for i in range(len(levels)):
+            self.done[i] += pieces.count[i]
+        self.row = self.done[0]
+        return written
+
     def finish(self, where: str) -> None:
         """Check that every row (and value) the spec promised was written."""
         spec = self.spec
-        short = self.row != spec.rows or (spec.kind != "tensor" and self.value != spec.values)
+        if isinstance(spec, NestedSpec):
+            full = [(d, b) for d, b in zip(self.done, self.bytes_done)]
+            counts = [(n, v if lv.kind in ("str", "bytes") else 0)
+                      for (n, v), lv in zip(spec.counts, spec.tree.levels())]  # fmt: skip
+            if full != counts:
+                raise SourceReadError(
+                    f"{where} gave fewer values for column {spec.name!r} than the sizing pass "
+                    "counted; was the file changed while it was being loaded?"
+                )
+        short = self.row != spec.rows or (
+            spec.kind not in ("tensor", "nested") and self.value != spec.values
+        )
         if short:
             raise SourceReadError(
                 f"{where} gave {self.row} rows for column {spec.name!r} where its metadata said "
@@ -508,10 +619,14 @@ class _Sizer:
         self.column = column
         self.values = 0
         self.nulls: dict[str, int] = {}
+        self.counts: list[list[int]] = []  # nested: [elements, bytes] per level
 
     def add(self, where: str, _: str, chunk: Any) -> None:
         """Account for one normalized chunk from ``where``."""
         column = self.column
+        if column.kind.kind == "nested":
+            self._add_nested(where, chunk)
+            return
         nulls = column.count_nulls(chunk)
         if nulls:
             self.nulls[where] = self.nulls.get(where, 0) + nulls
@@ -523,12 +638,43 @@ class _Sizer:
         if column.kind.kind != "tensor":
             self.values += column.var_size(chunk)
 
+    def _add_nested(self, where: str, chunk: Any) -> None:
+        column = self.column
+        tree = column.kind.tree
+        assert tree is not None
+        _check_utf8(chunk, column.name, where)
+        pieces = column.nested_parts(chunk, where)
+        if pieces.nulls:
+            self.nulls[where] = self.nulls.get(where, 0) + pieces.nulls
+        if not self.counts:
+            self.counts = [[0, 0] for _ in tree.levels()]
+        for i, level in enumerate(tree.levels()):
+            self.counts[i][0] += pieces.count[i]
+            if level.kind in ("str", "bytes"):
+                self.counts[i][1] += len(pieces.data[i])
+
     def spec(self, rows: int) -> ColumnSpec:
         """The column's spec, or NullValuesError if it has nulls and no fill value."""
         column, k = self.column, self.column.kind
         if self.nulls and column.fill is None:
             raise column.null_error(self.nulls)
+        if k.tree is not None:
+            counts = self.counts or [[0, 0] for _ in k.tree.levels()]
+            return NestedSpec(
+                column.name, rows, k.dtype, (), "nested", 0,
+                tree=k.tree, counts=tuple((n, v) for n, v in counts), records=column.records,
+            )  # fmt: skip
         return ColumnSpec(column.name, rows, k.dtype, k.shape, k.kind, self.values)
+
+
+def _rows(buf: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """A writable view of rows ``[start, stop)`` of a buffer, once their pages are allocated.
+
+    The loader allocates pages in background threads while the source fills the
+    first ones; every write of this module goes through here.
+    """
+    ready(buf[:stop])
+    return buf[start:stop]
 
 
 def _check_utf8(chunk: Any, name: str, where: str) -> None:
@@ -564,15 +710,57 @@ def _check_fill_keys(fill_value: FillValue, names: Sequence[str], label: str) ->
             )
 
 
+def _fields(schema: Any) -> list[tuple[str, tuple[str, ...], Any]]:
+    """Every loadable column of a schema: ``(name, path, type)``, structs flattened.
+
+    A struct column ``s`` with fields ``a`` and ``b`` gives ``s.a`` and ``s.b`` (nested
+    structs ``s.b.c``), the names ``Table.flatten()`` gives them.
+    """
+    pa = _pyarrow()
+    out: list[tuple[str, tuple[str, ...], Any]] = []
+
+    def walk(name: str, path: tuple[str, ...], t: Any) -> None:
+        if pa.types.is_struct(t) and t.num_fields:
+            for f in t:
+                walk(f"{name}.{f.name}", (*path, f.name), f.type)
+        else:
+            out.append((name, path, t))
+
+    for f in schema:
+        walk(f.name, (f.name,), f.type)
+    return out
+
+
+def _groups(fields: Sequence[tuple[str, tuple[str, ...], Any]]) -> dict[str, list[str]]:
+    """Each struct's name (``s``, ``s.b``) -> the flattened columns under it."""
+    groups: dict[str, list[str]] = {}
+    for name, path, _ in fields:
+        for k in range(1, len(path)):
+            groups.setdefault(".".join(path[:k]), []).append(name)
+    return groups
+
+
 def _make_columns(
-    schema: Any, names: Sequence[str], label: str, fill_value: FillValue
+    schema: Any,
+    names: Sequence[str],
+    label: str,
+    fill_value: FillValue,
+    records: bool = True,
 ) -> list[_Column]:
     _check_fill_keys(fill_value, names, label)
+    by_name = {name: (path, t) for name, path, t in _fields(schema)}
     columns = []
     for name in names:
         fill, is_global = _fill_for(fill_value, name)
-        columns.append(_Column(name, schema.field(name).type, label, fill, is_global))
+        path, t = by_name[name]
+        columns.append(_Column(name, t, label, fill, is_global, path, records))
     return columns
+
+
+def _select_fields(schema: Any, columns: Sequence[str] | None, label: str) -> list[str]:
+    """The flattened columns selected from ``schema`` (a struct's name selects its fields)."""
+    fields = _fields(schema)
+    return _select([n for n, _, _ in fields], columns, label, _groups(fields))
 
 
 def _empty_selection(available: Sequence[str], label: str) -> EmptySelectionError:
@@ -584,12 +772,19 @@ def _empty_selection(available: Sequence[str], label: str) -> EmptySelectionErro
     )
 
 
-def _select(available: Sequence[str], columns: Sequence[str] | None, label: str) -> list[str]:
+def _select(
+    available: Sequence[str],
+    columns: Sequence[str] | None,
+    label: str,
+    groups: Mapping[str, list[str]] | None = None,
+) -> list[str]:
     dupes = {n for n in available if list(available).count(n) > 1}
     if columns is None:
         wanted = list(available)
     else:
         wanted = [columns] if isinstance(columns, str) else list(columns)
+        if groups:  # a struct's name: its fields, in order
+            wanted = [n for c in wanted for n in ([c] if c in available else groups.get(c, [c]))]
         missing = [c for c in wanted if c not in available]
         if missing:
             raise MissingColumnError(
@@ -610,14 +805,27 @@ def _select(available: Sequence[str], columns: Sequence[str] | None, label: str)
 # -- Arrow tables --------------------------------------------------------------------------
 
 
+_NESTED_ROWS = 1 << 16
+"""Rows of an in-memory nested column taken apart at a time (bounds the temporaries)."""
+
+
 def _as_table(table: Any) -> Any:
     pa = _pyarrow()
     if isinstance(table, pa.Table):
         return table
     if isinstance(table, pa.RecordBatch):
         return pa.Table.from_batches([table])
-    if hasattr(table, "__arrow_c_stream__") and not isinstance(table, pa.ChunkedArray):
-        return pa.table(table)  # polars / pandas >= 2.2 / any Arrow PyCapsule producer
+    exports = hasattr(table, "__arrow_c_stream__") or hasattr(table, "__arrow_c_array__")
+    if exports and not isinstance(table, (pa.ChunkedArray, pa.Array)):
+        # polars, duckdb, pandas >= 2.2, HF datasets' tables: any Arrow PyCapsule producer
+        try:
+            return pa.table(table)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise UnsupportedDtypeError(
+                f"ArrowDataset could not read the Arrow data a {type(table).__name__} exports "
+                f"({type(e).__name__}: {e}); it must export a table or a struct array "
+                "(one field per column)."
+            ) from e
     hint = ""
     module = type(table).__module__.split(".")[0]
     if module == "pandas":
@@ -634,24 +842,36 @@ class ArrowSource:
     """Reads the columns of an in-memory Arrow table (see :class:`ArrowDataset`).
 
     Args:
-        table: a ``pyarrow.Table`` or ``RecordBatch`` (or an Arrow stream producer).
-        columns: the columns to load, in this order (default: all).
+        table: a ``pyarrow.Table`` or ``RecordBatch`` (or an Arrow stream/array producer).
+        columns: the columns to load, in this order (default: all; a struct's name
+            selects its fields).
         fill_value: what nulls become (see :class:`ParquetDataset`); ``None`` refuses nulls.
+        records: a list of structs comes back as a list of dicts (else a dict of lists).
     """
 
     label = "the Arrow table"
 
     def __init__(
-        self, table: Any, columns: Sequence[str] | None = None, *, fill_value: FillValue = None
+        self,
+        table: Any,
+        columns: Sequence[str] | None = None,
+        *,
+        fill_value: FillValue = None,
+        records: bool = True,
     ) -> None:
         self.table = _as_table(table)
-        names = _select(self.table.schema.names, columns, self.label)
-        self.columns = _make_columns(self.table.schema, names, self.label, fill_value)
+        names = _select_fields(self.table.schema, columns, self.label)
+        self.columns = _make_columns(self.table.schema, names, self.label, fill_value, records)
         self._by_name = {c.name: c for c in self.columns}
 
     def _each_chunk(self, column: _Column, fn: Callable[[str, str, Any], None]) -> None:
-        for chunk in self.table.column(column.name).chunks:
-            fn(self.label, self.label, _normalize(chunk))
+        step = _NESTED_ROWS if column.kind.kind == "nested" else None
+        for chunk in self.table.column(column.path[0]).chunks:
+            if step is None:
+                fn(self.label, self.label, column.extract(chunk))
+                continue
+            for start in range(0, len(chunk), step):  # nested: bounded pieces
+                fn(self.label, self.label, column.extract(chunk.slice(start, step)))
 
     def specs(self) -> list[ColumnSpec]:
         """Exact specs, from the table's buffers (nothing is copied)."""
@@ -685,13 +905,22 @@ class ArrowDataset(ColumnDataset):
     itself is not kept: once loaded, it can be dropped, and workers only map the
     shared copy.
 
-    pandas: ``ArrowDataset(pa.Table.from_pandas(df, preserve_index=False))``;
-    polars: ``ArrowDataset(df.to_arrow())``.
+    Any object that exports Arrow data is accepted as it is: a polars or pandas
+    DataFrame, a duckdb relation, an HF ``datasets.Dataset``'s ``.data.table``
+    (``__arrow_c_stream__`` or ``__arrow_c_array__``).
+
+    Struct columns load as one column per field, named as ``Table.flatten()`` names
+    them (``s.a``, nested ``s.b.c``); items are flat (``{"s.a": ..., "s.b.c": ...}``).
+    Lists of strings, of lists and of structs (``messages: list<struct<role: string,
+    content: string>>``) load as offsets and typed values in shared memory and come
+    back per item as Python lists (of dicts, or with ``records=False`` a dict of
+    lists); lists of numbers inside them come back as 1-D tensors.
 
     Args:
-        table: a ``pyarrow.Table`` or ``pyarrow.RecordBatch`` (objects that export an
-            Arrow stream, ``__arrow_c_stream__``, are converted with ``pa.table``).
-        columns: names of the columns to load, in sample order (default: all).
+        table: a ``pyarrow.Table`` or ``pyarrow.RecordBatch``, or an object exporting
+            Arrow data (``__arrow_c_stream__`` / ``__arrow_c_array__``).
+        columns: names of the columns to load, in sample order (default: all; a
+            struct's name selects all its fields).
         transform: applied to each sample in the worker, after indexing.
         output: ``"dict"`` (``{column: value}``) or ``"tuple"`` (column order).
         storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
@@ -699,10 +928,13 @@ class ArrowDataset(ColumnDataset):
         progress: show a progress bar for loads longer than ~2 s.
         fill_value: what null values become (see :class:`ParquetDataset`); ``None``
             refuses nulls with a ``NullValuesError``.
+        records: a list of structs comes back per item as a list of dicts (default),
+            or as a dict of lists (``False``).
 
     Raises:
         KeyError: a requested column is missing (the message lists those that exist).
-        ValueError: a column holds nulls and no ``fill_value`` covers it.
+        ValueError: a column holds nulls and no ``fill_value`` covers it; ``columns=[]``
+            (``EmptySelectionError``).
         TypeError: not a table, or a column's type cannot be stored.
         ImportError: pyarrow is not installed (``pip install 'shareddata[parquet]'``).
         MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
@@ -716,6 +948,10 @@ class ArrowDataset(ColumnDataset):
         (tensor(0.), '?')
         >>> ds.__getitems__([2, 0])
         [(tensor(3.), 'c'), (tensor(1.5000), 'a')]
+        >>> chat = pa.table({"messages": [[{"role": "user", "content": "hi"}], []],
+        ...                  "meta": [{"id": 7, "lang": "en"}, {"id": 8, "lang": "fr"}]})
+        >>> sd.ArrowDataset(chat)[0]
+        {'messages': [{'role': 'user', 'content': 'hi'}], 'meta.id': tensor(7), 'meta.lang': 'en'}
     """
 
     def __init__(
@@ -728,10 +964,14 @@ class ArrowDataset(ColumnDataset):
         storage_dir: str | os.PathLike[str] | None = None,
         progress: bool = True,
         fill_value: FillValue = None,
+        records: bool = True,
     ) -> None:
-        source = ArrowSource(table, columns, fill_value=fill_value)
+        source = ArrowSource(table, columns, fill_value=fill_value, records=records)
         loaded = load_columns(
-            source, storage_dir=storage_dir, progress=progress, key=_table_key(source, fill_value)
+            source,
+            storage_dir=storage_dir,
+            progress=progress,
+            key=(*_table_key(source, fill_value), records),
         )
         super().__init__(loaded, transform=transform, output=output)
 
@@ -742,7 +982,7 @@ def _table_key(source: ArrowSource, fill_value: FillValue) -> tuple[Any, ...]:
     Every ArrowDataset has the same label, so without this two ranks building different
     tables (one per rank, say) would be taken for the same dataset under torchrun.
     """
-    table = source.table.select([c.name for c in source.columns])
+    table = source.table.select(list(dict.fromkeys(c.path[0] for c in source.columns)))
     n = table.num_rows
     rows = sorted({round(i * (n - 1) / 63) for i in range(64)}) if n else []
     sample = [table.slice(i, 1).to_pylist() for i in rows]  # slices: any type, no copy

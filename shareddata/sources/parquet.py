@@ -33,6 +33,7 @@ Column types and nulls are those of ``arrow.py`` (Arrow types -> column kinds).
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,10 +58,9 @@ from .arrow import (
     _Column,
     _is_list,
     _make_columns,
-    _normalize,
     _pyarrow,
     _release_arrow_memory,
-    _select,
+    _select_fields,
     _Sizer,
     _Writer,
     rebase_offsets,
@@ -82,27 +82,63 @@ def _parquet() -> ModuleType:
     return pyarrow.parquet
 
 
-def _parquet_files(path: Any) -> tuple[list[str], str]:
-    """The files of a path / list of paths / folder, and a label for messages."""
+def _dataset() -> ModuleType:
+    _pyarrow()
+    import pyarrow.dataset
+
+    return pyarrow.dataset
+
+
+_GLOB = "*?["
+
+
+@dataclass
+class _Found:
+    """What a path, glob, folder or list names: the files, in order, and their partitions."""
+
+    files: list[str]
+    label: str
+    partitions: list[dict[str, Any]]  # per file: hive key -> value
+    partition_schema: Any  # the partition columns' Arrow fields (pa.schema)
+
+
+def _parquet_files(path: Any) -> _Found:
+    """The files of a path / glob / folder (recursive) / list of paths, and their partitions.
+
+    Discovery is ``pyarrow.dataset``'s: a folder is searched recursively (names
+    starting with ``.`` or ``_`` are skipped, as Spark's ``_SUCCESS``), and Hive
+    partition folders (``year=2024/part-0.parquet``) become columns. Only files
+    ending in ``.parquet`` are read from a folder or glob.
+    """
+    base: str | None = None
     if isinstance(path, (str, os.PathLike)):
         p = os.fspath(path)
-        if not os.path.exists(p):
-            raise MissingFileError(
-                f"{p} does not exist. Pass a .parquet file, a list of files, or a folder of "
-                ".parquet files."
-            )
         if os.path.isdir(p):
-            files = sorted(
-                f for f in os.listdir(p) if f.endswith(_SUFFIXES) and not f.startswith((".", "_"))
-            )
+            found = sorted(f for f in _discover(p) if f.endswith(_SUFFIXES))
+            if not found:
+                raise MissingFileError(
+                    f"folder {p} holds no .parquet files (sub-folders included); pass a "
+                    ".parquet file, a glob or a list of files."
+                )
+            files, label, base = found, p, p
+        elif os.path.exists(p):
+            files, label = [p], p
+        elif any(c in p for c in _GLOB):
+            matched = glob.glob(p, recursive=True)
+            files = sorted(f for f in matched if os.path.isfile(f) and f.endswith(_SUFFIXES))
             if not files:
                 raise MissingFileError(
-                    f"folder {p} holds no .parquet files (sub-folders, e.g. Hive partitions, "
-                    "are not searched); pass the files as a list instead."
+                    f"the pattern {p} matches no .parquet file; check the folder and the pattern "
+                    "(use ** to search sub-folders)."
                 )
-            return [os.path.join(p, f) for f in files], p
-        return [p], p
-    if isinstance(path, Sequence) and not isinstance(path, (bytes, bytearray)):
+            label = p
+            base = _glob_root(p)
+        else:
+            raise MissingFileError(
+                f"{p} does not exist. Pass a .parquet file, a glob (data/*.parquet), a list of "
+                "files, or a folder of .parquet files."
+            )
+    elif isinstance(path, Sequence) and not isinstance(path, (bytes, bytearray)):
         files = [os.fspath(f) for f in path]
         if not files:
             raise MissingFileError("the list of Parquet files is empty; pass at least one file.")
@@ -111,11 +147,49 @@ def _parquet_files(path: Any) -> tuple[list[str], str]:
                 what = "is a folder; list its files" if os.path.isdir(f) else "does not exist"
                 raise MissingFileError(f"{f} {what} (in the list of Parquet files given).")
         label = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more files)"
-        return files, label
-    raise TypeError(
-        f"ParquetDataset cannot read a {type(path).__name__}; pass a .parquet path, a list "
-        "of paths, or a folder of .parquet files (for a pyarrow.Table use ArrowDataset)."
-    )
+    else:
+        raise TypeError(
+            f"ParquetDataset cannot read a {type(path).__name__}; pass a .parquet path, a glob, "
+            "a list of paths, or a folder of .parquet files (for a pyarrow.Table use "
+            "ArrowDataset)."
+        )
+    partitions, schema = _partitions(files, base)
+    return _Found(files, label, partitions, schema)
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder a glob's first wildcard is under (where Hive partitions start)."""
+    parts = pattern.split(os.sep)
+    fixed = []
+    for part in parts:
+        if any(c in part for c in _GLOB):
+            break
+        fixed.append(part)
+    return os.sep.join(fixed) or "."
+
+
+def _discover(folder: str) -> list[str]:
+    """The files ``pyarrow.dataset`` finds under ``folder`` (recursively)."""
+    try:
+        return list(_dataset().dataset(folder, format="parquet", partitioning=None).files)
+    except _arrow_errors() as e:
+        raise _read_error(folder, e, "listing its files") from e
+
+
+def _partitions(files: list[str], base: str | None) -> tuple[list[dict[str, Any]], Any]:
+    """Per file, its Hive partition values (``key=value`` folders under ``base``)."""
+    pa, ds = _pyarrow(), _dataset()
+    if base is None or not any("=" in os.path.relpath(os.path.dirname(f), base) for f in files):
+        return [{} for _ in files], pa.schema([])
+    try:
+        dataset = ds.dataset(files, format="parquet", partitioning="hive", partition_base_dir=base)
+        fragments = {os.path.normpath(f.path): f for f in dataset.get_fragments()}
+    except _arrow_errors() as e:
+        raise _read_error(base, e, "reading its partition folders") from e
+    per_file = [ds.get_partition_keys(fragments[os.path.normpath(f)].partition_expression)
+                for f in files]  # fmt: skip
+    names = [n for n in dict.fromkeys(k for d in per_file for k in d)]
+    return per_file, pa.schema([dataset.schema.field(n) for n in names])
 
 
 def _arrow_errors() -> tuple[type[BaseException], ...]:
@@ -146,6 +220,18 @@ def _leaf_count(t: Any) -> int:
     return 1
 
 
+def _struct_leaves(name: str, t: Any, first: int, out: dict[str, int]) -> None:
+    """The first Parquet leaf column of each field of a struct (``s.a``, ``s.b.c``)."""
+    pa = _pyarrow()
+    if not pa.types.is_struct(t):
+        return
+    j = first
+    for f in t:
+        out.setdefault(f"{name}.{f.name}", j)
+        _struct_leaves(f"{name}.{f.name}", f.type, j, out)
+        j += _leaf_count(f.type)
+
+
 @dataclass
 class _ParquetFileInfo:
     path: str
@@ -163,11 +249,12 @@ class ParquetSource:
     """Reads columns of Parquet files (see :class:`ParquetDataset`); metadata only until asked.
 
     Args:
-        path: a ``.parquet`` file, a list of files (read in that order), or a folder of
-            ``.parquet`` files (read in sorted order).
+        path: a ``.parquet`` file, a glob, a folder (recursive, Hive partitions
+            become columns) or a list of files (see :class:`ParquetDataset`).
         columns: the columns to load, in this order (default: all).
         fill_value: what nulls become (see :class:`ParquetDataset`); ``None`` refuses nulls.
         memory_map: map the files instead of reading them (less private memory).
+        records: a list of structs comes back as a list of dicts (else a dict of lists).
     """
 
     def __init__(
@@ -177,18 +264,33 @@ class ParquetSource:
         *,
         fill_value: FillValue = None,
         memory_map: bool = True,
+        records: bool = True,
     ) -> None:
+        pa = _pyarrow()
         self._pq = _parquet()
-        self.paths, self.label = _parquet_files(path)
+        found = _parquet_files(path)
+        self.paths, self.label = found.files, found.label
+        self.partitions = found.partitions
         self.memory_map = memory_map
         self._open: Any = None
         self._specs: list[ColumnSpec] | None = None
         self.files = [self._info(p) for p in self.paths]
         first = self.files[0]
-        names = _select(first.schema.names, columns, first.path)
-        self._check_schemas(names, all_columns=columns is None)
-        self.columns = _make_columns(first.schema, names, self.label, fill_value)
+        schema = first.schema
+        clash = [f.name for f in found.partition_schema if f.name in schema.names]
+        if clash:
+            raise MissingColumnError(
+                f"column {clash[0]!r} is both in {first.path} and a partition folder name "
+                f"({clash[0]}=...); rename one of them."
+            )
+        schema = pa.schema([*schema, *found.partition_schema])
+        names = _select_fields(schema, columns, first.path)
+        tops = list(dict.fromkeys(n.split(".")[0] if n not in schema.names else n
+                                  for n in names))  # fmt: skip
+        self.schema = self._unify(schema, tops, found.partition_schema.names, columns is None)
+        self.columns = _make_columns(self.schema, names, self.label, fill_value, records)
         self._by_name = {c.name: c for c in self.columns}
+        self._partition_names = set(found.partition_schema.names)
 
     def _info(self, path: str) -> _ParquetFileInfo:
         try:
@@ -204,13 +306,25 @@ class ParquetSource:
         j = 0
         for field in schema:
             leaf_index.setdefault(field.name, j)
+            _struct_leaves(field.name, field.type, j, leaf_index)
             j += _leaf_count(field.type)
         if j != metadata.num_columns:  # a layout this mapping does not know: no statistics
             leaf_index = {}
         return _ParquetFileInfo(path, metadata, schema, row_groups, leaf_index)
 
-    def _check_schemas(self, names: Sequence[str], all_columns: bool) -> None:
+    def _unify(
+        self, schema: Any, tops: Sequence[str], partition_names: Sequence[str], all_columns: bool
+    ) -> Any:
+        """The schema the selected columns are loaded with, over every file.
+
+        Files may differ in a column's type where pyarrow can promote one to the other
+        (``int32`` and ``int64``, ``string`` and ``large_string``, a null column and
+        any type...: ``pa.unify_schemas(promote_options="permissive")``); each batch is
+        cast to the promoted type. Otherwise the file and column are named.
+        """
+        pa = _pyarrow()
         first = self.files[0]
+        fields = {name: schema.field(name) for name in tops}
         for other in self.files[1:]:
             if all_columns and other.schema.names != first.schema.names:
                 raise MissingColumnError(
@@ -218,20 +332,31 @@ class ParquetSource:
                     f"({other.schema.names} vs {first.schema.names}); every file must have the "
                     "same columns. Pass columns=[...] to load the columns they share."
                 )
-            for name in names:
+            for name in tops:
+                if name in partition_names:
+                    continue
                 if name not in other.schema.names:
                     raise MissingColumnError(
                         f"column {name!r} is in {first.path} but not in {other.path}, which has: "
                         f"{', '.join(repr(n) for n in other.schema.names)}. Every file must "
                         "have the columns loaded."
                     )
-                a, b = first.schema.field(name).type, other.schema.field(name).type
-                if a != b:
-                    raise UnsupportedDtypeError(
-                        f"column {name!r} is {a} in {first.path} but {b} in {other.path}; the "
-                        "files of one dataset must share a schema. Rewrite them with one type "
-                        f"(e.g. table.cast(...)) or leave {name!r} out with columns=[...]."
+                a, b = fields[name], other.schema.field(name)
+                if a.type == b.type:
+                    continue
+                try:
+                    unified = pa.unify_schemas(
+                        [pa.schema([a]), pa.schema([b])], promote_options="permissive"
                     )
+                except (pa.ArrowException, TypeError, ValueError) as e:
+                    raise UnsupportedDtypeError(
+                        f"column {name!r} is {a.type} in {first.path} but {b.type} in "
+                        f"{other.path}, and pyarrow cannot promote one to the other ({e}). "
+                        "Rewrite the files with one type (e.g. table.cast(...)) or leave "
+                        f"{name!r} out with columns=[...]."
+                    ) from e
+                fields[name] = unified.field(0)
+        return pa.schema([fields[n] if n in fields else schema.field(n) for n in schema.names])
 
     # -- reading one column, row group by row group ------------------------------------------
     def _file(self, info: _ParquetFileInfo) -> Any:
@@ -254,7 +379,15 @@ class ParquetSource:
         referenced once ``fn`` returns, and Arrow's memory is given back after
         every row group.
         """
-        for info in self.files:
+        pa = _pyarrow()
+        selector = ".".join(column.path)  # a struct's field: only its leaves are decoded
+        for f, info in enumerate(self.files):
+            if column.name in self._partition_names:  # the value of the file's folder
+                value = pa.scalar(self.partitions[f].get(column.name), column.arrow_type)
+                for start in range(0, info.rows, _MAX_BATCH_ROWS):
+                    n = min(_MAX_BATCH_ROWS, info.rows - start)
+                    fn(info.path, info.path, column.extract(pa.repeat(value, n)))
+                continue
             pf = self._file(info)
             for i, rows in enumerate(info.row_groups):
                 where = f"{info.path} (row group {i})"
@@ -262,7 +395,7 @@ class ParquetSource:
                 seen = 0
                 try:
                     for batch in pf.iter_batches(
-                        batch_size=batch_rows, row_groups=[i], columns=[column.name],
+                        batch_size=batch_rows, row_groups=[i], columns=[selector],
                         use_threads=False,
                     ):  # fmt: skip
                         seen += batch.num_rows
@@ -270,7 +403,7 @@ class ParquetSource:
                             break
                         chunk = batch.column(0)
                         del batch
-                        fn(info.path, where, _normalize(chunk))
+                        fn(info.path, where, column.extract(chunk))
                         del chunk
                 except _arrow_errors() as e:
                     if isinstance(e, SharedDataError):
@@ -303,7 +436,9 @@ class ParquetSource:
         per_file: dict[str, int] = {}
         for info in self.files:
             j = info.leaf_index.get(column.name)
-            if j is None:
+            if j is None or len(column.path) > 1:  # a struct's nulls are its fields' too
+                return None
+            if info.schema.field(column.name).type != column.arrow_type:
                 return None
             count = 0
             for i in range(len(info.row_groups)):
@@ -378,11 +513,22 @@ class ParquetDataset(ColumnDataset):
     and durations give their integer storage (int64 or int32 counts of their unit
     since the epoch, timestamps in UTC). Dtypes stay as stored (int32 stays int32).
 
+    Struct columns load as one column per field, named as ``Table.flatten()`` names
+    them (``s.a``, nested ``s.b.c``; items are flat). Lists of strings, lists and
+    structs (``messages: list<struct<role: string, content: string>>``) load as
+    offsets and typed values in shared memory and come back per item as lists (of
+    dicts; see ``records``). Details: :class:`~shareddata.ArrowDataset`.
+
     Args:
-        path: a ``.parquet`` file, a list of files (rows in the order given), or a
-            folder of ``.parquet`` files (sorted order). Every file must have the
-            loaded columns, with the same types.
-        columns: names of the columns to load, in sample order (default: all).
+        path: a ``.parquet`` file; a glob (``"data/train-*.parquet"``, ``**`` for
+            sub-folders); a folder, searched recursively by ``pyarrow.dataset``
+            (names starting with ``.`` or ``_`` skipped); or a list of files (rows in
+            the order given). Globs and folders are read in sorted order. Hive
+            partition folders (``year=2024/part-0.parquet``) become columns, after the
+            files' own. The files must have the loaded columns; types may differ where
+            pyarrow promotes one to the other (``int32``/``int64``...).
+        columns: names of the columns to load, in sample order (default: all; a
+            struct's name selects all its fields).
         transform: applied to each sample in the worker, after indexing.
         output: ``"dict"`` (``{column: value}``) or ``"tuple"`` (column order).
         storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
@@ -394,15 +540,18 @@ class ParquetDataset(ColumnDataset):
             columns (string and binary columns given a number get ``""``/``b""``);
             null lists become empty lists. A dict ``{column: value}`` gives one value
             per column (columns not in it still refuse nulls).
+        records: a list of structs comes back per item as a list of dicts (default),
+            or as a dict of lists (``False``).
 
     Raises:
         FileNotFoundError: a path does not exist, or a folder holds no ``.parquet``.
         KeyError: a requested column is missing (the message lists those that exist),
             or the files have different columns.
-        ValueError: a column holds nulls and no ``fill_value`` covers it.
-        TypeError: a column's type cannot be stored (struct, map, nested lists,
-            decimal...), the files disagree on a column's type, or a fill value does
-            not fit its column.
+        ValueError: a column holds nulls and no ``fill_value`` covers it; ``columns=[]``
+            (``EmptySelectionError``).
+        TypeError: a column's type cannot be stored (map, union, decimal...), the
+            files have types pyarrow cannot promote to one, or a fill value does not
+            fit its column.
         OSError: a file is truncated or not Parquet (``SourceReadError``).
         ImportError: pyarrow is not installed (``pip install 'shareddata[parquet]'``).
         MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
@@ -431,7 +580,8 @@ class ParquetDataset(ColumnDataset):
         storage_dir: str | os.PathLike[str] | None = None,
         progress: bool = True,
         fill_value: FillValue = None,
+        records: bool = True,
     ) -> None:
-        source = ParquetSource(path, columns, fill_value=fill_value)
+        source = ParquetSource(path, columns, fill_value=fill_value, records=records)
         loaded = load_columns(source, storage_dir=storage_dir, progress=progress)
         super().__init__(loaded, transform=transform, output=output)
