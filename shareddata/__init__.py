@@ -26,9 +26,9 @@ from .errors import (
     UnsupportedDtypeError,
 )
 from .memory import MemoryReport, ProcessMemory, verify
+from .sources.arrow import ArrowDataset
 from .sources.hdf5 import HDF5Dataset
 from .sources.npy import NumpyDataset
-from .sources.arrow import ArrowDataset
 from .sources.parquet import ParquetDataset
 
 __version__ = "0.1.0"

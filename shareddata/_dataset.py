@@ -1,198 +1,36 @@
-"""The common Dataset over shared columns, and the one loader every source goes through.
+"""The common Dataset over shared columns.
 
-Data flows one way: a source (``sources/``) sizes its columns -> :func:`load_columns`
-allocates every buffer in one shared segment and lets the source fill it -> the
-columns (``_columns.py``) index it -> :class:`ColumnDataset` serves samples and
-batches, and pickles into workers as handles (``_storage.py``).
+Data flows one way: a source (``sources/``) sizes its columns -> :func:`_load.build`
+allocates every buffer in shared memory and lets the source fill it -> the columns
+(``_columns.py``) index it -> :class:`ColumnDataset` serves samples and batches, and
+pickles into workers as handles (``_storage.py``).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ._batch import make_samples, make_tuple_samples
-from ._columns import COLUMN_KINDS, Column, ColumnSpec, TensorColumn
-from ._storage import _fmt, allocate, seal
-from ._sweep import auto_sweep
+from ._columns import Column, ColumnSpec, TensorColumn
+from ._load import Source, check_lengths, load_columns
+from ._text import format_bytes
 from ._transport import worker_buffers
-from .errors import ColumnLengthError
+from .errors import ArgumentTypeError, IndexOutOfRangeError, IndexTypeError, InvalidArgumentError
 
 __all__ = ["ColumnDataset", "Source", "load_columns"]
 
 Output = Literal["dict", "tuple"]
 
 
-class Source(Protocol):
-    """What a format module implements: size the columns, then fill given buffers.
-
-    Sharing, indexing and pickling are not a source's business; see ``load_columns``.
-
-    Optional: ``select_rows(start, stop)``; from then on ``specs()`` and ``read()``
-    describe and fill only rows ``[start, stop)`` (what ``shard="node"`` needs).
-    """
-
-    label: str
-    """The file (or object) the data comes from, for messages."""
-
-    def specs(self) -> list[ColumnSpec]:
-        """Describe every selected column, with exact sizes, before any allocation."""
-        ...
-
-    def read(
-        self, spec: ColumnSpec, buffers: dict[str, np.ndarray], progress: Callable[[int], None]
-    ) -> None:
-        """Fill ``buffers`` (laid out as ``COLUMN_KINDS[spec.kind].layout(spec)``).
-
-        Call ``progress(nbytes)`` as data arrives, and ``_storage.ready(buffer[:end])``
-        before writing up to ``end``: the pages may still be being allocated.
-        """
-        ...
-
-    def close(self) -> None:
-        """Release file handles (called after loading, also on error)."""
-        ...
+_NO_MASKS = "boolean masks are not supported as indices; use mask.nonzero()"
 
 
-@contextmanager
-def _progress_bar(total: int, desc: str, enabled: bool) -> Iterator[Callable[[int], None]]:
-    if not enabled or not sys.stderr.isatty() or total == 0:
-        yield lambda n: None
-        return
-    from tqdm.auto import tqdm
-
-    # delay: only loads that take more than ~2 s show a bar
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, delay=2) as bar:
-        yield bar.update
-
-
-def check_lengths(specs: Sequence[ColumnSpec], label: str) -> int:
-    """The common row count of ``specs``, or :class:`ColumnLengthError` naming each."""
-    rows = {s.rows for s in specs}
-    if len(rows) > 1:
-        listing = ", ".join(f"{s.name!r}: {s.rows} rows" for s in specs)
-        raise ColumnLengthError(
-            f"columns of {label} have different lengths ({listing}); every column of a "
-            "dataset needs one value per row. Select columns of equal length "
-            "(columns=[...]) or trim them to the same number of rows."
-        )
-    return rows.pop() if rows else 0
-
-
-def load_columns(
-    source: Source | Callable[[], Source],
-    *,
-    storage_dir: str | os.PathLike[str] | None = None,
-    progress: bool = True,
-    share: Literal["node", "process"] | None = None,
-    shard: Literal["node"] | None = None,
-    key: Any = None,
-    timeout: float | None = None,
-) -> dict[str, Column]:
-    """Size ``source``'s columns, allocate them in one segment, and fill them.
-
-    Under torchrun only local rank 0 of each node loads; the other local ranks
-    attach to its columns (Note [How local ranks share one copy] in
-    ``distributed.py``). If anything fails (a read error, Ctrl-C), everything
-    allocated is freed before the error propagates.
-
-    Args:
-        source: a format reader, or a function that makes one (called only where
-            the data is loaded: attaching ranks never open the files).
-        storage_dir: ``None`` for RAM; a directory for file-backed storage.
-        progress: show a progress bar for loads longer than ~2 s (on a terminal).
-        share: ``"node"`` (one copy per node; the default under torchrun) or
-            ``"process"`` (this process loads its own copy).
-        shard: ``"node"`` loads only this node's contiguous share of the rows
-            (the source needs ``select_rows``); ``None`` loads every row.
-        key: the dataset's arguments, equal on every local rank (default: the
-            source's type and label); ranks check they build the same dataset.
-        timeout: seconds to wait for another local rank (default
-            ``$SHAREDDATA_TIMEOUT``, else 300).
-
-    Returns:
-        The columns, read-only, by name in source order.
-    """
-    from .distributed import load_on_node  # not at the top: distributed imports this module
-
-    factory = callable(source) and not hasattr(source, "specs")
-    if key is None:
-        key = ("load_columns",) if factory else (type(source).__name__, source.label)  # type: ignore[union-attr]
-
-    def load(select_rows: Callable[[Any, int], bool] | None) -> dict[str, Column]:
-        made: Source = source() if factory else source  # type: ignore[operator,assignment]
-        return _load_here(made, storage_dir, progress, select_rows)
-
-    close = None if factory else source.close  # type: ignore[union-attr]
-    return load_on_node(load, share=share, shard=shard, key=key, close=close, timeout=timeout)
-
-
-def _load_here(
-    source: Source,
-    storage_dir: str | os.PathLike[str] | None,
-    progress: bool,
-    select_rows: Callable[[Any, int], bool] | None,
-) -> dict[str, Column]:
-    """Load ``source`` in this process; ``select_rows(source, rows)`` may narrow the rows."""
-    auto_sweep()  # names that killed DataLoader processes left: Note in _sweep.py
-    try:
-        specs = source.specs()
-        rows = check_lengths(specs, source.label)
-        if select_rows is not None and select_rows(source, rows):
-            specs = source.specs()
-            check_lengths(specs, source.label)
-        layouts = [(spec, COLUMN_KINDS[spec.kind].layout(spec)) for spec in specs]
-        flat = [shape_dtype for _, layout in layouts for shape_dtype in layout.values()]
-        # pages are allocated while the source fills the first ones: Note [Filling
-        # while the pages are allocated] in _storage.py
-        arrays = allocate(flat, storage_dir, what=source.label, ahead=True)
-        grouped: list[dict[str, Any]] = []
-        it = iter(arrays)
-        for _, layout in layouts:
-            grouped.append({key: next(it) for key in layout})
-        del it
-        try:
-            _fill(source, layouts, grouped, progress)
-            if arrays:
-                arrays[0].segment.finish_population()
-        except BaseException:
-            # Free the segment now, although the traceback still refers to the
-            # buffers: Note [Freeing a failed load] in _storage.py.
-            if arrays:
-                arrays[0].segment.stop_population()
-                arrays[0].segment.discard()
-            raise
-    finally:
-        source.close()
-    # fork children map it copy-on-write: Note [Sealed segments] in _storage.py
-    sealed = iter(seal(arrays))
-    return {
-        spec.name: COLUMN_KINDS[spec.kind](spec, {k: next(sealed) for k in group})
-        for (spec, _), group in zip(layouts, grouped)
-    }
-
-
-def _fill(
-    source: Source,
-    layouts: list[tuple[ColumnSpec, dict[str, Any]]],
-    grouped: list[dict[str, Any]],
-    progress: bool,
-) -> None:
-    total = sum(a.nbytes for group in grouped for a in group.values())
-    desc = f"loading {os.path.basename(source.label) or source.label} ({_fmt(total)})"
-    with _progress_bar(total, desc, progress) as update:
-        for (spec, _), group in zip(layouts, grouped):
-            source.read(spec, {k: a.numpy() for k, a in group.items()}, update)
-
-
-def _is_int(index: Any) -> bool:
+def is_int(index: Any) -> bool:
     if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
         return True
     return (
@@ -231,9 +69,9 @@ class ColumnDataset(Dataset):
         output: Output = "dict",
     ) -> None:
         if output not in ("dict", "tuple"):
-            raise ValueError(f"output must be 'dict' or 'tuple', got {output!r}")
+            raise InvalidArgumentError(f"output must be 'dict' or 'tuple', got {output!r}")
         if transform is not None and not callable(transform):
-            raise TypeError(f"transform must be callable, got {type(transform).__name__}")
+            raise ArgumentTypeError(f"transform must be callable, got {type(transform).__name__}")
         self._columns = columns
         self._names = list(columns)
         self._len = check_lengths([c.spec for c in columns.values()], type(self).__name__)
@@ -265,9 +103,22 @@ class ColumnDataset(Dataset):
     def __len__(self) -> int:
         return self._len
 
+    def segment_identity(self) -> frozenset[tuple[int, int]]:
+        """The (device, inode) of every shared segment this dataset maps.
+
+        Two datasets with equal identities hold one copy of the data (e.g. two local
+        ranks of a node, one attached to the other's columns).
+        """
+        return frozenset(
+            array.segment.handle()[2]
+            for column in self._columns.values()
+            for array in column.arrays.values()
+        )
+
     def __repr__(self) -> str:
         cols = ", ".join(f"{n}: {c.spec.describe()}" for n, c in self._columns.items())
-        return f"{type(self).__name__}(rows={self._len}, {_fmt(self.nbytes)}, columns={{{cols}}})"
+        size = format_bytes(self.nbytes)
+        return f"{type(self).__name__}(rows={self._len}, {size}, columns={{{cols}}})"
 
     # -- indexing ----------------------------------------------------------------------
     def _pack(self, values: Sequence[Any]) -> Any:
@@ -277,7 +128,9 @@ class ColumnDataset(Dataset):
         i = int(index)
         n = self._len
         if not -n <= i < n:
-            raise IndexError(f"index {i} is out of range for {type(self).__name__} of {n} rows")
+            raise IndexOutOfRangeError(
+                f"index {i} is out of range for {type(self).__name__} of {n} rows"
+            )
         return i + n if i < 0 else i
 
     def _indices(self, indices: Any, check: bool = True) -> torch.Tensor:
@@ -293,9 +146,9 @@ class ColumnDataset(Dataset):
             return torch.arange(*indices.indices(self._len), dtype=torch.int64)
         if isinstance(indices, torch.Tensor):
             if indices.dtype == torch.bool:
-                raise TypeError("boolean masks are not supported as indices; use mask.nonzero()")
+                raise IndexTypeError(_NO_MASKS)
             if indices.is_floating_point() or indices.is_complex():
-                raise TypeError(f"indices must be integers, got dtype {indices.dtype}")
+                raise IndexTypeError(f"indices must be integers, got dtype {indices.dtype}")
             idx = indices.reshape(-1)
             if idx.dtype != torch.int64 or idx.device.type != "cpu":
                 idx = idx.to(device="cpu", dtype=torch.int64)
@@ -307,13 +160,13 @@ class ColumnDataset(Dataset):
                 return torch.empty(0, dtype=torch.int64)
             array = np.asarray(indices)
             if array.dtype == np.bool_:
-                raise TypeError("boolean masks are not supported as indices; use mask.nonzero()")
+                raise IndexTypeError(_NO_MASKS)
             if array.dtype.kind not in "iu":
-                raise TypeError(f"indices must be integers, got dtype {array.dtype}")
+                raise IndexTypeError(f"indices must be integers, got dtype {array.dtype}")
             array = array.reshape(-1)
             if array.dtype != np.int64:
                 if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
-                    raise IndexError(
+                    raise IndexOutOfRangeError(
                         f"index {array.max()} is out of range for {type(self).__name__} "
                         f"of {self._len} rows"
                     )
@@ -326,7 +179,7 @@ class ColumnDataset(Dataset):
             lo, hi = int(array.min()), int(array.max())
             if lo < -n or hi >= n:
                 bad = lo if lo < -n else hi
-                raise IndexError(
+                raise IndexOutOfRangeError(
                     f"index {bad} is out of range for {type(self).__name__} of {n} rows"
                 )
             if lo < 0:
@@ -340,7 +193,7 @@ class ColumnDataset(Dataset):
         return a batch shaped like the default collate's output. A ``transform`` is
         applied per sample, then the samples are collated.
         """
-        if _is_int(index):
+        if is_int(index):
             i = self._check_index(index)
             sample = self._pack([c.get(i) for c in self._columns.values()])
             return sample if self.transform is None else self.transform(sample)

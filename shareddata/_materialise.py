@@ -45,29 +45,23 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ._columns import BytesColumn, Column, ColumnSpec, RaggedColumn, StringColumn, TensorColumn
-from ._storage import (
-    Segment,
-    SharedArray,
-    _address,
-    _fmt,
-    _resolve_storage_dir,
-    allocate,
-    available_memory,
-    seal,
-    to_numpy_dtype,
+from ._capacity import available_memory, resolve_storage_dir
+from ._columns import BytesColumn, ColumnSpec, RaggedColumn, StringColumn, TensorColumn
+from ._linux import address_of
+from ._load import Allocator, Part, progress_bar
+from ._storage import Segment, SharedArray, to_numpy_dtype
+from ._text import format_bytes
+from .errors import (
+    InvalidArgumentError,
+    ItemMismatchError,
+    ItemValueError,
+    SharedDataError,
+    SharedMemoryFullError,
+    UnpicklableItemError,
+    UnsupportedDtypeError,
 )
-from .errors import SharedDataError, SharedMemoryFullError, UnsupportedDtypeError
 
-__all__ = ["ItemMismatchError", "ItemValueError", "build_columns", "restore"]
-
-
-class ItemMismatchError(SharedDataError, TypeError):
-    """An item's structure or type differs from the first item's."""
-
-
-class ItemValueError(SharedDataError, ValueError):
-    """An item holds a value its column cannot store (an int beyond int64, invalid text)."""
+__all__ = ["DatasetProducer", "ItemMismatchError", "ItemValueError", "build_columns", "restore"]
 
 
 # -- leaves ------------------------------------------------------------------------------
@@ -340,7 +334,7 @@ def _compile(schema: Any, leaves: list[_Leaf], sinks: list[list[Any]]) -> Callab
 # -- variable-length leaves ----------------------------------------------------------------
 
 
-class _VarBuffer:
+class VarBuffer:
     """Growable private offsets + values for one variable-length leaf, copied out at the end."""
 
     def __init__(self, dtype: Any) -> None:
@@ -462,11 +456,12 @@ class _BlockWriter:
             except OSError as e:
                 if e.errno not in _FULL_ERRNOS:
                     raise
-                directory = _resolve_storage_dir(self.storage_dir)
+                directory = resolve_storage_dir(self.storage_dir)
                 where = f"storage_dir={directory!r}" if directory else "RAM"
                 raise SharedMemoryFullError(
                     f"{self.what} ran out of room in {where} at byte {offset} of {self.size} "
-                    f"({os.strerror(e.errno)}; {_fmt(available_memory(directory))} free now): "
+                    f"({os.strerror(e.errno)}; {format_bytes(available_memory(directory))} "
+                    "free now): "
                     "something else took the memory while the dataset was read. Nothing is "
                     "kept. Fix: free memory or disk space, or pass storage_dir='/path' on a "
                     "local disk."
@@ -483,7 +478,7 @@ class _Writer:
 
     def __init__(self, segment: Segment, chunk: int, storage_dir: Any, what: str) -> None:
         self._blocks = _BlockWriter(segment, chunk, storage_dir, what)
-        self._base = _address(segment.mmap)
+        self._base = address_of(segment.mmap)
         self._madvise = _madvise()
         self._populate = True
         self._jobs: queue.Queue[Any] = queue.Queue(maxsize=2)
@@ -565,11 +560,12 @@ class _Writer:
 class _Builder:
     """Collects the items of a dataset into shared columns, in index order."""
 
-    def __init__(self, first: Any, rows: int, storage_dir: Any) -> None:
+    def __init__(self, first: Any, rows: int, alloc: Allocator) -> None:
         self.leaves: list[_Leaf] = []
         self.schema = _schema(first, "", self.leaves)
         self.rows = rows
-        self.storage_dir = storage_dir
+        self.alloc = alloc
+        self.storage_dir = alloc.storage_dir
         for leaf in self.leaves:
             if leaf.kind in ("", "intlist"):
                 leaf.kind, leaf.dtype = "intlist", np.dtype(np.int64)
@@ -577,16 +573,15 @@ class _Builder:
                 leaf.dtype = np.dtype(np.float64)
         fixed = [n for n, leaf in enumerate(self.leaves) if leaf.kind in _FIXED]
         self.what = "SharedDataset's fixed-size fields"
-        arrays = allocate(
+        arrays = alloc(
             [((rows, *self.leaves[n].shape), self.leaves[n].dtype) for n in fixed],
-            storage_dir,
-            what=self.what,
+            self.what,
             reserve=False,  # filled by pwrite: Note [Writing rows in the background]
         )
         self.fixed: dict[int, SharedArray] = dict(zip(fixed, arrays))
         self.segment = arrays[0].segment if arrays else None
         self.var = {
-            n: _VarBuffer(leaf.dtype) for n, leaf in enumerate(self.leaves) if n not in fixed
+            n: VarBuffer(leaf.dtype) for n, leaf in enumerate(self.leaves) if n not in fixed
         }
         self.sinks: list[list[Any]] = [[] for _ in self.leaves]
         self.start = 0  # the row of the first value in the sinks
@@ -612,7 +607,9 @@ class _Builder:
             update(pending)
         self._close_writer()
 
-    def run_workers(self, dataset: Any, workers: int, update: Callable[[int], None]) -> None:
+    def run_workers(
+        self, dataset: Any, workers: int, update: Callable[[int], None], offset: int = 0
+    ) -> None:
         """Add every item, read and written by ``workers`` DataLoader workers in blocks.
 
         Note [Materialising with workers].
@@ -621,6 +618,7 @@ class _Builder:
 
         snapshot = [(leaf.kind, leaf.ragged) for leaf in self.leaves]
         reader = _BlockReader(dataset, self.schema, self.leaves, self.fixed, self.chunk, self)
+        reader.offset = offset
         loader: DataLoader[Any] = DataLoader(
             cast("Dataset[Any]", reader), batch_size=None, num_workers=workers, collate_fn=_identity
         )
@@ -708,7 +706,7 @@ class _Builder:
             self.writer.wait()  # rows [0, start) are in the segment: read them back
         self.orphans[n] = self.fixed.pop(n)
         done = np.ascontiguousarray(self.orphans[n].numpy()[: self.start])
-        buffer = _VarBuffer(leaf.dtype)
+        buffer = VarBuffer(leaf.dtype)
         buffer.extend(done.tobytes(), [math.prod(leaf.shape)] * self.start)
         buffer.shapes = [leaf.shape] * self.start
         leaf.ragged = True
@@ -722,7 +720,7 @@ class _Builder:
             pickle.dumps(values[a:b].tolist(), protocol=pickle.HIGHEST_PROTOCOL)
             for a, b in zip(old.offsets[:-1], old.offsets[1:])
         ]
-        buffer = _VarBuffer(np.uint8)
+        buffer = VarBuffer(np.uint8)
         buffer.extend(b"".join(blobs), map(len, blobs))
         leaf.kind, leaf.dtype = "pickle", np.dtype(np.uint8)
         self.var[n] = buffer
@@ -807,7 +805,7 @@ class _Builder:
                 try:
                     blobs.append(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
                 except Exception as e:
-                    raise UnsupportedDtypeError(
+                    raise UnpicklableItemError(
                         f"item {self.start + j}, field {_field(leaf.path)}: a "
                         f"{type(value).__name__} cannot be pickled ({type(e).__name__}: {e}); "
                         "SharedDataset keeps values of types it has no column for pickled. "
@@ -815,7 +813,7 @@ class _Builder:
                     ) from e
             buffer.extend(b"".join(blobs), map(len, blobs))
 
-    def _put_text(self, buffer: _VarBuffer, leaf: _Leaf, values: list[str]) -> None:
+    def _put_text(self, buffer: VarBuffer, leaf: _Leaf, values: list[str]) -> None:
         text = "".join(values)
         try:
             data = text.encode("utf-8")
@@ -835,8 +833,8 @@ class _Builder:
         lengths = map(len, values) if ascii_only else [len(v.encode("utf-8")) for v in values]
         buffer.extend(data, lengths)
 
-    def finish(self) -> tuple[dict[str, Column], list[str]]:
-        """Copy the variable-length leaves into one shared segment; build every column."""
+    def finish(self) -> tuple[list[Part], list[str]]:
+        """Copy the variable-length leaves into one shared segment; list every column."""
         layouts: list[tuple[tuple[int, ...], Any]] = []
         for n in sorted(self.var):  # leaf order: the order the columns are built in below
             buffer = self.var[n]
@@ -845,8 +843,8 @@ class _Builder:
             if self.leaves[n].ragged:
                 layouts.append(((self.rows, len(self.leaves[n].shape)), np.int64))
         what = "SharedDataset's variable-length fields"
-        shared = iter(allocate(layouts, self.storage_dir, what=what) if layouts else [])
-        parts: list[tuple[type[Column], ColumnSpec, dict[str, SharedArray]]] = []
+        shared = iter(self.alloc(layouts, what) if layouts else [])
+        parts: list[Part] = []
         kinds: list[str] = []
         for n, leaf in enumerate(self.leaves):
             name = leaf.path or "value"
@@ -871,58 +869,95 @@ class _Builder:
                     parts.append((TensorColumn, spec, {"data": shapes}))
                 del buffer  # free the private copy now
             kinds.append(leaf.kind + ("+ragged" if leaf.ragged else ""))
-        # fork children map them copy-on-write: Note [Sealed segments] in _storage.py
-        sealed = iter(seal([a for _, _, arrays in parts for a in arrays.values()]))
-        columns = {
-            spec.name: cls(spec, {key: next(sealed) for key in arrays})
-            for cls, spec, arrays in parts
-        }
-        return columns, kinds
+        return parts, kinds
 
 
 def build_columns(
     dataset: Any,
     rows: int,
-    storage_dir: Any,
+    alloc: Allocator,
     update: Callable[[int], None],
     workers: int = 0,
-) -> tuple[dict[str, Column], list[str], Any]:
-    """Materialise the ``rows`` items of ``dataset`` (``rows >= 1``) into shared columns.
+    offset: int = 0,
+) -> tuple[list[Part], list[str], Any]:
+    """Materialise items ``offset .. offset + rows - 1`` of ``dataset`` into shared columns.
 
     Args:
         dataset: a map-style dataset.
-        rows: its length.
-        storage_dir: ``None`` for RAM; a directory for file-backed storage.
+        rows: how many items (``>= 1``).
+        alloc: where the segments come from (the load frees them on failure).
         update: called with the number of items added, as they are.
         workers: read the items with a DataLoader of this many workers (0: here).
+        offset: the index of the first item (a node's shard starts there).
 
     Returns:
-        The columns (by name, in leaf order), each leaf's kind (for :func:`restore`;
-        ``"+ragged"`` when a ``.shape`` column follows), and the schema (for
-        :func:`rebuild`).
+        The columns' parts (by name, in leaf order), each leaf's kind (for
+        :func:`restore`; ``"+ragged"`` when a ``.shape`` column follows), and the
+        schema (for :func:`rebuild`).
 
     Raises:
         ItemMismatchError: an item whose structure or types differ from item 0's.
         ItemValueError: a value its column cannot hold.
 
-    If anything fails, everything allocated is freed before the error propagates.
+    If anything fails, the writer is stopped and the segments freed before the
+    error propagates.
     """
     builder: _Builder | None = None
     try:
-        builder = _Builder(_fetch(dataset, 0), rows, storage_dir)
+        builder = _Builder(_fetch(dataset, offset), rows, alloc)
         if workers > 0:
-            builder.run_workers(dataset, workers, update)
+            builder.run_workers(dataset, workers, update, offset)
         else:
-            items = ((index, _fetch(dataset, index)) for index in range(rows))
+            items = ((i, _fetch(dataset, i)) for i in range(offset, offset + rows))
             builder.run(items, update)
-        columns, kinds = builder.finish()
+        parts, kinds = builder.finish()
     except BaseException:
         # Free the columns now, although the traceback still refers to them:
         # Note [Freeing a failed load] in _storage.py.
         if builder is not None:
             builder.discard()
         raise
-    return columns, kinds, builder.schema
+    return parts, kinds, builder.schema
+
+
+class DatasetProducer:
+    """What ``SharedDataset`` hands the loader: the items of a map-style dataset.
+
+    A :class:`~shareddata._load.Producer`: the sizes of variable-length fields are
+    known only once every item is read, so it asks the loader for segments as it goes.
+    """
+
+    def __init__(self, dataset: Any, num_workers: int) -> None:
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.label = type(dataset).__name__
+        self.start, self.stop = 0, len(dataset)
+
+    def total_rows(self) -> int:
+        """Items of the whole dataset."""
+        return len(self.dataset)
+
+    def select_rows(self, start: int, stop: int) -> None:
+        """Materialise only items ``[start, stop)`` (``shard="node"``)."""
+        self.start, self.stop = start, stop
+
+    def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
+        """The columns' parts and ``(kinds, schema)``, the metadata ``SharedDataset`` needs."""
+        rows = self.stop - self.start
+        if rows == 0:
+            raise InvalidArgumentError(
+                f"this node's share of {self.label} (items {self.start}-{self.stop} of "
+                f"{self.total_rows()}) is empty: there is nothing to share. Use shard=None, or "
+                "fewer nodes than items."
+            )
+        with progress_bar(rows, f"materialising {self.label}", progress, unit="it") as update:
+            parts, kinds, schema = build_columns(
+                self.dataset, rows, alloc, update, self.num_workers, self.start
+            )
+        return parts, (kinds, schema)
+
+    def close(self) -> None:
+        """Nothing to release: the dataset belongs to the caller."""
 
 
 def _fetch(dataset: Any, index: int) -> Any:
@@ -1027,6 +1062,7 @@ class _BlockReader:
         self.rows = builder.rows
         self.storage_dir = builder.storage_dir
         self.what = builder.what
+        self.offset = 0  # index in ``dataset`` of row 0
         self._fast: Callable[[Any], bool] | None = None
         self._sinks: list[list[Any]] = []
         self._writer: _BlockWriter | None = None
@@ -1040,7 +1076,8 @@ class _BlockReader:
     def __getitem__(self, block: int) -> _Block:
         start = block * self.chunk
         stop = min(start + self.chunk, self.rows)
-        items = [_fetch(self.dataset, index) for index in range(start, stop)]
+        base = self.offset
+        items = [_fetch(self.dataset, base + index) for index in range(start, stop)]
         if self._fast is None:
             self._sinks = [[] for _ in self.leaves]
             self._fast = _compile(self.schema, self.leaves, self._sinks)

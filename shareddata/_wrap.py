@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from itertools import islice
 from typing import Any
 
@@ -20,9 +20,19 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from ._columns import BytesColumn, Column, ColumnSpec
-from ._dataset import ColumnDataset, _progress_bar
-from ._materialise import _VarBuffer, build_columns, rebuild, restore
-from ._storage import _fmt, allocate, seal
+from ._dataset import ColumnDataset, is_int
+from ._load import Buffer, Shard, Share, build
+from ._materialise import DatasetProducer, VarBuffer, rebuild, restore
+from ._text import format_bytes
+from .distributed import NodeShard
+from .errors import (
+    ArgumentTypeError,
+    IndexOutOfRangeError,
+    IndexTypeError,
+    InvalidArgumentError,
+    ShardingNotSupportedError,
+    UnpicklableItemError,
+)
 
 __all__ = ["SharedDataset", "SharedList"]
 
@@ -49,6 +59,14 @@ class SharedDataset(ColumnDataset):
             whose ``__getitem__`` is expensive: decoding, augmenting); 0 reads it here.
         progress: show a progress bar for materialisations longer than ~2 s.
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
+        share: under torchrun, ``"node"`` (the default there): local rank 0 reads the
+            items once per node and the other local ranks attach without reading
+            the dataset (they never call its ``__getitem__``); ``"process"``: every
+            process reads its own copy.
+        shard: ``"node"`` materialises only this node's contiguous share of the
+            items (``ds.node_shard`` says which; sample with ``sd.NodeShardSampler``).
+        timeout: seconds to wait for another local rank (default
+            ``$SHAREDDATA_TIMEOUT``, else 300).
 
     Raises:
         TypeError: for an ``IterableDataset``, or an item whose structure or types
@@ -78,21 +96,36 @@ class SharedDataset(ColumnDataset):
         num_workers: int = 0,
         progress: bool = True,
         storage_dir: str | os.PathLike[str] | None = None,
+        share: Share | None = None,
+        shard: Shard | None = None,
+        timeout: float | None = None,
     ) -> None:
+        _check_transform(transform)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise InvalidArgumentError(
+                f"num_workers must be an int >= 0 (0 reads the items here), got {num_workers!r}"
+            )
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"SharedDataset needs a map-style dataset with a length; "
                 f"{type(dataset).__name__} is iterable-only. Only a map-style dataset has a "
                 "length to preallocate shared columns for; convert it to one (e.g. collect "
                 "its items into a list and wrap that)."
             )
         rows = len(dataset)
-        label = type(dataset).__name__
+        kind = type(dataset)
         if rows == 0:
-            raise ValueError(f"{label} is empty: there is nothing to share")
-        with _progress_bar(rows, f"materialising {label}", progress) as update:
-            # frees everything it allocated if anything fails
-            columns, kinds, schema = build_columns(dataset, rows, storage_dir, update, num_workers)
+            raise InvalidArgumentError(f"{kind.__name__} is empty: there is nothing to share")
+        columns = build(
+            DatasetProducer(dataset, num_workers),  # reads items only where it loads
+            key=("SharedDataset", f"{kind.__module__}.{kind.__qualname__}", rows),
+            share=share,
+            shard=shard,
+            storage_dir=storage_dir,
+            progress=progress,
+            timeout=timeout,
+        )
+        kinds, schema = columns.meta
         self._init(columns, kinds, transform, schema)
 
     def _init(
@@ -115,9 +148,7 @@ class SharedDataset(ColumnDataset):
         return rebuild(self._schema, leaf_values)
 
     def __getitem__(self, index: Any) -> Any:
-        from ._dataset import _is_int
-
-        if _is_int(index):
+        if is_int(index):
             return super().__getitem__(index)
         return default_collate(self.__getitems__(self._indices(index).tolist()))
 
@@ -128,6 +159,11 @@ class SharedDataset(ColumnDataset):
         SharedDataset._init(
             self, state["columns"], state["restore"], state["transform"], state["schema"]
         )
+
+
+def _check_transform(transform: Any) -> None:
+    if transform is not None and not callable(transform):
+        raise ArgumentTypeError(f"transform must be callable, got {type(transform).__name__}")
 
 
 class SharedList(Sequence):
@@ -141,6 +177,18 @@ class SharedList(Sequence):
     Args:
         items: any iterable of picklable objects.
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
+        share: under torchrun, ``"node"`` (the default there): local rank 0 pickles
+            the items once per node and the other local ranks attach (they never
+            iterate ``items``); ``"process"``: every process keeps its own copy.
+        shard: ``"node"`` keeps only this node's contiguous share of the items
+            (``items`` must have a length; ``node_shard`` says which).
+        progress: show a progress bar for copies longer than ~2 s.
+        timeout: seconds to wait for another local rank (default
+            ``$SHAREDDATA_TIMEOUT``, else 300).
+
+    Raises:
+        UnpicklableItemError: an item cannot be pickled (a ``TypeError``), naming it.
+        ShardingNotSupportedError: ``shard="node"`` over a one-shot iterable.
 
     Example:
         >>> import shareddata as sd
@@ -149,27 +197,34 @@ class SharedList(Sequence):
         (3, {'file': 'img2.jpg', 'boxes': [2]}, 'img1.jpg')
     """
 
+    node_shard: NodeShard | None = None
+
     def __init__(
-        self, items: Iterable[Any], *, storage_dir: str | os.PathLike[str] | None = None
+        self,
+        items: Iterable[Any],
+        *,
+        storage_dir: str | os.PathLike[str] | None = None,
+        share: Share | None = None,
+        shard: Shard | None = None,
+        progress: bool = True,
+        timeout: float | None = None,
     ) -> None:
-        buffer = _VarBuffer(np.uint8)
-        it, dumps, protocol = iter(items), pickle.dumps, pickle.HIGHEST_PROTOCOL
-        while blobs := [dumps(item, protocol) for item in islice(it, 4096)]:
-            buffer.extend(b"".join(blobs), map(len, blobs))
-        del blobs
-        offsets, values = allocate(
-            [((len(buffer.offsets),), np.int64), ((len(buffer.values),), np.uint8)],
-            storage_dir,
-            what=f"SharedList of {len(buffer.offsets) - 1} items ({_fmt(len(buffer.values))})",
+        if not isinstance(items, Iterable):
+            raise ArgumentTypeError(
+                f"SharedList needs an iterable of items, got {type(items).__name__}"
+            )
+        size = len(items) if isinstance(items, Sized) else None
+        columns = build(
+            _Items(items),
+            key=("SharedList", f"{type(items).__module__}.{type(items).__qualname__}", size),
+            share=share,
+            shard=shard,
+            storage_dir=storage_dir,
+            progress=progress,
+            timeout=timeout,
         )
-        offsets.numpy()[:] = np.frombuffer(buffer.offsets, np.int64)
-        values.numpy()[:] = np.frombuffer(buffer.values, np.uint8)
-        del buffer
-        rows = len(offsets) - 1
-        spec = ColumnSpec("items", rows, np.dtype(np.uint8), (), "bytes", len(values))
-        # fork children map it copy-on-write: Note [Sealed segments] in _storage.py
-        offsets, values = seal([offsets, values])
-        self._column = BytesColumn(spec, {"offsets": offsets, "values": values})
+        self._column = columns["items"]
+        self.node_shard = columns.node_shard
 
     def __len__(self) -> int:
         return len(self._column)
@@ -181,10 +236,14 @@ class SharedList(Sequence):
                 return []
             blobs = self._column.gather(torch.tensor(list(rows), dtype=torch.int64))
             return [pickle.loads(b) for b in blobs]
+        if not is_int(index):
+            raise IndexTypeError(
+                f"SharedList indices must be integers or slices, got {type(index).__name__}"
+            )
         i = int(index)
         n = len(self)
         if not -n <= i < n:
-            raise IndexError(f"SharedList index {i} out of range for {n} items")
+            raise IndexOutOfRangeError(f"SharedList index {i} out of range for {n} items")
         return pickle.loads(self._column.get(i + n if i < 0 else i))
 
     def __iter__(self) -> Iterator[Any]:
@@ -196,14 +255,92 @@ class SharedList(Sequence):
         """Bytes held in shared memory."""
         return self._column.nbytes
 
+    def segment_identity(self) -> frozenset[tuple[int, int]]:
+        """The (device, inode) of the shared segment holding the items (one copy each)."""
+        return frozenset(array.segment.handle()[2] for array in self._column.arrays.values())
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_list, (self._column,))
+        return (_rebuild_list, (self._column, self.node_shard))
 
     def __repr__(self) -> str:
-        return f"SharedList({len(self)} items, {_fmt(self.nbytes)})"
+        return f"SharedList({len(self)} items, {format_bytes(self.nbytes)})"
 
 
-def _rebuild_list(column: BytesColumn) -> SharedList:
+def _rebuild_list(column: BytesColumn, node_shard: NodeShard | None = None) -> SharedList:
     obj = SharedList.__new__(SharedList)
     obj._column = column
+    obj.node_shard = node_shard
     return obj
+
+
+class _Items:
+    """``SharedList``'s source: its items, pickled privately, then copied into one buffer."""
+
+    label = "SharedList"
+    _CHUNK = 64 << 20
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        self.items = items
+        self.start, self.stop = 0, None
+        self.buffer: VarBuffer | None = None
+
+    def total_rows(self) -> int:
+        """Items in all (sharding needs a length)."""
+        if not isinstance(self.items, Sized):
+            raise ShardingNotSupportedError(
+                f"shard='node' needs to know how many items there are, but SharedList was "
+                f"given a one-shot iterable ({type(self.items).__name__}) with no length: each "
+                "node would have to read every item to find its share. Pass a list (or any "
+                "sized sequence), or use shard=None."
+            )
+        return len(self.items)
+
+    def select_rows(self, start: int, stop: int) -> None:
+        """Keep only items ``[start, stop)``."""
+        self.start, self.stop = start, stop
+
+    def specs(self) -> list[ColumnSpec]:
+        """Pickle the items (privately) and size the one bytes column."""
+        buffer = VarBuffer(np.uint8)
+        it = islice(iter(self.items), self.start, self.stop)
+        dumps, protocol, index = pickle.dumps, pickle.HIGHEST_PROTOCOL, self.start
+        while chunk := list(islice(it, 4096)):
+            try:
+                blobs = [dumps(item, protocol) for item in chunk]
+            except Exception:
+                blobs = [_pickle_item(item, index + j) for j, item in enumerate(chunk)]
+            buffer.extend(b"".join(blobs), map(len, blobs))
+            index += len(chunk)
+        del blobs
+        self.buffer = buffer
+        rows, values = len(buffer.offsets) - 1, len(buffer.values)
+        return [ColumnSpec("items", rows, np.dtype(np.uint8), (), "bytes", values)]
+
+    def read(
+        self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
+    ) -> None:
+        """Copy the pickled items into the column's buffers."""
+        assert self.buffer is not None
+        offsets = np.frombuffer(self.buffer.offsets, np.int64)
+        buffers["offsets"].rows(0, len(offsets))[:] = offsets
+        values = np.frombuffer(self.buffer.values, np.uint8)
+        for start in range(0, len(values), self._CHUNK):
+            stop = min(start + self._CHUNK, len(values))
+            buffers["values"].rows(start, stop)[:] = values[start:stop]
+            progress(stop - start)
+
+    def close(self) -> None:
+        """Drop the private copy."""
+        self.buffer = None
+
+
+def _pickle_item(item: Any, index: int) -> bytes:
+    try:
+        return pickle.dumps(item, pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise UnpicklableItemError(
+            f"SharedList item {index} (a {type(item).__name__}) cannot be pickled "
+            f"({type(e).__name__}: {e}). SharedList stores its items pickled: make the item "
+            "picklable (no lambdas, open files, locks or local classes), or store what it "
+            "refers to (a path, a number) instead."
+        ) from e

@@ -92,17 +92,14 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
 from . import errors
-from .errors import SharedDataError
-
-if TYPE_CHECKING:
-    from ._columns import Column
+from .errors import LocalRankError, LocalRankTimeoutError, ShardingNotSupportedError
 
 __all__ = [
     "LocalRankError",
@@ -117,24 +114,13 @@ __all__ = [
 
 Share = Literal["node", "process"]
 Shard = Literal["node"]
+T = TypeVar("T")
 
 _TIMEOUT_ENV = "SHAREDDATA_TIMEOUT"
 _RANK_PID_ENV = "SHAREDDATA_RANK_PID"
 _DEFAULT_TIMEOUT = 300.0
 _HEARTBEAT = 1.0  # seconds between local rank 0's "still loading" messages
 _MAX_MESSAGE = 64 << 20
-
-
-class LocalRankError(SharedDataError, RuntimeError):
-    """Another local rank of this node failed, exited, or built a different dataset."""
-
-
-class LocalRankTimeoutError(LocalRankError, TimeoutError):
-    """A local rank waited longer than the timeout (``SHAREDDATA_TIMEOUT``) for another."""
-
-
-class ShardingNotSupportedError(SharedDataError, NotImplementedError):
-    """``shard="node"`` was asked of a source that cannot read a range of rows."""
 
 
 # --------------------------------------------------------------------------------------
@@ -171,7 +157,9 @@ def _env_int(name: str) -> int | None:
     try:
         return int(value)
     except ValueError as e:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from e
+        raise errors.InvalidArgumentError(
+            f"environment variable {name}={value!r} is not an integer"
+        ) from e
 
 
 def _is_rank_process() -> bool:
@@ -291,9 +279,17 @@ def resolve_timeout(timeout: float | None = None) -> float:
         try:
             timeout = float(raw)
         except ValueError as e:
-            raise ValueError(f"{_TIMEOUT_ENV}={raw!r} is not a number of seconds") from e
+            raise errors.InvalidArgumentError(
+                f"{_TIMEOUT_ENV}={raw!r} is not a number of seconds"
+            ) from e
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise errors.ArgumentTypeError(
+            f"the timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}"
+        )
     if not timeout > 0:
-        raise ValueError(f"the timeout must be a positive number of seconds, got {timeout!r}")
+        raise errors.InvalidArgumentError(
+            f"the timeout must be a positive number of seconds, got {timeout!r}"
+        )
     return float(timeout)
 
 
@@ -341,38 +337,6 @@ def node_rows(total: int, node: int, num_nodes: int) -> tuple[int, int]:
     if not 0 <= node < num_nodes:
         raise ValueError(f"node {node} is not in range for {num_nodes} nodes")
     return node * total // num_nodes, (node + 1) * total // num_nodes
-
-
-class ShardedColumns(dict):
-    """Columns that hold one node's rows; :attr:`node_shard` says which.
-
-    ``ColumnDataset`` reads ``node_shard`` from the columns it is given, so every
-    source gets it without plumbing of its own (and it survives pickling).
-    """
-
-    node_shard: NodeShard | None = None
-
-    def __init__(self, columns: Mapping[str, Column], node_shard: NodeShard) -> None:
-        super().__init__(columns)
-        self.node_shard = node_shard
-
-
-def _row_selector(node: int, num_nodes: int, chosen: list[NodeShard]) -> Callable[[Any, int], bool]:
-    def select(source: Any, total: int) -> bool:
-        select_rows = getattr(source, "select_rows", None)
-        if select_rows is None:
-            raise ShardingNotSupportedError(
-                f"shard='node' needs a source that reads a range of rows, and "
-                f"{type(source).__name__} ({getattr(source, 'label', '?')}) does not. Load the "
-                "whole dataset on every node (shard=None), or store it as .npy files and use "
-                "sd.NumpyDataset(..., shard='node')."
-            )
-        start, stop = node_rows(total, node, num_nodes)
-        select_rows(start, stop)
-        chosen.append(NodeShard(start, stop, total, node, num_nodes))
-        return True
-
-    return select
 
 
 # --------------------------------------------------------------------------------------
@@ -563,11 +527,16 @@ def _error_info(error: BaseException) -> dict[str, str]:
 
 
 def _rebuild_error(info: Mapping[str, str], prefix: str) -> BaseException:
-    """An exception of the type local rank 0 raised, with ``prefix`` + its message."""
+    """An exception of the class local rank 0 raised, with ``prefix`` + its message.
+
+    The class is looked up by name in :mod:`shareddata.errors` (every class the
+    library raises lives there) or in builtins; any other class (a user's own, a
+    library's) becomes a :class:`LocalRankError` naming it.
+    """
     message = f"{prefix}{info['type']}: {info['message']} (raised at {info['where']})"
     cls: Any = None
-    if info["module"] == "shareddata.errors":
-        cls = getattr(errors, info["type"], None)
+    if info["module"].startswith("shareddata") and info["type"] in errors.__all__:
+        cls = getattr(errors, info["type"])
     elif info["module"] == "builtins":
         import builtins
 
@@ -588,21 +557,22 @@ _DATASETS_LOCK = threading.Lock()
 
 
 def load_on_node(
-    load: Callable[[Callable[[Any, int], bool] | None], dict[str, Column]],
+    load: Callable[[tuple[int, int] | None], T],
     *,
     share: Share | None,
     shard: Shard | None,
     key: Any,
     close: Callable[[], None] | None = None,
     timeout: float | None = None,
-) -> dict[str, Column]:
-    """Run ``load`` once per node and attach the other local ranks to its columns.
+) -> T:
+    """Run ``load`` once per node and attach the other local ranks to what it made.
 
     See Note [How local ranks share one copy].
 
     Args:
-        load: loads the columns in this process; takes the row selector for
-            ``shard="node"`` (``None`` for all rows).
+        load: loads in this process; takes ``(node, num_nodes)`` for ``shard="node"``
+            (``None`` for every row). What it returns is pickled to the other local
+            ranks: handles of shared segments, never data.
         share: ``"node"``, ``"process"``, or ``None``: ``"node"`` under torchrun.
         shard: ``"node"`` to load only this node's rows, or ``None``.
         key: the dataset's arguments, equal on every local rank (fingerprinted).
@@ -611,22 +581,23 @@ def load_on_node(
             ``$SHAREDDATA_TIMEOUT`` or 300).
 
     Returns:
-        The columns (:class:`ShardedColumns` with ``shard="node"``).
+        What ``load`` returned on local rank 0 of this node.
     """
     if share not in (None, "node", "process"):
-        raise ValueError(f"share must be 'node', 'process' or None (automatic), got {share!r}")
+        raise errors.InvalidArgumentError(
+            f"share must be 'node', 'process' or None (automatic), got {share!r}"
+        )
     if shard not in (None, "node"):
-        raise ValueError(f"shard must be 'node' or None (every row on every node), got {shard!r}")
+        raise errors.InvalidArgumentError(
+            f"shard must be 'node' or None (every row on every node), got {shard!r}"
+        )
     ctx = node_context() if (share != "process" or shard is not None) else None
-    chosen: list[NodeShard] = []
-    select = None
+    place = None
     if shard == "node":
-        node, nodes = (ctx.node, ctx.num_nodes) if ctx is not None else (0, 1)
-        select = _row_selector(node, nodes, chosen)
+        place = (ctx.node, ctx.num_nodes) if ctx is not None else (0, 1)
 
-    def here() -> dict[str, Column]:
-        columns = load(select)
-        return ShardedColumns(columns, chosen[0]) if chosen else columns
+    def here() -> T:
+        return load(place)
 
     if share == "process" or ctx is None or ctx.local_world_size <= 1:
         return here()
@@ -640,7 +611,7 @@ def load_on_node(
         return _publish(ctx, name, number, wanted, label, here, limit)
     if close is not None:
         close()
-    return _receive(ctx, name, number, wanted, label, limit)
+    return _receive(ctx, name, number, wanted, label, limit)  # type: ignore[no-any-return]
 
 
 def _publish(
@@ -649,9 +620,9 @@ def _publish(
     number: int,
     wanted: str,
     label: str,
-    load: Callable[[], dict[str, Column]],
+    load: Callable[[], T],
     timeout: float,
-) -> dict[str, Column]:
+) -> T:
     server = _Publisher(ctx, name, number, wanted, label, timeout)
     try:
         try:
@@ -815,7 +786,7 @@ def _differ(mine: str, theirs: str) -> str:
 
 def _receive(
     ctx: NodeContext, name: str, number: int, wanted: str, label: str, timeout: float
-) -> dict[str, Column]:
+) -> Any:
     """Another local rank's side: connect, wait while rank 0 loads, attach, acknowledge."""
     where = f"local rank {ctx.local_rank} of node {ctx.node}"
     what = f"dataset #{number} ({label})"

@@ -11,11 +11,26 @@ working::
     ├── NullValuesError         (+ ValueError)         a column holds nulls, no fill given
     ├── EmptySelectionError     (+ ValueError)         columns=[] / keys=[]: nothing selected
     ├── UnsupportedDtypeError   (+ TypeError)          object / nested / compound data
+    │   └── UnpicklableItemError                       an item that cannot be pickled
     ├── SourceReadError         (+ OSError)            corrupt or truncated file
     ├── MissingDependencyError  (+ ImportError)        an optional extra is not installed
     ├── SharedMemoryFullError   (+ MemoryError)        not enough room, raised before loading
     ├── AttachError             (+ OSError)            a process cannot map a segment
-    └── DuplicationError        (+ AssertionError)     verify() found duplicated data
+    ├── DuplicationError        (+ AssertionError)     verify() found duplicated data
+    ├── InvalidArgumentError    (+ ValueError)         an argument's value is not allowed
+    ├── ArgumentTypeError       (+ TypeError)          an argument has the wrong type
+    ├── IndexOutOfRangeError    (+ IndexError)         an index beyond the rows
+    ├── IndexTypeError          (+ TypeError)          an index that is not an integer
+    ├── ItemMismatchError       (+ TypeError)          SharedDataset: item unlike item 0
+    ├── ItemValueError          (+ ValueError)         SharedDataset: value its column cannot hold
+    ├── ShardingNotSupportedError (+ NotImplementedError) shard="node" cannot apply
+    ├── LocalRankError          (+ RuntimeError)       another local rank failed or differs
+    │   └── LocalRankTimeoutError (+ TimeoutError)     waited too long for another rank
+    └── BatchSendError          (+ RuntimeError)       a worker's batch cannot be pickled
+
+An error raised on local rank 0 while it loads a node-shared dataset is raised again
+on the other local ranks with the same class (looked up here by name); a class from
+elsewhere arrives as :class:`LocalRankError` naming it.
 
 Messages name the file, column or key, the value seen, and the fix.
 """
@@ -101,6 +116,53 @@ class DuplicationError(SharedDataError, AssertionError):
     def __init__(self, message: str, report: Any = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class InvalidArgumentError(SharedDataError, ValueError):
+    """An argument's value is not one the function accepts (``output=``, ``share=``...)."""
+
+
+class ArgumentTypeError(SharedDataError, TypeError):
+    """An argument has a type the function does not accept (``transform=`` not callable...)."""
+
+
+class IndexOutOfRangeError(SharedDataError, IndexError):
+    """An index beyond the rows of a dataset or the items of a ``SharedList``."""
+
+
+class IndexTypeError(SharedDataError, TypeError):
+    """An index that is not an integer (a float, a boolean mask, a string)."""
+
+
+class ItemMismatchError(SharedDataError, TypeError):
+    """An item's structure or type differs from the first item's (``SharedDataset``)."""
+
+
+class ItemValueError(SharedDataError, ValueError):
+    """An item holds a value its column cannot store (an int beyond int64, invalid text)."""
+
+
+class UnpicklableItemError(UnsupportedDtypeError):
+    """An item (``SharedList``) or a field kept pickled (``SharedDataset``) cannot be pickled."""
+
+
+class ShardingNotSupportedError(SharedDataError, NotImplementedError):
+    """``shard="node"`` was asked of a source that cannot read a range of rows."""
+
+
+class LocalRankError(SharedDataError, RuntimeError):
+    """Another local rank of this node failed, exited, or built a different dataset."""
+
+
+class LocalRankTimeoutError(LocalRankError, TimeoutError):
+    """A local rank waited longer than the timeout (``SHAREDDATA_TIMEOUT``) for another."""
+
+
+class BatchSendError(SharedDataError, RuntimeError):
+    """A DataLoader worker could not send a batch to the main process (it cannot be pickled).
+
+    Raised in the main process, for that batch, instead of a loader waiting forever.
+    """
 
 
 def missing_dependency(package: str, extra: str, cause: BaseException | None = None) -> None:

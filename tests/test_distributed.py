@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 import shareddata as sd
 from shareddata import distributed
 from shareddata._columns import ColumnSpec
-from shareddata._dataset import load_columns
+from shareddata._load import load_columns
 from shareddata.distributed import (
     LocalRankError,
     LocalRankTimeoutError,
@@ -140,6 +140,7 @@ def test_two_local_ranks_share_one_copy(data_256, tmp_path):
         str(tmp_path),
         "--compare-process",
         "--hash",
+        "--wrap",
     )
     assert run.returncode == 0, run.stderr[-4000:]
     by_rank = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
@@ -158,6 +159,15 @@ def test_two_local_ranks_share_one_copy(data_256, tmp_path):
     assert r0["all_equal"] and r1["all_equal"]
     expected = hashlib.sha1(np.load(data_256, mmap_mode="r").tobytes()).hexdigest()
     assert r0["sha1"] == expected
+    # SharedDataset(MyDataset()) and SharedList(...) with no code change: local rank 0
+    # reads the items, rank 1 attaches without calling __getitem__; one copy per node.
+    assert r0["wrap_calls"] >= 16384 and r1["wrap_calls"] == 0
+    assert r0["wrap_ok"] and r1["wrap_ok"]
+    assert r0["dataset_segments"] == r1["dataset_segments"]
+    assert r0["list_segments"] == r1["list_segments"]
+    for key in ("dataset_duplication", "list_duplication"):
+        assert r0[key] <= 1.10 and r0[key] == r1[key], (key, run.stdout)
+    assert r0["dataset_process_duplication"] >= 1.8, run.stdout  # share="process": 2 copies
 
 
 @pytest.mark.slow
@@ -194,11 +204,15 @@ def test_two_nodes_on_loopback_copy_shard_and_sampler(id_folder):
         # One copy per node: both local ranks map the same segments...
         assert ranks[0]["full_segments"] == ranks[1]["full_segments"]
         assert ranks[0]["shard_segments"] == ranks[1]["shard_segments"]
+        assert ranks[0]["wrapped_segments"] == ranks[1]["wrapped_segments"]
+        # SharedDataset / SharedList with shard="node": this node's items only
+        assert all(r["wrapped_ok"] and r["listed_ok"] for r in ranks)
         # ...and each node holds its own half with shard="node".
         start, stop = node_rows(4096, n, 2)
         assert all(r["node_shard"] == [start, stop, 4096, n, 2] and r["shard_ok"] for r in ranks)
     # ...and the two nodes do not share (two "nodes" on one host: told apart by GROUP_RANK).
     assert by_node[0][0]["full_segments"] != by_node[1][0]["full_segments"]
+    assert by_node[0][0]["wrapped_segments"] != by_node[1][0]["wrapped_segments"]
     for epoch in (0, 1):
         seen = sorted(i for r in everyone for i in r["epochs"][epoch])
         assert seen == list(range(4096))  # every row of the whole dataset exactly once
@@ -337,7 +351,7 @@ def _rank_process(env: dict[str, str], source: str, queue, rank_0_gone) -> None:
     os.environ.pop("SHAREDDATA_RANK_PID", None)  # as if a launcher had started it
     os.environ.update(env)
     ds = sd.NumpyDataset(source, progress=False)
-    ident = sorted(distributed._dataset_identity(ds))
+    ident = sorted(ds.segment_identity())
     if env["LOCAL_RANK"] == "0":
         queue.put(("0", ident, None))
         return  # exits: the others attached before the constructor returned
@@ -384,7 +398,7 @@ def _group_process(rank: int, init: str, source: str, queue) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         ds = sd.NumpyDataset(source, progress=False)
-        queue.put((rank, sorted(distributed._dataset_identity(ds)), distributed.node_context()))
+        queue.put((rank, sorted(ds.segment_identity()), distributed.node_context()))
         dist.barrier()
     finally:
         dist.destroy_process_group()

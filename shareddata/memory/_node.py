@@ -21,19 +21,14 @@ _ROUNDS = itertools.count()
 
 def dataset_identity(dataset: Any) -> frozenset[tuple[int, int]] | None:
     """The (device, inode) of every segment a shareddata dataset maps; None for others."""
-    from .._dataset import ColumnDataset
-
     for _ in range(8):  # Subset, wrappers: follow .dataset
-        if isinstance(dataset, ColumnDataset) or not hasattr(dataset, "dataset"):
+        identity = getattr(dataset, "segment_identity", None)
+        if callable(identity):
+            return identity()  # type: ignore[no-any-return]
+        if not hasattr(dataset, "dataset"):
             break
         dataset = dataset.dataset
-    if not isinstance(dataset, ColumnDataset):
-        return None
-    return frozenset(
-        array.segment._ident
-        for column in dataset._columns.values()
-        for array in column.arrays.values()
-    )
+    return None
 
 
 class NodeVerify:

@@ -1,8 +1,8 @@
 """NumPy source: ``.npy`` files, ``.npz`` archives, folders of ``.npy``, arrays, mappings.
 
 Sizes come from the ``.npy`` headers alone; data is then read straight into the
-shared buffers (``os.preadv`` into the mapped pages, in bounded chunks), so no
-private copy of the data ever exists.
+shared buffers (``os.preadv`` into the mapped pages, in bounded blocks of rows taken
+with ``Buffer.rows``), so no private copy of the data ever exists.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import io
 import math
 import os
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 
 from .._columns import ColumnSpec
-from .._dataset import ColumnDataset, Output, load_columns
-from .._storage import copy_chunked, ready
+from .._dataset import ColumnDataset, Output
+from .._load import Buffer, build
 from ..errors import MissingColumnError, MissingFileError, SourceReadError, UnsupportedDtypeError
 from ._io import read_into
 
@@ -28,6 +28,23 @@ __all__ = ["NumpyDataset", "NumpySource"]
 
 _CHUNK = 64 << 20
 PathLike = str | os.PathLike
+
+
+def _blocks(out: np.ndarray) -> Iterator[tuple[int, int]]:
+    """Row ranges ``[a, b)`` of ``out`` of about ``_CHUNK`` bytes each."""
+    rows = out.shape[0]
+    row_bytes = max(1, out.nbytes // max(rows, 1))
+    step = max(1, _CHUNK // row_bytes)
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+def _copy_rows(out: Buffer, src: Any, progress: Callable[[int], None]) -> None:
+    """Copy ``src`` (array-like with ``len(out)`` rows) into ``out``, a block of rows at a time."""
+    for a, b in _blocks(out):
+        rows = out.rows(a, b)
+        rows[...] = src[a:b]
+        progress(rows.nbytes)
 
 
 def _check_dtype(dtype: np.dtype, name: str, label: str) -> None:
@@ -105,7 +122,7 @@ class _Entry:
             )
         return ColumnSpec(self.name, self.shape[0], self.dtype.newbyteorder("="), self.shape[1:])
 
-    def read(self, out: np.ndarray, progress: Callable[[int], None], start: int = 0) -> None:
+    def read(self, out: Buffer, progress: Callable[[int], None], start: int = 0) -> None:
         """Fill ``out`` with rows ``start : start + len(out)``."""
         raise NotImplementedError
 
@@ -128,8 +145,8 @@ class _Memory(_Entry):
         self.array = np.asarray(array)
         self.shape, self.dtype = self.array.shape, self.array.dtype
 
-    def read(self, out: np.ndarray, progress: Callable[[int], None], start: int = 0) -> None:
-        copy_chunked(out, self.array[start : start + len(out)], progress)
+    def read(self, out: Buffer, progress: Callable[[int], None], start: int = 0) -> None:
+        _copy_rows(out, self.array[start : start + len(out)], progress)
 
 
 def _byteswap_if_needed(out: np.ndarray, dtype: np.dtype) -> None:
@@ -155,14 +172,17 @@ class _NpyFile(_Entry):
                 "Re-create the file."
             )
 
-    def read(self, out: np.ndarray, progress: Callable[[int], None], start: int = 0) -> None:
+    def read(self, out: Buffer, progress: Callable[[int], None], start: int = 0) -> None:
         if self.fortran and out.ndim > 1:
             mapped = np.load(self.path, mmap_mode="r")
-            copy_chunked(out, mapped[start : start + len(out)], progress)
+            _copy_rows(out, mapped[start : start + len(out)], progress)
             del mapped
             return
-        read_into(self.path, self.offset + start * self.row_bytes(), out, progress, self.path)
-        _byteswap_if_needed(out, self.dtype)
+        row_bytes = self.row_bytes()
+        for a, b in _blocks(out):
+            rows = out.rows(a, b)
+            read_into(self.path, self.offset + (start + a) * row_bytes, rows, progress, self.path)
+            _byteswap_if_needed(rows, self.dtype)
 
 
 class _NpzMember(_Entry):
@@ -183,14 +203,12 @@ class _NpzMember(_Entry):
                 "it. Re-create the file."
             )
 
-    def read(self, out: np.ndarray, progress: Callable[[int], None], start: int = 0) -> None:
+    def read(self, out: Buffer, progress: Callable[[int], None], start: int = 0) -> None:
         if self.fortran and out.ndim > 1:
             raise UnsupportedDtypeError(
                 f"{self.label} is stored in Fortran order inside an .npz; save it C-ordered "
                 "(np.ascontiguousarray) or as a separate .npy file."
             )
-        flat = out.reshape(-1).view(np.uint8)
-        view = flat.data
         try:
             with cast(io.BufferedIOBase, self.archive.open(self.member)) as f:  # a ZipExtFile
                 _read_header(f, self.label)
@@ -201,18 +219,20 @@ class _NpzMember(_Entry):
                         raise SourceReadError(f"{self.label} ended early, before row {start}")
                     skip -= n
                 pos = 0
-                while pos < len(view):
-                    ready(flat, pos + _CHUNK)  # pages still being allocated: wait for them
-                    n = f.readinto(view[pos : pos + _CHUNK])
-                    if not n:
-                        raise SourceReadError(f"{self.label} ended early, after {pos} bytes")
-                    pos += n
-                    progress(n)
+                for a, b in _blocks(out):
+                    rows = out.rows(a, b)
+                    view, got = memoryview(rows.reshape(-1).view(np.uint8)), 0
+                    while got < len(view):
+                        n = f.readinto(view[got:])
+                        if not n:
+                            raise SourceReadError(f"{self.label} ended early, after {pos} bytes")
+                        got, pos = got + n, pos + n
+                        progress(n)
+                    _byteswap_if_needed(rows, self.dtype)
         except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
             if isinstance(e, SourceReadError):
                 raise
             raise SourceReadError(f"{self.label} is corrupt ({e}). Re-create the file.") from e
-        _byteswap_if_needed(out, self.dtype)
 
 
 def _missing(path: str) -> MissingFileError:
@@ -318,7 +338,7 @@ class NumpySource:
         self._rows = (start, stop)
 
     def read(
-        self, spec: ColumnSpec, buffers: dict[str, np.ndarray], progress: Callable[[int], None]
+        self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
     ) -> None:
         """Fill the column's ``data`` buffer."""
         entry = next(e for e in self.entries if e.name == spec.name)
@@ -351,6 +371,8 @@ class NumpyDataset(ColumnDataset):
             and the other local ranks attach; ``"process"`` loads in every process.
         shard: ``"node"`` loads only this node's contiguous share of the rows
             (``ds.node_shard`` says which; sample with ``sd.NodeShardSampler``).
+        timeout: seconds to wait for another local rank (default
+            ``$SHAREDDATA_TIMEOUT``, else 300).
 
     Raises:
         FileNotFoundError: a path does not exist.
@@ -381,13 +403,15 @@ class NumpyDataset(ColumnDataset):
         progress: bool = True,
         share: Literal["node", "process"] | None = None,
         shard: Literal["node"] | None = None,
+        timeout: float | None = None,
     ) -> None:
-        loaded = load_columns(
+        loaded = build(
             lambda: NumpySource(source, columns),  # only where the data is loaded
             storage_dir=storage_dir,
             progress=progress,
             share=share,
             shard=shard,
             key=("NumpyDataset", source, columns),
+            timeout=timeout,
         )
         super().__init__(loaded, transform=transform, output=output)

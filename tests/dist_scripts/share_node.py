@@ -3,6 +3,11 @@
 Writes ``<out>/rank<RANK>.json`` per rank (files, not stdout: the ranks share one
 pipe). The dataset is built before ``init_process_group`` (sharing must not need
 it); the process group is used only to compare what the ranks saw.
+
+With ``--wrap``, every rank also wraps a user Dataset in ``SharedDataset`` and a list
+of dicts in ``SharedList`` (as in the README: no code change for torchrun) and
+measures the node for each; the user Dataset counts its ``__getitem__`` calls, which
+must be zero on every local rank but 0.
 """
 
 import argparse
@@ -14,10 +19,64 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import shareddata as sd
-from shareddata.distributed import _dataset_identity
+
+WRAP_ROWS = 16384  # x 4 KiB: 64 MiB in each wrapped dataset
+
+
+def identity(ds) -> list:
+    return sorted(map(list, ds.segment_identity()))
+
+
+class Items(Dataset):
+    """A user's map-style Dataset: (4 KiB tensor, int, str) items; counts its reads."""
+
+    calls = 0
+
+    def __len__(self) -> int:
+        return WRAP_ROWS
+
+    def __getitem__(self, i: int):
+        Items.calls += 1
+        return torch.full((1024,), float(i)), i, f"item {i}"
+
+
+def records():
+    return ({"id": i, "blob": bytes([i % 251]) * 4000} for i in range(WRAP_ROWS))
+
+
+def measure(ds, ctx, workers: int, batch_size: int = 256, batches: int = 8) -> float:
+    loader = DataLoader(ds, batch_size=batch_size, num_workers=workers, multiprocessing_context=ctx)
+    return sd.verify(loader, batches=batches, max_duplication=None).duplication
+
+
+def wrapped(ctx, workers: int) -> dict:
+    """SharedDataset and SharedList on every rank: one copy per node, items intact."""
+    ds = sd.SharedDataset(Items(), progress=False)
+    names = sd.SharedList([r for r in records()], progress=False)
+    calls = Items.calls
+    ok = (
+        len(ds) == WRAP_ROWS
+        and ds[7][1] == 7
+        and ds[-1][2] == f"item {WRAP_ROWS - 1}"
+        and torch.equal(ds[100][0], torch.full((1024,), 100.0))
+        and names[5] == {"id": 5, "blob": bytes([5]) * 4000}
+        and names[-1]["id"] == WRAP_ROWS - 1
+    )
+    out = {
+        "wrap_calls": calls,
+        "wrap_ok": bool(ok),
+        "dataset_segments": identity(ds),
+        "list_segments": identity(names),
+        "dataset_duplication": measure(ds, ctx, workers),
+        "list_duplication": measure(names, ctx, workers),
+    }
+    del ds, names
+    own = sd.SharedDataset(Items(), progress=False, share="process")
+    out["dataset_process_duplication"] = measure(own, ctx, workers)
+    return out
 
 
 def digest(loader: DataLoader) -> str:
@@ -40,6 +99,7 @@ def main() -> None:
     parser.add_argument("--compare-process", action="store_true")
     parser.add_argument("--hash", action="store_true")
     parser.add_argument("--plain", action="store_true", help="np.load + TensorDataset per rank")
+    parser.add_argument("--wrap", action="store_true", help="SharedDataset and SharedList too")
     args = parser.parse_args()
     ctx = multiprocessing.get_context("spawn")
 
@@ -63,7 +123,7 @@ def main() -> None:
         "local_ranks": report.local_ranks,
         "rank_copies": report.rank_copies,
         "roles": [p.role for p in report.processes],
-        "segments": sorted(map(list, _dataset_identity(ds) or ())),
+        "segments": [] if args.plain else identity(ds),
         "total_pss": report.total_pss,
         "pss_before": report.pss_before,
         "dataset_bytes": report.dataset_bytes,
@@ -79,6 +139,8 @@ def main() -> None:
             own_loader, batches=args.batches, max_duplication=None
         ).duplication
         del own_loader, own
+    if args.wrap:
+        result.update(wrapped(ctx, args.workers))
     if args.hash:
         dist.init_process_group("gloo")  # after building: sharing did not need it
         mine = digest(loader)

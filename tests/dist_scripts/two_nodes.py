@@ -14,10 +14,26 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 import shareddata as sd
-from shareddata.distributed import _dataset_identity
+
+
+class Ids(Dataset):
+    """A user Dataset whose items are their index (and a 16-float row)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, i: int):
+        return i, torch.full((16,), float(i))
+
+
+def identity(ds) -> list:
+    return sorted(map(list, ds.segment_identity()))
 
 
 def main() -> None:
@@ -36,6 +52,15 @@ def main() -> None:
         np.array_equal(shard[0 : len(shard)]["id"].numpy(), ids[s.start : s.stop])
         and len(shard) == s.stop - s.start
     )
+    wrapped = sd.SharedDataset(Ids(4096), shard="node", progress=False)
+    w = wrapped.node_shard
+    wrapped_ok = bool(
+        len(wrapped) == w.stop - w.start
+        and [wrapped[i][0] for i in (0, len(wrapped) - 1)] == [w.start, w.stop - 1]
+        and (w.start, w.stop) == (s.start, s.stop)
+    )
+    listed = sd.SharedList(list(range(4096)), shard="node", progress=False)
+    listed_ok = list(listed) == list(range(s.start, s.stop)) and listed.node_shard == s
     sampler = sd.NodeShardSampler(shard, shuffle=True, seed=3)
     loader = DataLoader(
         shard,
@@ -53,8 +78,11 @@ def main() -> None:
         "rank": rank,
         "node": int(os.environ["GROUP_RANK"]),
         "local_rank": int(os.environ["LOCAL_RANK"]),
-        "full_segments": sorted(map(list, _dataset_identity(full))),
-        "shard_segments": sorted(map(list, _dataset_identity(shard))),
+        "full_segments": identity(full),
+        "shard_segments": identity(shard),
+        "wrapped_segments": identity(wrapped),
+        "wrapped_ok": wrapped_ok,
+        "listed_ok": listed_ok,
         "node_shard": [s.start, s.stop, s.total, s.node, s.num_nodes],
         "shard_ok": shard_ok,
         "len_sampler": len(sampler),
