@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -926,6 +926,12 @@ class ArrowDataset(ColumnDataset):
         storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
             anonymous file there, mapped shared.
         progress: show a progress bar for loads longer than ~2 s.
+        share: under torchrun, ``"node"`` (the default there) loads once per node
+            and the other local ranks attach; ``"process"`` loads in every process.
+        shard: ``"node"`` loads only this node's contiguous share of the rows, where
+            the source can read a range of rows (else ``ShardingNotSupportedError``).
+        timeout: seconds to wait for another local rank (default
+            ``$SHAREDDATA_TIMEOUT``, else 300).
         fill_value: what null values become (see :class:`ParquetDataset`); ``None``
             refuses nulls with a ``NullValuesError``.
         records: a list of structs comes back per item as a list of dicts (default),
@@ -963,6 +969,9 @@ class ArrowDataset(ColumnDataset):
         output: Output = "dict",
         storage_dir: str | os.PathLike[str] | None = None,
         progress: bool = True,
+        share: Literal["node", "process"] | None = None,
+        shard: Literal["node"] | None = None,
+        timeout: float | None = None,
         fill_value: FillValue = None,
         records: bool = True,
     ) -> None:
@@ -971,6 +980,9 @@ class ArrowDataset(ColumnDataset):
             source,
             storage_dir=storage_dir,
             progress=progress,
+            share=share,
+            shard=shard,
+            timeout=timeout,
             key=(*_table_key(source, fill_value), records),
         )
         super().__init__(loaded, transform=transform, output=output)

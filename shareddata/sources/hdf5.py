@@ -38,7 +38,7 @@ import errno
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -342,6 +342,12 @@ class HDF5Dataset(ColumnDataset):
         storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
             anonymous file there, mapped shared (for a small RAM or memory limit).
         progress: show a progress bar for loads longer than ~2 s.
+        share: under torchrun, ``"node"`` (the default there) loads once per node
+            and the other local ranks attach; ``"process"`` loads in every process.
+        shard: ``"node"`` loads only this node's contiguous share of the rows, where
+            the source can read a range of rows (else ``ShardingNotSupportedError``).
+        timeout: seconds to wait for another local rank (default
+            ``$SHAREDDATA_TIMEOUT``, else 300).
 
     Attributes:
         labels: for enum and pandas category columns, ``{column: {label: code}}``.
@@ -395,10 +401,20 @@ class HDF5Dataset(ColumnDataset):
         output: Output = "dict",
         storage_dir: str | os.PathLike[str] | None = None,
         progress: bool = True,
+        share: Literal["node", "process"] | None = None,
+        shard: Literal["node"] | None = None,
+        timeout: float | None = None,
     ) -> None:
         source = HDF5Source(path, keys)
         self.labels = {p.name: dict(p.labels) for p in source.plans if p.labels is not None}
-        loaded = load_columns(source, storage_dir=storage_dir, progress=progress)
+        loaded = load_columns(
+            source,
+            storage_dir=storage_dir,
+            progress=progress,
+            share=share,
+            shard=shard,
+            timeout=timeout,
+        )
         super().__init__(loaded, transform=transform, output=output)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -534,6 +534,12 @@ class ParquetDataset(ColumnDataset):
         storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
             anonymous file there, mapped shared (for a small RAM or memory limit).
         progress: show a progress bar for loads longer than ~2 s.
+        share: under torchrun, ``"node"`` (the default there) loads once per node
+            and the other local ranks attach; ``"process"`` loads in every process.
+        shard: ``"node"`` loads only this node's contiguous share of the rows, where
+            the source can read a range of rows (else ``ShardingNotSupportedError``).
+        timeout: seconds to wait for another local rank (default
+            ``$SHAREDDATA_TIMEOUT``, else 300).
         fill_value: what null values become. ``None`` (default) refuses nulls with a
             ``NullValuesError``. A scalar applies to every column: a number fills
             numeric columns and the elements of list columns, a string fills string
@@ -579,9 +585,19 @@ class ParquetDataset(ColumnDataset):
         output: Output = "dict",
         storage_dir: str | os.PathLike[str] | None = None,
         progress: bool = True,
+        share: Literal["node", "process"] | None = None,
+        shard: Literal["node"] | None = None,
+        timeout: float | None = None,
         fill_value: FillValue = None,
         records: bool = True,
     ) -> None:
         source = ParquetSource(path, columns, fill_value=fill_value, records=records)
-        loaded = load_columns(source, storage_dir=storage_dir, progress=progress)
+        loaded = load_columns(
+            source,
+            storage_dir=storage_dir,
+            progress=progress,
+            share=share,
+            shard=shard,
+            timeout=timeout,
+        )
         super().__init__(loaded, transform=transform, output=output)
