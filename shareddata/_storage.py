@@ -6,36 +6,25 @@ A segment is an *anonymous* file: ``memfd_create`` (RAM) or ``O_TMPFILE`` in
 ``storage_dir`` (a disk, mapped shared so every process reads one copy through
 the page cache). Neither ever has a name in ``/dev/shm`` or in the directory, so
 nothing can be left behind whatever kills which process: the kernel frees the
-pages when the last descriptor and the last mapping are gone.
-
-Other choices, and why not (measured facts in FACTS.md):
-
-* ``multiprocessing.shared_memory`` / named ``/dev/shm`` files leak when the
-  process that would unlink them (the creator or the resource tracker) is
-  SIGKILLed, and on Python < 3.13 every attaching process unlinks on exit
-  (cpython#82300). They are also bound by the size of the ``/dev/shm`` mount
-  (64 MiB by default in Docker), where ``ftruncate`` + touching pages ends in an
-  uncatchable SIGBUS.
-* torch's ``share_memory_()`` handles cannot cross ``torchrun`` ranks (different
-  authkeys; a pickled fd can be redeemed once) and one fd per storage runs out of
-  descriptors.
+pages when the last descriptor and the last mapping are gone
+(``docs/internals.md#memfd``; why not named ``/dev/shm`` files or torch's
+handles: ``docs/how-it-works.md`` and ``docs/internals.md#resource-tracker``).
 
 A memfd is not counted against ``/dev/shm``; its limit is RAM and the memory
-cgroup, which :func:`check_capacity` reads before allocating. Every page is then
-allocated and mapped up front, by several threads (``MADV_POPULATE_WRITE``; disk
-files are reserved with ``posix_fallocate`` first): a full memory is raised at
-once, never as a SIGBUS later, and the first write runs at memcpy speed instead of
-one page fault per 4 KiB (Note [Allocating shared pages]).
+cgroup, which ``check_capacity`` reads before allocating. Every page is then
+allocated and mapped up front (Note [Allocating shared pages]): a full memory is
+raised at once, never as a SIGBUS later (``docs/internals.md#sigbus``).
 
-Sharing: a segment pickles as a *handle* ``(pid, fd, dev, inode, size)``. The
-receiving process opens ``/proc/<pid>/fd/<fd>``, which gives it its own
-descriptor of the same file (checked by device and inode), and maps it. This
+Sharing: a segment pickles as a *handle* ``(pid, fd, dev, inode, size)`` plus a
+ticket. The receiving process opens ``/proc/<pid>/fd/<fd>``, which gives it its
+own descriptor of the same file (checked by device and inode), and maps it. This
 works for ``fork``, ``spawn`` and ``forkserver`` children and for unrelated
 processes of the same user (another ``torchrun`` rank). A process that attached
 hands out its own ``(pid, fd)`` in turn, so attaching never depends on the
-creator staying alive: it only needs the *sender* to hold the segment until the
-receiver has mapped it. Within one process a segment is mapped once, however
-many arrays refer to it (see ``_ATTACHED``).
+creator staying alive, only on the *sender* holding the file until the receiver
+has opened it, which the ticket ensures (Note [Handing a segment over] in
+``_handoff.py``). Within one process a segment is mapped once, however many
+arrays refer to it (``_ATTACHED``).
 
 Read-only handles (the datasets' columns) are mapped copy-on-write
 (``MAP_PRIVATE``) by the receiver: reads map the same physical pages, and a write
@@ -54,183 +43,64 @@ import secrets
 import threading
 import weakref
 from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
 import torch
 
-from .errors import AttachError, SharedMemoryFullError, UnsupportedDtypeError
+from . import _handoff
+from ._capacity import (
+    FULL_ERRNOS,
+    available_memory,
+    check_capacity,
+    fallocate,
+    fmt_bytes,
+    full_error,
+    resolve_storage_dir,
+)
+from ._linux import (
+    MADV_HUGEPAGE,
+    MADV_POPULATE_WRITE,
+    MAP_PRIVATE_FIXED,
+    PROT_READ_WRITE,
+    address_of,
+    is_tmpfs,
+    libc_mmap,
+    madvise,
+    open_tmpfile,
+    replace_with_anonymous,
+)
+from .errors import AttachError, UnsupportedDtypeError
 
 __all__ = [
     "Segment",
     "SharedArray",
+    "aligned",
+    "allocate",
+    "attach",
     "available_memory",
     "check_capacity",
+    "copy_chunked",
+    "populate",
+    "population_threads",
+    "ready",
     "seal",
     "to_numpy_dtype",
 ]
 
-_ALIGN = 64  # bytes; every array in a segment starts on a cache line
-_MADV_HUGEPAGE = 14
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; mmap module names it only on 3.13+
-_TMPFS_MAGIC = 0x01021994
-_FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
-_STORAGE_ENV = "SHAREDDATA_STORAGE_DIR"
+# Old private names, kept while importers move to _capacity/_linux/_text (and for tests
+# that patch _madvise here: population below calls it through this module).
+_address = address_of
+_madvise = madvise
+_MADV_POPULATE_WRITE = MADV_POPULATE_WRITE
+_PROT_READ_WRITE = PROT_READ_WRITE
+_libc_mmap = libc_mmap
+_fmt = fmt_bytes
+_resolve_storage_dir = resolve_storage_dir
 
 _ATTACHED: weakref.WeakValueDictionary[tuple[str, bool], Segment] = weakref.WeakValueDictionary()
 _ATTACH_LOCK = threading.Lock()
-
-
-def _fmt(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes} B"  # pragma: no cover
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return None if text in ("", "max") else int(text)
-
-
-def _cgroup_available() -> int | None:
-    """Bytes the memory cgroup of this process can still take, or None if unlimited."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    best: int | None = None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2: walk up the hierarchy, keep the tightest limit
-            parts = [p for p in path.split("/") if p]
-            for depth in range(len(parts), -1, -1):
-                base = os.path.join("/sys/fs/cgroup", *parts[:depth])
-                limit = _read_int(os.path.join(base, "memory.max"))
-                used = _read_int(os.path.join(base, "memory.current"))
-                if limit is not None and used is not None:
-                    free = limit - used + _reclaimable(os.path.join(base, "memory.stat"))
-                    best = free if best is None else min(best, free)
-        elif "memory" in controllers.split(","):  # cgroup v1
-            base = "/sys/fs/cgroup/memory"
-            limit = _read_int(os.path.join(base, "memory.limit_in_bytes"))
-            used = _read_int(os.path.join(base, "memory.usage_in_bytes"))
-            if limit is not None and used is not None and limit < (1 << 60):
-                free = limit - used + _reclaimable(os.path.join(base, "memory.stat"))
-                best = free if best is None else min(best, free)
-    return best
-
-
-def _reclaimable(stat_path: str) -> int:
-    """Inactive page cache in a cgroup: the kernel drops it before failing an allocation."""
-    try:
-        with open(stat_path) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key in ("inactive_file", "total_inactive_file"):
-                    return int(value)
-    except OSError:
-        pass
-    return 0
-
-
-def available_memory(storage_dir: str | os.PathLike[str] | None = None) -> int:
-    """Bytes that a new segment can take without running the machine out of room.
-
-    Args:
-        storage_dir: ``None`` for RAM (memfd): the smaller of ``MemAvailable`` and
-            what the memory cgroup still allows; a directory: its free disk space.
-
-    Returns:
-        The number of bytes.
-
-    Example:
-        >>> available_memory() > 0
-        True
-    """
-    if storage_dir is not None:
-        st = os.statvfs(storage_dir)
-        return st.f_bavail * st.f_frsize
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if avail is None:
-        import psutil
-
-        avail = psutil.virtual_memory().available
-    cgroup = _cgroup_available()
-    return avail if cgroup is None else min(avail, cgroup)
-
-
-def _full_error(
-    needed: int, free: int, storage_dir: str | None, what: str
-) -> SharedMemoryFullError:
-    where = f"the file system of storage_dir={storage_dir!r}" if storage_dir else "RAM"
-    fixes = (
-        "free disk space or choose another storage_dir"
-        if storage_dir
-        else "load fewer columns; raise the container's memory limit (Docker `--memory`, "
-        "Kubernetes `resources.limits.memory`; a memory-backed `emptyDir` counts against "
-        "it too); or put the data in files on a local disk with storage_dir='/path' "
-        f"(or the {_STORAGE_ENV} environment variable)"
-    )
-    return SharedMemoryFullError(
-        f"{what} needs {_fmt(needed)} ({needed} bytes) of shared memory but only "
-        f"{_fmt(free)} ({free} bytes) is free in {where}. Nothing was loaded. Fix: {fixes}."
-    )
-
-
-def check_capacity(
-    nbytes: int, storage_dir: str | os.PathLike[str] | None = None, what: str = "this allocation"
-) -> None:
-    """Raise :class:`~shareddata.SharedMemoryFullError` if ``nbytes`` do not fit.
-
-    Args:
-        nbytes: bytes about to be allocated.
-        storage_dir: where they would go (``None``: RAM).
-        what: how to name the allocation in the message (e.g. a file name).
-
-    Raises:
-        SharedMemoryFullError: with the bytes needed and free, and the fixes.
-
-    Example:
-        >>> check_capacity(1024)
-        >>> check_capacity(1 << 62)
-        Traceback (most recent call last):
-        ...
-        shareddata.errors.SharedMemoryFullError: this allocation needs ... is free in RAM...
-    """
-    free = available_memory(storage_dir)
-    if nbytes > free:
-        raise _full_error(nbytes, free, None if storage_dir is None else str(storage_dir), what)
-
-
-def _resolve_storage_dir(storage_dir: str | os.PathLike[str] | None) -> str | None:
-    if storage_dir is None:
-        storage_dir = os.environ.get(_STORAGE_ENV) or None
-    if storage_dir is None:
-        return None
-    path = os.fspath(storage_dir)
-    if not os.path.isdir(path):
-        from .errors import MissingFileError
-
-        raise MissingFileError(
-            f"storage_dir={path!r} is not a directory. Create it, or pass storage_dir=None "
-            "to keep the data in RAM."
-        )
-    return path
 
 
 class Segment:
@@ -249,7 +119,8 @@ class Segment:
         self.mmap = mmap.mmap(fd, size, access=access)
         st = os.fstat(fd)
         self._ident = (st.st_dev, st.st_ino)
-        self._finalizer = weakref.finalize(self, _close_fd, fd)
+        # closes fd, or holds it while a receiver has yet to open it (_handoff.release)
+        self._finalizer = weakref.finalize(self, _handoff.release, fd)
         self.created_here = False  # set by create(): only the creator may discard()
 
     @classmethod
@@ -280,26 +151,27 @@ class Segment:
         Raises:
             SharedMemoryFullError: before anything is written, when there is no room.
         """
-        directory = _resolve_storage_dir(storage_dir)
+        directory = resolve_storage_dir(storage_dir)
         size = max(int(nbytes), 1)
         check_capacity(size, directory, what)
         if directory is None:
             fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
         else:
-            fd = _open_tmpfile(directory)
+            fd = open_tmpfile(directory)
         # Shared memory (a memfd, or a file on tmpfs) is reserved by populating it:
         # Note [Allocating shared pages]
-        by_faults = reserve and (directory is None or _is_tmpfs(fd))
+        by_faults = reserve and (directory is None or is_tmpfs(fd))
         try:
             # a disk file is reserved with fallocate; where it cannot be, sized only
             # (its capacity was checked above)
-            if not (reserve and not by_faults and _fallocate(fd, size, directory, what)):
-                try:
-                    os.ftruncate(fd, size)
-                except OSError as e:
-                    if e.errno in _FULL_ERRNOS:
-                        raise _full_error(size, available_memory(directory), directory, what) from e
-                    raise
+            if reserve and not by_faults:
+                fallocate(fd, size, directory, what)
+            try:  # the data, then the slots of Note [Handing a segment over] (sparse)
+                os.ftruncate(fd, _handoff.file_size(size))
+            except OSError as e:
+                if e.errno in FULL_ERRNOS:
+                    raise full_error(size, available_memory(directory), directory, what) from e
+                raise
             segment = cls(fd, size, secrets.token_hex(8))
         except BaseException:
             os.close(fd)
@@ -321,14 +193,14 @@ class Segment:
     def _reserve(self, by_faults: bool, directory: str | None, what: str) -> None:
         """Allocate (``by_faults``) and map every page: Note [Allocating shared pages]."""
         if by_faults:
-            _madvise(_address(self.mmap), self.size, _MADV_HUGEPAGE)  # a hint; may do nothing
+            _madvise(address_of(self.mmap), self.size, MADV_HUGEPAGE)  # a hint; may do nothing
         error = self._populate()
         if by_faults and error:
             _population_failed(error, self.fd, self.size, directory, what)
 
     def _populate(self) -> int:
         """Map (and allocate) every page with ``MADV_POPULATE_WRITE``; 0 or the errno."""
-        return populate(_address(self.mmap), self.size)
+        return populate(address_of(self.mmap), self.size)
 
     def finish_population(self) -> None:
         """Wait until the pages that ``create(ahead=True)`` allocates are all in.
@@ -346,12 +218,23 @@ class Segment:
             self._population.stop()
             self._population = None
 
-    def handle(self) -> tuple[Any, ...]:
-        """What pickling sends: enough for another process to open and map this file."""
-        return (os.getpid(), self.fd, self._ident, self.size, self.token)
+    def handle(self, ticket: bool = False) -> tuple[Any, ...]:
+        """What pickling sends: enough for another process to open and map this file.
+
+        Args:
+            ticket: draw a ticket, so that this process keeps the file until the
+                receiver has opened it even if the segment is dropped meanwhile
+                (Note [Handing a segment over] in ``_handoff.py``). Pickles made by
+                ``multiprocessing`` (queues, pipes, pools, process arguments) draw one.
+        """
+        slot, nonce = _handoff.ticket(self.fd, self.size, self.created_here) if ticket else (0, 0)
+        return (os.getpid(), self.fd, self._ident, self.size, self.token, slot, nonce)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_attach, (*self.handle(), self.writable))
+        return self._reduce(ticket=False)
+
+    def _reduce(self, ticket: bool) -> tuple[Any, ...]:
+        return (attach, (*self.handle(ticket), self.writable))
 
     def _register(self) -> Segment:
         with _ATTACH_LOCK:
@@ -373,7 +256,7 @@ class Segment:
         For a dataset's segment once it is filled: nothing writes to it any more,
         and no forked DataLoader worker can write through to the others.
         """
-        _libc_mmap()  # looked up here: a fork child must not dlopen (the loader's lock)
+        libc_mmap()  # looked up here: a fork child must not dlopen (the loader's lock)
         with _ATTACH_LOCK:
             _SEALED.add(self)
 
@@ -387,12 +270,13 @@ class Segment:
         """
         if not self.created_here:
             raise RuntimeError("only the process that created a segment may discard it")
+        _handoff.forget(self.fd)  # freed on purpose: no receiver is waited for
         _ATTACHED.pop((self.token, self.writable), None)
         _SEALED.discard(self)
         try:
             self.mmap.close()
         except BufferError:  # views are alive: swap the pages out from under them
-            if not _replace_with_anonymous(self.mmap, self.size, self._ident):
+            if not replace_with_anonymous(self.mmap, self.size, self._ident):
                 return  # could not: the views keep it until they are gone
         self._finalizer()
 
@@ -420,29 +304,6 @@ class Segment:
 # The kernel then frees the pages at once. Nothing in ``shareddata`` touches a
 # discarded segment again.
 
-_PROT_READ_WRITE = 0x1 | 0x2
-_MAP_PRIVATE_ANONYMOUS_FIXED = 0x02 | 0x20 | 0x10
-
-
-def _replace_with_anonymous(mapped: mmap.mmap, size: int, ident: tuple[int, int]) -> bool:
-    """Swap ``mapped``'s pages for anonymous zeros; True on success (see the Note above)."""
-    address = _address(mapped)
-    result = _libc_mmap()(address, size, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0)
-    if result != address:
-        return False
-    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                st = os.stat(f"/proc/self/fd/{name}")
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) == ident and int(name) != null:
-                os.dup2(null, int(name))  # the mmap object's duplicate (and our own fd)
-    finally:
-        os.close(null)
-    return True
-
 
 # Note [Sealed segments]
 # ======================
@@ -457,40 +318,18 @@ def _replace_with_anonymous(mapped: mmap.mmap, size: int, ident: tuple[int, int]
 # ``SharedArray``\ s are never sealed, so writes to them still reach every process.
 
 _SEALED: weakref.WeakSet[Segment] = weakref.WeakSet()
-_MAP_PRIVATE_FIXED = 0x02 | 0x10
-
-
-@functools.lru_cache(maxsize=1)
-def _libc_mmap() -> Any:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
-    ]  # fmt: skip
-    return libc.mmap
-
-
-def _address(mapped: mmap.mmap) -> int:
-    import ctypes
-
-    view = ctypes.c_char.from_buffer(mapped)  # writable for ACCESS_WRITE and ACCESS_COPY
-    address = ctypes.addressof(view)
-    del view  # release the buffer export at once
-    return address
 
 
 def _remap_sealed_in_child() -> None:
     if not _SEALED:
         return
-    libc_mmap = _libc_mmap()
+    mmap_at = libc_mmap()
     for segment in list(_SEALED):
         try:
-            address = _address(segment.mmap)
+            address = address_of(segment.mmap)
         except (ValueError, TypeError):  # closed meanwhile
             continue
-        libc_mmap(address, segment.size, _PROT_READ_WRITE, _MAP_PRIVATE_FIXED, segment.fd, 0)
+        mmap_at(address, segment.size, PROT_READ_WRITE, MAP_PRIVATE_FIXED, segment.fd, 0)
 
 
 os.register_at_fork(after_in_child=_remap_sealed_in_child)
@@ -519,25 +358,6 @@ os.register_at_fork(after_in_child=_remap_sealed_in_child)
 _POPULATE_STEP = 32 << 20
 """Bytes per ``madvise`` call; each thread takes the next step until none is left."""
 _POPULATE_MAX_THREADS = 8
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> Any:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc
-
-
-def _madvise(address: int, length: int, advice: int) -> int:
-    """``madvise`` with the GIL released (ctypes); 0 or the errno."""
-    import ctypes
-
-    if _libc().madvise(address, length, advice) == 0:
-        return 0
-    return ctypes.get_errno()
 
 
 def population_threads(nbytes: int) -> int:
@@ -569,7 +389,7 @@ def populate(address: int, nbytes: int, threads: int | None = None) -> int:
 
     Example:
         >>> m = mmap.mmap(-1, 64 << 20)
-        >>> populate(_address(m), len(m), threads=2)
+        >>> populate(address_of(m), len(m), threads=2)
         0
         >>> m.close()
     """
@@ -613,26 +433,9 @@ def populate(address: int, nbytes: int, threads: int | None = None) -> int:
 
 def _population_failed(error: int, fd: int, size: int, directory: str | None, what: str) -> None:
     """Raise SharedMemoryFullError for a failed population, or fall back to fallocate."""
-    if error in _FULL_ERRNOS or error == errno.EFAULT:  # EFAULT: the fault hit SIGBUS
-        raise _full_error(size, available_memory(directory), directory, what)
-    _fallocate(fd, size, directory, what)  # MADV_POPULATE_WRITE unknown (Linux < 5.14)
-
-
-def _fallocate(fd: int, size: int, directory: str | None, what: str) -> bool:
-    """Reserve ``size`` bytes of ``fd``; False where the file system cannot.
-
-    Raises:
-        SharedMemoryFullError: there is no room for them.
-    """
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno in _FULL_ERRNOS:
-            raise _full_error(size, available_memory(directory), directory, what) from e
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        return False
-    return True
+    if error in FULL_ERRNOS or error == errno.EFAULT:  # EFAULT: the fault hit SIGBUS
+        raise full_error(size, available_memory(directory), directory, what)
+    fallocate(fd, size, directory, what)  # MADV_POPULATE_WRITE unknown (Linux < 5.14)
 
 
 # Note [Filling while the pages are allocated]
@@ -667,7 +470,7 @@ class _Population:
 
     def __init__(self, segment: Segment, directory: str | None, what: str) -> None:
         self.fd, self.size = segment.fd, segment.size
-        self.base = _address(segment.mmap)
+        self.base = address_of(segment.mmap)
         self.directory, self.what = directory, what
         self.steps = -(-self.size // _POPULATE_STEP)
         self._done = [False] * self.steps
@@ -676,7 +479,7 @@ class _Population:
         self._error = 0
         self._stopped = False
         self._cond = threading.Condition()
-        _madvise(self.base, self.size, _MADV_HUGEPAGE)  # a hint; may do nothing
+        _madvise(self.base, self.size, MADV_HUGEPAGE)  # a hint; may do nothing
         with _POPULATIONS_LOCK:
             _POPULATIONS.append(self)
         # a segment dropped without finish()/stop(): end the threads before it unmaps
@@ -774,44 +577,24 @@ def ready(array: np.ndarray, nbytes: int | None = None) -> None:
             return
 
 
-def _is_tmpfs(fd: int) -> bool:
-    """Whether ``fd`` is a file on tmpfs (its pages are RAM, like a memfd's)."""
-    import ctypes
-
-    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type comes first
-    try:
-        if _libc().fstatfs(fd, buf) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF == _TMPFS_MAGIC
-
-
-def _close_fd(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
-def _open_tmpfile(directory: str) -> int:
-    try:
-        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-            raise
-    # File systems without O_TMPFILE: create a name and unlink it at once.
-    import tempfile
-
-    fd, path = tempfile.mkstemp(prefix=".shareddata-", dir=directory)
-    os.unlink(path)
-    return fd
-
-
-def _attach(
-    pid: int, fd: int, ident: tuple[int, int], size: int, token: str, writable: bool = True
+def attach(
+    pid: int,
+    fd: int,
+    ident: tuple[int, int],
+    size: int,
+    token: str,
+    slot: int = 0,
+    nonce: int = 0,
+    writable: bool = True,
 ) -> Segment:
-    """Map the segment that process ``pid`` holds as descriptor ``fd`` (unpickling)."""
+    """Map the segment that process ``pid`` holds as descriptor ``fd`` (unpickling).
+
+    Acknowledges the ticket ``(slot, nonce)`` once the file is held here, so the
+    sender may let go of it (Note [Handing a segment over] in ``_handoff.py``).
+
+    Raises:
+        AttachError: the sender no longer holds the file, or may not be read.
+    """
     with _ATTACH_LOCK:
         # A writable mapping serves read-only arrays too; a copy-on-write one never
         # serves writable arrays (their writes must reach the other processes).
@@ -819,20 +602,19 @@ def _attach(
             None if writable else _ATTACHED.get((token, False))
         )
         if existing is not None:
+            _handoff.acknowledge(existing.fd, size, slot, nonce)
             return existing
-        if pid == os.getpid():
-            raise AttachError(
-                f"shared segment {token} is no longer held by this process (fd {fd}); "
-                "keep the SharedArray or dataset alive while its pickle is in use."
-            )
         path = f"/proc/{pid}/fd/{fd}"
         try:
-            new_fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+            new_fd = _open_for_attach(path, writable)
         except FileNotFoundError as e:
+            holder = "this process" if pid == os.getpid() else f"process {pid}, which sent it,"
             raise AttachError(
-                f"cannot attach shared segment {token}: process {pid}, which sent it, no "
-                f"longer holds it ({path} is gone). Keep the dataset or SharedArray alive in "
-                "the sending process until every receiver has unpickled it."
+                f"cannot attach shared segment {token}: {holder} no longer holds it "
+                f"({path} is gone: the sender exited or was killed before this process "
+                f"received it, or {_handoff.HOLD:.0f} s passed). Keep the dataset or "
+                "SharedArray alive in the sending process until every receiver has "
+                "unpickled it."
             ) from e
         except PermissionError as e:
             raise AttachError(
@@ -848,6 +630,7 @@ def _attach(
                     f"cannot attach shared segment {token}: {path} now refers to another "
                     "file (the sender closed the segment and reused the descriptor)."
                 )
+            _handoff.acknowledge(new_fd, size, slot, nonce)
             segment = Segment(new_fd, size, token, writable=writable)
         except BaseException:
             os.close(new_fd)
@@ -855,6 +638,22 @@ def _attach(
         _ATTACHED[(token, writable)] = segment
         return segment
 
+
+def _open_for_attach(path: str, writable: bool) -> int:
+    """Our own descriptor of the file at ``path``; read-write where allowed, to acknowledge.
+
+    A read-only segment is still mapped copy-on-write; the descriptor is writable
+    only so that the receiver can write its acknowledgement past the data.
+    """
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except PermissionError:
+        if writable:
+            raise
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+_ALIGN = 64  # bytes; every array in a segment starts on a cache line
 
 _TORCH_TO_NUMPY = {
     torch.bool: np.bool_,
@@ -923,7 +722,7 @@ class SharedArray:
         ((4,), dtype('int64'), 32)
     """
 
-    __slots__ = ("_array", "_tensor", "dtype", "offset", "segment", "shape", "writable")
+    __slots__ = ("_array", "_error", "_tensor", "dtype", "offset", "segment", "shape", "writable")
 
     def __init__(
         self,
@@ -947,8 +746,26 @@ class SharedArray:
         array = np.frombuffer(segment.mmap, self.dtype, count, self.offset).reshape(self.shape)
         if not writable:
             array.flags.writeable = False
-        self._array = array
+        self._array: np.ndarray | None = array
         self._tensor: torch.Tensor | None = None
+        self._error: str | None = None
+
+    @classmethod
+    def _unattached(
+        cls, error: AttachError, shape: Sequence[int], dtype: Any, writable: bool
+    ) -> SharedArray:
+        """An array whose segment could not be attached: raises ``error`` on first use."""
+        self = cls.__new__(cls)
+        self.segment = None  # type: ignore[assignment]
+        self.offset, self.shape = 0, tuple(int(s) for s in shape)
+        self.dtype, self.writable = to_numpy_dtype(dtype), writable
+        self._array, self._tensor, self._error = None, None, str(error)
+        return self
+
+    def _data(self) -> np.ndarray:
+        if self._array is None:
+            raise AttachError(str(self._error))
+        return self._array
 
     @classmethod
     def empty(
@@ -997,26 +814,30 @@ class SharedArray:
         return out
 
     def numpy(self) -> np.ndarray:
-        """A zero-copy numpy view (read-only if the array is)."""
-        return self._array
+        """A zero-copy numpy view (read-only if the array is).
+
+        Raises:
+            AttachError: the array was received from a process that no longer held it.
+        """
+        return self._data()
 
     def torch(self) -> torch.Tensor:
         """A zero-copy ``torch.Tensor`` view (do not write to it if the array is read-only)."""
         if self._tensor is None:
             if self.writable:
-                self._tensor = torch.from_numpy(self._array)
+                self._tensor = torch.from_numpy(self._data())
             else:
                 import warnings
 
                 with warnings.catch_warnings():  # torch warns that the buffer is read-only
                     warnings.simplefilter("ignore", UserWarning)
-                    self._tensor = torch.from_numpy(self._array)
+                    self._tensor = torch.from_numpy(self._data())
         return self._tensor
 
     @property
     def nbytes(self) -> int:
         """Bytes of data."""
-        return int(self._array.nbytes)
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def ndim(self) -> int:
@@ -1029,19 +850,26 @@ class SharedArray:
         return self.shape[0]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return self._array if dtype is None else self._array.astype(dtype)
+        array = self._data()
+        return array if dtype is None else array.astype(dtype)
 
     def readonly(self) -> SharedArray:
         """A read-only view of the same memory (what datasets hand to workers)."""
+        self._data()
         return SharedArray(self.segment, self.offset, self.shape, self.dtype, writable=False)
 
     def __reduce__(self) -> tuple[Any, ...]:
+        return self._reduce(ticket=False)
+
+    def _reduce(self, ticket: bool) -> tuple[Any, ...]:
         # Receivers of read-only arrays map copy-on-write: Note [How shared segments ...].
-        handle = (*self.segment.handle(), self.writable)
+        self._data()
+        handle = (*self.segment.handle(ticket), self.writable)
         return (_rebuild, (handle, self.offset, self.shape, self.dtype.str, self.writable))
 
     def __repr__(self) -> str:
         flag = "" if self.writable else ", read-only"
+        flag += "" if self._error is None else ", not attached"
         return f"SharedArray(shape={self.shape}, dtype={self.dtype}{flag})"
 
 
@@ -1066,7 +894,19 @@ def seal(arrays: Sequence[SharedArray]) -> list[SharedArray]:
 def _rebuild(
     handle: tuple[Any, ...], offset: int, shape: tuple[int, ...], dtype: str, writable: bool
 ) -> SharedArray:
-    return SharedArray(_attach(*handle), offset, shape, dtype, writable)
+    # never raises: unpickling may run in a pool's result thread, whose death hangs the
+    # pool; the error is raised where the array is used (Note [Handing a segment over])
+    try:
+        segment = attach(*handle)
+    except AttachError as e:
+        return SharedArray._unattached(e, shape, dtype, writable)
+    return SharedArray(segment, offset, shape, dtype, writable)
+
+
+# multiprocessing's pickler (every queue, pipe, pool and process argument, torch's and
+# the DataLoader's included) draws a ticket: Note [Handing a segment over].
+ForkingPickler.register(Segment, functools.partial(Segment._reduce, ticket=True))
+ForkingPickler.register(SharedArray, functools.partial(SharedArray._reduce, ticket=True))
 
 
 def allocate(

@@ -148,13 +148,36 @@ def test_storage_dir_env_and_missing_dir(tmp_path, monkeypatch):
     )
 
 
-def test_handle_of_a_freed_array_fails_clearly():
+def test_handle_of_a_freed_array_fails_on_first_use_not_when_unpickled():
     a = sd.SharedArray.empty(10, np.uint8)
-    data = pickle.dumps(a)
+    data = pickle.dumps(a)  # a plain pickle: no ticket, the sender must keep the array
     del a
     gc.collect()
-    with pytest.raises(sd.AttachError, match="no longer held"):
-        pickle.loads(data)
+    b = pickle.loads(data)  # unpickling never raises (it may run in a pool's thread)
+    assert "not attached" in repr(b) and b.shape == (10,) and b.nbytes == 10
+    with pytest.raises(sd.AttachError, match="no longer holds it"):
+        b.numpy()
+    with pytest.raises(sd.AttachError):
+        pickle.dumps(b)
+
+
+def test_a_multiprocessing_pickle_keeps_the_segment_until_it_is_received():
+    # Note [Handing a segment over]: ForkingPickler (queues, pools) draws a ticket
+    from multiprocessing.reduction import ForkingPickler
+
+    from shareddata import _handoff
+
+    a = sd.SharedArray.from_array(np.arange(5))
+    data = ForkingPickler.dumps(a)
+    del a
+    gc.collect()
+    assert _handoff.held() == 1  # dropped, but kept for the receiver
+    b = pickle.loads(data)  # the receiver opens it and acknowledges
+    assert b.numpy().tolist() == [0, 1, 2, 3, 4]
+    deadline = time.monotonic() + 5
+    while _handoff.held() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _handoff.held() == 0
 
 
 def test_segments_close_their_descriptors():

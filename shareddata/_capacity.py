@@ -1,0 +1,215 @@
+"""How much shared memory is left, and the error that says it is not enough.
+
+A segment in RAM (a memfd) is bounded by RAM and the memory cgroup, never by the
+size of the ``/dev/shm`` mount; a segment in ``storage_dir`` by that file system's
+free space (``docs/internals.md#memfd``). Capacity is checked before allocating and
+every page is reserved up front, so a full memory is :class:`SharedMemoryFullError`
+at once, never a SIGBUS later (``docs/internals.md#sigbus``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from .errors import MissingFileError, SharedMemoryFullError
+
+__all__ = [
+    "FULL_ERRNOS",
+    "STORAGE_ENV",
+    "available_memory",
+    "check_capacity",
+    "fallocate",
+    "fmt_bytes",
+    "full_error",
+    "resolve_storage_dir",
+]
+
+FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
+STORAGE_ENV = "SHAREDDATA_STORAGE_DIR"
+
+
+def fmt_bytes(nbytes: float) -> str:
+    """A byte count in binary units with one decimal (as ``_text.format_bytes``).
+
+    Example:
+        >>> fmt_bytes(512), fmt_bytes(3 << 20)
+        ('512 B', '3.0 MiB')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text)
+
+
+def _cgroup_available() -> int | None:
+    """Bytes the memory cgroup of this process can still take, or None if unlimited."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best: int | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: walk up the hierarchy, keep the tightest limit
+            parts = [p for p in path.split("/") if p]
+            for depth in range(len(parts), -1, -1):
+                base = os.path.join("/sys/fs/cgroup", *parts[:depth])
+                limit = _read_int(os.path.join(base, "memory.max"))
+                used = _read_int(os.path.join(base, "memory.current"))
+                if limit is not None and used is not None:
+                    free = limit - used + _reclaimable(os.path.join(base, "memory.stat"))
+                    best = free if best is None else min(best, free)
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base = "/sys/fs/cgroup/memory"
+            limit = _read_int(os.path.join(base, "memory.limit_in_bytes"))
+            used = _read_int(os.path.join(base, "memory.usage_in_bytes"))
+            if limit is not None and used is not None and limit < (1 << 60):
+                free = limit - used + _reclaimable(os.path.join(base, "memory.stat"))
+                best = free if best is None else min(best, free)
+    return best
+
+
+def _reclaimable(stat_path: str) -> int:
+    """Inactive page cache in a cgroup: the kernel drops it before failing an allocation."""
+    try:
+        with open(stat_path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file"):
+                    return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def available_memory(storage_dir: str | os.PathLike[str] | None = None) -> int:
+    """Bytes that a new segment can take without running the machine out of room.
+
+    Args:
+        storage_dir: ``None`` for RAM (memfd): the smaller of ``MemAvailable`` and
+            what the memory cgroup still allows; a directory: its free disk space.
+
+    Returns:
+        The number of bytes.
+
+    Example:
+        >>> available_memory() > 0
+        True
+    """
+    if storage_dir is not None:
+        st = os.statvfs(storage_dir)
+        return st.f_bavail * st.f_frsize
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        import psutil
+
+        avail = psutil.virtual_memory().available
+    cgroup = _cgroup_available()
+    return avail if cgroup is None else min(avail, cgroup)
+
+
+def full_error(needed: int, free: int, storage_dir: str | None, what: str) -> SharedMemoryFullError:
+    """The error for ``needed`` bytes that do not fit in ``free``: sizes, place and fixes.
+
+    Example:
+        >>> print(full_error(3 << 30, 1 << 30, "/scratch", "x.npy"))  # doctest: +ELLIPSIS
+        x.npy needs 3.0 GiB ... free in the file system of storage_dir='/scratch'...
+    """
+    where = f"the file system of storage_dir={storage_dir!r}" if storage_dir else "RAM"
+    fixes = (
+        "free disk space or choose another storage_dir"
+        if storage_dir
+        else "load fewer columns; raise the container's memory limit (Docker `--memory`, "
+        "Kubernetes `resources.limits.memory`; a memory-backed `emptyDir` counts against "
+        "it too); or put the data in files on a local disk with storage_dir='/path' "
+        f"(or the {STORAGE_ENV} environment variable)"
+    )
+    return SharedMemoryFullError(
+        f"{what} needs {fmt_bytes(needed)} ({needed} bytes) of shared memory but only "
+        f"{fmt_bytes(free)} ({free} bytes) is free in {where}. Nothing was loaded. Fix: {fixes}."
+    )
+
+
+def check_capacity(
+    nbytes: int, storage_dir: str | os.PathLike[str] | None = None, what: str = "this allocation"
+) -> None:
+    """Raise :class:`~shareddata.SharedMemoryFullError` if ``nbytes`` do not fit.
+
+    Args:
+        nbytes: bytes about to be allocated.
+        storage_dir: where they would go (``None``: RAM).
+        what: how to name the allocation in the message (e.g. a file name).
+
+    Raises:
+        SharedMemoryFullError: with the bytes needed and free, and the fixes.
+
+    Example:
+        >>> check_capacity(1024)
+        >>> check_capacity(1 << 62)
+        Traceback (most recent call last):
+        ...
+        shareddata.errors.SharedMemoryFullError: this allocation needs ... is free in RAM...
+    """
+    free = available_memory(storage_dir)
+    if nbytes > free:
+        raise full_error(nbytes, free, None if storage_dir is None else str(storage_dir), what)
+
+
+def resolve_storage_dir(storage_dir: str | os.PathLike[str] | None) -> str | None:
+    """The directory for file-backed segments: the argument, ``$SHAREDDATA_STORAGE_DIR``, or None.
+
+    Raises:
+        MissingFileError: the directory does not exist.
+
+    Example:
+        >>> resolve_storage_dir(None) is None or isinstance(resolve_storage_dir(None), str)
+        True
+    """
+    if storage_dir is None:
+        storage_dir = os.environ.get(STORAGE_ENV) or None
+    if storage_dir is None:
+        return None
+    path = os.fspath(storage_dir)
+    if not os.path.isdir(path):
+        raise MissingFileError(
+            f"storage_dir={path!r} is not a directory. Create it, or pass storage_dir=None "
+            "to keep the data in RAM."
+        )
+    return path
+
+
+def fallocate(fd: int, size: int, directory: str | None, what: str) -> bool:
+    """Reserve ``size`` bytes of ``fd``; False where the file system cannot.
+
+    Raises:
+        SharedMemoryFullError: there is no room for them.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in FULL_ERRNOS:
+            raise full_error(size, available_memory(directory), directory, what) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        return False
+    return True

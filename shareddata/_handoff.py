@@ -1,0 +1,243 @@
+"""Handing a segment to another process: the sender holds it until the receiver has it.
+
+Note [Handing a segment over]
+=============================
+A segment pickles as ``(pid, fd, ...)`` and the receiver opens ``/proc/<pid>/fd/<fd>``,
+which works only while the sender still holds ``fd``. A pool worker drops its result
+once it is sent, or exits (``maxtasksperchild=1``), before the parent's result thread
+has unpickled it. So each pickle that ``multiprocessing`` makes carries a *ticket*: a
+random slot among ``SLOTS`` 8-byte slots that follow the data in the same file (past
+the mapped size) and a random nonce. The receiver, once it holds the file (its own
+descriptor, or a mapping already there), writes the nonce into the slot (``pwrite``).
+The sender does not close a descriptor with a ticket outstanding: a dropped segment is
+*held* (descriptor only, no mapping, so in nobody's PSS) until its nonces show up or
+``HOLD`` seconds pass; a daemon thread checks every ``POLL`` seconds. At exit a
+``multiprocessing`` child waits up to ``EXIT_WAIT`` seconds (``$SHAREDDATA_HANDOFF_TIMEOUT``)
+for the tickets of the segments it created (``multiprocessing.util.Finalize``: pool
+children end with ``os._exit`` after running those).
+
+Limits: only ``multiprocessing``'s pickler draws tickets (queues, pipes, pools, process
+arguments, torch's and the DataLoader's): after a plain ``pickle.dumps`` the sender
+must keep the array alive. A ticket covers the first receiver of one pickle. Two
+senders drawing the same slot only delay a release, never hasten it. A receiver that
+may open the file read-only cannot acknowledge (the sender holds it until ``HOLD``). A
+SIGKILLed sender holds nothing: its receiver gets :class:`~shareddata.AttachError`
+when it first uses the array (unpickling itself never raises).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ._linux import close_fd
+
+__all__ = [
+    "EXIT_WAIT",
+    "HOLD",
+    "SLOTS",
+    "acknowledge",
+    "file_size",
+    "forget",
+    "held",
+    "outstanding",
+    "release",
+    "ticket",
+]
+
+SLOTS = 4096
+"""Acknowledgement slots per segment (8 bytes each, after the data; sparse)."""
+HOLD = 300.0
+"""Seconds a live process holds a dropped segment for a receiver that has not come."""
+EXIT_WAIT = 10.0
+"""Seconds a ``multiprocessing`` child waits at exit for its receivers (default of
+``$SHAREDDATA_HANDOFF_TIMEOUT``)."""
+_EXIT_WAIT_ENV = "SHAREDDATA_HANDOFF_TIMEOUT"
+POLL = 0.05
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def ack_offset(size: int) -> int:
+    """Where the acknowledgement slots of a segment of ``size`` data bytes start."""
+    return -(-max(size, 1) // _PAGE) * _PAGE
+
+
+def file_size(size: int) -> int:
+    """The length of the file under a segment of ``size`` data bytes (data + slots).
+
+    Example:
+        >>> file_size(1) == ack_offset(1) + 8 * SLOTS
+        True
+    """
+    return ack_offset(size) + 8 * SLOTS
+
+
+@dataclass
+class _Sent:
+    """The outstanding tickets of one descriptor of this process."""
+
+    size: int
+    created: bool  # this process created the segment: wait for its receivers at exit
+    dropped: bool = False  # the Segment is gone: the descriptor is ours to close
+    pending: dict[int, tuple[bytes, float]] = field(default_factory=dict)  # slot: nonce, deadline
+
+
+_SENT: dict[int, _Sent] = {}
+_LOCK = threading.RLock()  # a finalizer may run release() in a thread holding it
+_STATE = {"reaper": 0, "exit_hook": 0}  # pid that started the reaper / registered the hook
+
+
+def ticket(fd: int, size: int, created: bool) -> tuple[int, int]:
+    """A new ``(slot, nonce)`` for one pickle of the segment held as ``fd``.
+
+    Example:
+        >>> fd = os.memfd_create("t"); os.ftruncate(fd, file_size(10))
+        >>> slot, nonce = ticket(fd, 10, created=True)
+        >>> outstanding(fd)
+        1
+        >>> acknowledge(fd, 10, slot, nonce); outstanding(fd)
+        0
+        >>> release(fd)  # no ticket left: closed at once
+    """
+    slot, nonce = secrets.randbelow(SLOTS), secrets.randbits(63) | 1
+    with _LOCK:
+        sent = _SENT.get(fd)
+        if sent is None:
+            sent = _SENT[fd] = _Sent(size, created)
+        if len(sent.pending) >= 64:  # a segment pickled often by a live holder
+            _reap_one(fd, sent, time.monotonic())
+        sent.pending[slot] = (nonce.to_bytes(8, "little"), time.monotonic() + HOLD)
+    _register_exit_hook()
+    return slot, nonce
+
+
+def acknowledge(fd: int, size: int, slot: int, nonce: int) -> None:
+    """Receiver: tell the sender of ticket ``(slot, nonce)`` that the file is held here.
+
+    ``fd`` is this process's descriptor of the file; a read-only one cannot write,
+    and the sender then holds the file until its ``HOLD`` expires.
+    """
+    if nonce == 0:
+        return
+    try:
+        os.pwrite(fd, nonce.to_bytes(8, "little"), ack_offset(size) + 8 * slot)
+    except OSError:
+        pass
+
+
+def outstanding(fd: int) -> int:
+    """Tickets of ``fd`` not yet acknowledged (checked now)."""
+    with _LOCK:
+        sent = _SENT.get(fd)
+        if sent is None:
+            return 0
+        _reap_one(fd, sent, time.monotonic())
+        sent = _SENT.get(fd)
+        return 0 if sent is None else len(sent.pending)
+
+
+def release(fd: int) -> None:
+    """The segment of ``fd`` is gone from this process: close ``fd``, or hold it for receivers."""
+    with _LOCK:
+        sent = _SENT.get(fd)
+        if sent is not None:
+            sent.dropped = True
+            _reap_one(fd, sent, time.monotonic())
+            if fd in _SENT:
+                _start_reaper()
+                return
+    close_fd(fd)
+
+
+def forget(fd: int) -> None:
+    """Drop the tickets of ``fd`` (a segment freed on purpose); the caller closes it."""
+    with _LOCK:
+        _SENT.pop(fd, None)
+
+
+def held() -> int:
+    """Descriptors this process holds only for receivers that have not come yet."""
+    with _LOCK:
+        return sum(1 for sent in _SENT.values() if sent.dropped)
+
+
+def _reap_one(fd: int, sent: _Sent, now: float) -> None:
+    """Forget the acknowledged and expired tickets of ``fd``; close it if dropped and done."""
+    base = ack_offset(sent.size)
+    for slot, (nonce, deadline) in list(sent.pending.items()):
+        try:
+            seen = os.pread(fd, 8, base + 8 * slot)
+        except OSError:
+            seen = nonce  # the descriptor is unusable: nothing left to hold
+        if seen == nonce or now > deadline:
+            del sent.pending[slot]
+    if not sent.pending:
+        del _SENT[fd]
+        if sent.dropped:
+            close_fd(fd)
+
+
+def _reap(created_only: bool = False) -> int:
+    """Reap every descriptor; how many tickets are still outstanding (of created segments)."""
+    now, left = time.monotonic(), 0
+    with _LOCK:
+        for fd, sent in list(_SENT.items()):
+            _reap_one(fd, sent, now)
+            if fd in _SENT and (sent.created or not created_only):
+                left += len(sent.pending)
+    return left
+
+
+def _reaper() -> None:
+    while True:
+        time.sleep(POLL)
+        _reap()
+        with _LOCK:
+            if not any(sent.dropped for sent in _SENT.values()):
+                _STATE["reaper"] = 0
+                return
+
+
+def _start_reaper() -> None:
+    if _STATE["reaper"] != os.getpid():
+        _STATE["reaper"] = os.getpid()
+        threading.Thread(target=_reaper, name="shareddata-handoff", daemon=True).start()
+
+
+def _wait_at_exit() -> None:
+    """Wait (bounded) until the receivers of this process's segments hold them."""
+    try:
+        wait = float(os.environ.get(_EXIT_WAIT_ENV) or EXIT_WAIT)
+    except ValueError:
+        wait = EXIT_WAIT
+    deadline = time.monotonic() + wait
+    while _reap(created_only=True) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _register_exit_hook() -> None:
+    if _STATE["exit_hook"] == os.getpid():
+        return
+    _STATE["exit_hook"] = os.getpid()
+    import multiprocessing
+    import multiprocessing.util
+
+    if multiprocessing.parent_process() is not None:  # a child: its parent may still attach
+        # after a Queue's feeder thread has flushed (those run at priority -5)
+        multiprocessing.util.Finalize(None, _wait_at_exit, exitpriority=-100)
+
+
+def _after_fork_in_child() -> None:
+    global _LOCK
+    _LOCK = threading.RLock()
+    for fd, sent in list(_SENT.items()):
+        if sent.dropped:  # the parent's held descriptor: not this process's to keep
+            close_fd(fd)
+    _SENT.clear()
+    _STATE["reaper"] = _STATE["exit_hook"] = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
