@@ -430,7 +430,7 @@ def test_unsupported_types_name_file_column_type_and_fix(tmp_path, column, hint)
 def test_files_with_different_schemas_name_both_files(tmp_path):
     pq.write_table(pa.table({"a": [1, 2], "b": ["x", "y"]}), tmp_path / "1.parquet")
     pq.write_table(pa.table({"a": ["1.5", "2"], "b": ["x", "y"]}), tmp_path / "2.parquet")
-    with pytest.raises(TypeError, match=r"'a' is int64 in .*1\.parquet but string in .*2\.parquet"):
+    with pytest.raises(TypeError, match=r"'a' is string in .*2\.parquet but int64 in .*1\.parquet"):
         ParquetDataset(tmp_path)
     assert len(ParquetDataset(tmp_path, ["b"])) == 4
     pq.write_table(pa.table({"a": [1], "c": [3]}), tmp_path / "3.parquet")

@@ -51,6 +51,7 @@ __all__ = ["ArrowDataset", "ArrowSource", "rebase_offsets"]
 
 FillValue = Any  # a scalar, or a mapping {column: scalar}
 
+
 def _pyarrow() -> ModuleType:
     """``pyarrow``, imported on first use so ``import shareddata`` works without it."""
     try:

@@ -188,8 +188,8 @@ def _partitions(files: list[str], base: str | None) -> tuple[list[dict[str, Any]
         raise _read_error(base, e, "reading its partition folders") from e
     per_file = [ds.get_partition_keys(fragments[os.path.normpath(f)].partition_expression)
                 for f in files]  # fmt: skip
-    names = [n for n in dict.fromkeys(k for d in per_file for k in d)]
-    return per_file, pa.schema([dataset.schema.field(n) for n in names])
+    keys = {k for d in per_file for k in d}  # in folder order, as the dataset's schema
+    return per_file, pa.schema([f for f in dataset.schema if f.name in keys])
 
 
 def _arrow_errors() -> tuple[type[BaseException], ...]:
@@ -350,10 +350,10 @@ class ParquetSource:
                     )
                 except (pa.ArrowException, TypeError, ValueError) as e:
                     raise UnsupportedDtypeError(
-                        f"column {name!r} is {a.type} in {first.path} but {b.type} in "
-                        f"{other.path}, and pyarrow cannot promote one to the other ({e}). "
-                        "Rewrite the files with one type (e.g. table.cast(...)) or leave "
-                        f"{name!r} out with columns=[...]."
+                        f"column {name!r} is {b.type} in {other.path} but {a.type} in the "
+                        f"files before it ({first.path}...), and pyarrow cannot promote one "
+                        f"to the other ({e}). Rewrite the files with one type (e.g. "
+                        f"table.cast(...)) or leave {name!r} out with columns=[...]."
                     ) from e
                 fields[name] = unified.field(0)
         return pa.schema([fields[n] if n in fields else schema.field(n) for n in schema.names])
