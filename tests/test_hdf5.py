@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, default_collate
 
 import shareddata as sd
 from shareddata._dataset import load_columns
-from shareddata.sources import _hdf5_chunks, _hdf5_values, _io, hdf5
+from shareddata._load import Buffer
+from shareddata.sources import _hdf5_chunks, _hdf5_values, hdf5
 from shareddata.sources._hdf5_values import VariableReader
 from shareddata.sources.hdf5 import HDF5Dataset, HDF5Source
 
@@ -177,7 +178,9 @@ def test_progress_reports_every_byte_of_every_buffer(h5path):
     with HDF5Source(h5path) as source:
         for spec in source.specs():
             layout = COLUMN_KINDS[spec.kind].layout(spec)
-            buffers = {k: np.empty(shape, dtype) for k, (shape, dtype) in layout.items()}
+            buffers = {
+                k: np.empty(shape, dtype).view(Buffer) for k, (shape, dtype) in layout.items()
+            }
             seen = []
             source.read(spec, buffers, seen.append)
             assert sum(seen) == spec.nbytes, spec.name
@@ -203,7 +206,9 @@ def test_progress_counts_every_byte_of_records_and_frames(tmp_path):
         with HDF5Source(file, keys) as source:
             for spec in source.specs():
                 layout = COLUMN_KINDS[spec.kind].layout(spec)
-                buffers = {k: np.empty(shape, dtype) for k, (shape, dtype) in layout.items()}
+                buffers = {
+                    k: np.empty(shape, dtype).view(Buffer) for k, (shape, dtype) in layout.items()
+                }
                 seen = []
                 source.read(spec, buffers, seen.append)
                 assert sum(seen) == spec.nbytes, spec.name
@@ -238,7 +243,7 @@ def test_bounded_chunk_aligned_reads(h5path, monkeypatch):
 
     monkeypatch.setattr(h5py.Dataset, "read_direct", spy)
     # contiguous, unfiltered datasets are copied from the file with preadv, also bounded
-    monkeypatch.setattr(_io, "_CHUNK", 1000)
+    monkeypatch.setattr(_hdf5_chunks, "_RAW_BLOCK", 1000)
     preads = []
     real_preadv = os.preadv
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from .._storage import ready
+from .._load import Buffer
 from ..errors import SourceReadError
 
-__all__ = ["inflatable", "inflate", "raw_offset", "rows"]
+__all__ = ["copy_field", "copy_raw", "inflatable", "inflate", "raw_offset", "record_runs"]
 
 # Note [Inflating chunks in threads]
 # ==================================
@@ -50,20 +50,6 @@ _DEFLATE = 1  # H5Z_FILTER_DEFLATE
 _SHUFFLE = 2  # H5Z_FILTER_SHUFFLE
 _INFLATE_THREADS: int | None = None
 """Threads decoding gzip chunks (None: one per usable core, at most 8)."""
-
-
-def rows(buffer: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """Rows ``[start, stop)`` of a buffer the loader gave, once their pages are in.
-
-    Example:
-        >>> rows(np.arange(6), 2, 4).tolist()
-        [2, 3]
-    """
-    take = getattr(buffer, "rows", None)
-    if take is not None:  # shareddata._load.Buffer
-        return take(start, stop)  # type: ignore[no-any-return]
-    ready(buffer[:stop])  # pages still being allocated: wait for them
-    return buffer[start:stop]
 
 
 def _inflate_threads() -> int:
@@ -116,6 +102,51 @@ def raw_offset(h5py: Any, ds: Any, nbytes: int) -> int | None:
     return None if offset is None or offset < 0 else int(offset)
 
 
+_RAW_BLOCK = 64 << 20
+"""Bytes per ``preadv`` of a contiguous dataset (one progress update each)."""
+
+
+def copy_raw(
+    path: str, what: str, offset: int, out: Buffer, progress: Callable[[int], None]
+) -> None:
+    """Fill ``out`` with the bytes of ``path`` from ``offset`` on, in blocks of whole rows.
+
+    ``os.preadv`` copies from the page cache into the rows' shared pages: one
+    kernel copy, no private buffer, the GIL released while it runs.
+
+    Raises:
+        SourceReadError: the file ends early, or the disk or file system fails.
+    """
+    row_bytes = out.nbytes // max(1, len(out))
+    step = max(1, _RAW_BLOCK // max(1, row_bytes))
+    done = 0
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for start in range(0, len(out), step):
+                view = out.rows(start, min(len(out), start + step)).reshape(-1).view(np.uint8)
+                pos = 0
+                while pos < len(view):
+                    n = os.preadv(fd, [view[pos:].data], offset + done + pos)
+                    if n == 0:
+                        raise SourceReadError(
+                            f"{what} ended early, after {done + pos} of {out.nbytes} bytes of "
+                            "data: the file is truncated. Re-create or re-download it."
+                        )
+                    pos += n
+                done += pos
+                progress(pos)
+        finally:
+            os.close(fd)
+    except SourceReadError:
+        raise
+    except OSError as error:  # an I/O error of the disk or file system: name the file
+        raise SourceReadError(
+            f"{what} could not be read after {done} bytes of data ({error}). Check the "
+            "disk or file system, or copy the file elsewhere and load it again."
+        ) from error
+
+
 def inflatable(ds: Any) -> list[int] | None:
     """The filter pipeline of a chunked numeric dataset :func:`inflate` can read, or None.
 
@@ -143,7 +174,7 @@ def inflate(
     what: str,
     ds: Any,
     filters: list[int],
-    out: np.ndarray,
+    out: Buffer,
     progress: Callable[[int], None],
 ) -> bool:
     """Read every chunk of ``ds`` raw and decode it in threads, into ``out``.
@@ -207,7 +238,7 @@ def inflate(
             if len(pending) >= 4 * threads:
                 progress(pending.popleft().result())
             first = chunk[0][0]
-            rows_of = rows(out, first, min(first + chunks[0], shape[0]))  # pages are in
+            rows_of = out.rows(first, min(first + chunks[0], shape[0]))  # pages are in
             pending.append(executor.submit(place, rows_of, *chunk))
         while pending:
             progress(pending.popleft().result())
@@ -304,7 +335,7 @@ def copy_field(
     ds: Any,
     runs: list[tuple[int, int, int]],
     take: Callable[[np.ndarray], np.ndarray],
-    out: np.ndarray,
+    out: Buffer,
     progress: Callable[[int], None],
 ) -> None:
     """Copy ``take(records)`` of each block of raw records into the rows of ``out``.
@@ -338,7 +369,7 @@ def copy_field(
                         f"{what} ended early: the file ends inside its records. It is "
                         "truncated; re-create or re-download it."
                     )
-                rows(out, first + start, first + start + n)[...] = take(block[:n])
+                out.rows(first + start, first + start + n)[...] = take(block[:n])
                 progress(n * row_bytes)
     except SourceReadError:
         raise

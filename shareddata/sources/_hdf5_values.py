@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from .._load import Buffer
 from ..errors import SourceReadError
-from ._hdf5_chunks import rows
 from ._hdf5_layout import Plan
 
 __all__ = ["VariableReader"]
@@ -115,12 +115,12 @@ class VariableReader:
         self,
         plan: Plan,
         ds: Any,
-        offsets: np.ndarray,
-        values: np.ndarray,
+        offsets: Buffer,
+        values: Buffer,
         progress: Callable[[int], None],
     ) -> None:
         """Fill ``offsets`` and ``values`` of a column :meth:`size` has sized."""
-        rows(offsets, 0, 1)[0] = 0
+        offsets.rows(0, 1)[0] = 0
         progress(offsets.itemsize)
         if plan.reader == "opaque":
             blocks: Iterator[tuple[int, int, Any]] = self._fixed_blocks(plan, ds)
@@ -136,10 +136,10 @@ class VariableReader:
                     f"{self.label}: dataset {plan.path!r} changed while it was being loaded "
                     f"(rows {start}:{stop}); load it again when nothing writes to the file."
                 )
-            ends = rows(offsets, start + 1, stop + 1)
+            ends = offsets.rows(start + 1, stop + 1)
             np.cumsum(lengths, out=ends)
             ends += base
-            dest = rows(values, base, base + total)
+            dest = values.rows(base, base + total)
             if total:
                 self._fill(plan, block, lengths, dest)
             if plan.kind == "str":

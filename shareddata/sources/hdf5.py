@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -44,6 +44,7 @@ import numpy as np
 
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
+from .._load import Buffer
 from ..errors import (
     ColumnLengthError,
     MissingDependencyError,
@@ -51,12 +52,10 @@ from ..errors import (
     UnsupportedDtypeError,
 )
 from . import _hdf5_chunks
-from ._hdf5_chunks import rows
 from ._hdf5_layout import Plan
 from ._hdf5_open import check_filters, import_h5py, open_file
 from ._hdf5_select import Selection
 from ._hdf5_values import VariableReader
-from ._io import read_into
 
 __all__ = ["HDF5Dataset", "HDF5Source"]
 
@@ -127,7 +126,7 @@ class HDF5Source:
         return specs
 
     def read(
-        self, spec: ColumnSpec, buffers: Mapping[str, np.ndarray], progress: Callable[[int], None]
+        self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
     ) -> None:
         """Fill ``buffers`` for ``spec`` (``data``, or ``offsets`` and ``values``)."""
         self.specs()  # variable-length columns are read in the blocks that sized them
@@ -215,16 +214,16 @@ class HDF5Source:
         return block
 
     def _read_tensor(
-        self, plan: Plan, ds: Any, out: np.ndarray, progress: Callable[[int], None]
+        self, plan: Plan, ds: Any, out: Buffer, progress: Callable[[int], None]
     ) -> None:
         if out.size == 0:
             return
         offset = self._raw_offset(plan, ds, out.nbytes)
         if offset is not None:  # contiguous and unfiltered: the bytes straight from the file
             what = f"{self.label}: dataset {plan.name!r}"
-            read_into(self.label, offset, out, progress, what)
+            _hdf5_chunks.copy_raw(self.label, what, offset, out, progress)
             if not ds.dtype.isnative and ds.dtype.itemsize > 1:
-                rows(out, 0, plan.rows).byteswap(inplace=True)
+                out.rows(0, plan.rows).byteswap(inplace=True)
             return
         filters = self._inflatable(plan, ds)
         what = f"{self.label}: reading dataset {plan.name!r}"
@@ -234,11 +233,11 @@ class HDF5Source:
             return
         row_bytes = out.nbytes // plan.rows
         for start, stop in self._steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
-            ds.read_direct(rows(out, start, stop), np.s_[start:stop])
+            ds.read_direct(out.rows(start, stop), np.s_[start:stop])
             progress((stop - start) * row_bytes)
 
     def _read_member(
-        self, plan: Plan, ds: Any, out: np.ndarray, progress: Callable[[int], None]
+        self, plan: Plan, ds: Any, out: Buffer, progress: Callable[[int], None]
     ) -> None:
         """Numbers HDF5 converts on the way in: compound fields, enums, array types."""
         if out.size == 0:
@@ -254,7 +253,7 @@ class HDF5Source:
         if plan.index is not None:  # a column of a pandas block: through a small block
             budget = _CHUNK // 16
             for start, stop in self._steps(plan.rows, ds.dtype.itemsize, budget, ds.chunks):
-                rows(out, start, stop)[...] = self._block(plan, ds, start, stop)
+                out.rows(start, stop)[...] = self._block(plan, ds, start, stop)
                 progress((stop - start) * row_bytes)
             return
         h5t, h5s = self._h5py.h5t, self._h5py.h5s
@@ -277,7 +276,7 @@ class HDF5Source:
         for start, stop in self._steps(plan.rows, record_bytes, _CHUNK, ds.chunks):
             count = (stop - start, *row_shape)
             file_space.select_hyperslab((start,) + (0,) * len(row_shape), count)
-            ds.id.read(h5s.create_simple(count), file_space, rows(out, start, stop), mtype=mtype)
+            ds.id.read(h5s.create_simple(count), file_space, out.rows(start, stop), mtype=mtype)
             progress((stop - start) * row_bytes)
 
     def _record_runs(self, plan: Plan, ds: Any) -> list[tuple[int, int, int]] | None:
