@@ -938,3 +938,26 @@ def test_fields_are_copied_out_of_raw_records(tmp_path, monkeypatch):
     del info, source
     gc.collect()
     assert open_fds() == fds
+
+
+def test_a_range_of_rows_for_shard_node(h5path, tmp_path):
+    """``select_rows`` (what shard="node" calls): every reader reads only those rows."""
+    rec = np.zeros(300, [("a", ">i4"), ("t", "S3"), ("v", "<f4", (2,))])
+    rec["a"], rec["t"], rec["v"] = np.arange(300), b"ab", np.arange(600).reshape(300, 2)
+    records = tmp_path / "records.h5"
+    with h5py.File(records, "w") as f:
+        f["flat"] = rec  # raw records
+        f.create_dataset("gz", data=rec, chunks=(32,), compression="gzip")  # through HDF5
+    for path in (h5path, records):
+        full = HDF5Dataset(path, progress=False)
+        source = HDF5Source(path)
+        assert source.total_rows() == 300
+        source.select_rows(37, 211)
+        part = load_columns(source, share="process", progress=False)
+        assert list(part) == full.columns
+        for name, column in part.items():
+            assert len(column) == 174
+            for i in (0, 1, 100, 173):
+                _assert_same(column.get(i), full[37 + i][name])
+    with HDF5Source(records) as source, pytest.raises(ValueError, match=r"\[0, 301\)"):
+        source.select_rows(0, 301)

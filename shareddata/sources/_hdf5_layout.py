@@ -68,6 +68,8 @@ class Plan:
     """An enum's (or pandas category's) labels and their codes."""
     blocks: list[tuple[int, int, int]] = field(default_factory=list)
     """For variable-length kinds, after sizing: ``(start, stop, values)`` per block."""
+    first: int = 0
+    """The dataset's row that is the column's row 0 (``select_rows``); ``rows`` follow it."""
 
 
 class _NoGlobals(pickle.Unpickler):

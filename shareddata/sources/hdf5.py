@@ -47,6 +47,7 @@ from .._dataset import ColumnDataset, Output, load_columns
 from .._load import Buffer
 from ..errors import (
     ColumnLengthError,
+    InvalidArgumentError,
     MissingDependencyError,
     SourceReadError,
     UnsupportedDtypeError,
@@ -89,6 +90,7 @@ class HDF5Source:
         self._file: Any = None
         self._specs: list[ColumnSpec] | None = None
         self._runs: dict[str, list[tuple[int, int, int]] | None] = {}
+        self._total = -1  # rows of every column, once checked equal
         self.skipped: dict[str, str] = {}
         self._file, self._swmr = open_file(self._h5py, self.label)
         try:
@@ -103,10 +105,25 @@ class HDF5Source:
             raise
 
     # -- Source protocol ---------------------------------------------------------------
-    def specs(self) -> list[ColumnSpec]:
-        """Exact specs of every selected column (sizes variable-length ones by reading)."""
-        if self._specs is not None:
-            return self._specs
+    def total_rows(self) -> int:
+        """Rows of the selected datasets, before any :meth:`select_rows`."""
+        self._check_lengths()
+        return self._total
+
+    def select_rows(self, start: int, stop: int) -> None:
+        """Describe and read only rows ``[start, stop)`` (``shard="node"``)."""
+        total = self.total_rows()
+        if not 0 <= start <= stop <= total:
+            raise InvalidArgumentError(
+                f"rows [{start}, {stop}) are not within the {total} rows of {self.label}"
+            )
+        for plan in self.plans:
+            plan.first, plan.rows, plan.blocks = start, stop - start, []
+        self._specs = None
+
+    def _check_lengths(self) -> None:
+        if self._total >= 0:
+            return
         lengths = {p.rows for p in self.plans}
         if len(lengths) > 1:  # before any sizing pass reads data
             listing = ", ".join(f"{p.name!r}: {p.rows} rows" for p in self.plans)
@@ -114,6 +131,13 @@ class HDF5Source:
                 f"datasets of {self.label} have different lengths ({listing}); every column "
                 "needs one value per row. Pass keys=[...] of equal length, or trim them."
             )
+        self._total = lengths.pop() if lengths else 0
+
+    def specs(self) -> list[ColumnSpec]:
+        """Exact specs of every selected column (sizes variable-length ones by reading)."""
+        if self._specs is not None:
+            return self._specs
+        self._check_lengths()
         specs = []
         for plan in self.plans:
             values = 0
@@ -203,6 +227,7 @@ class HDF5Source:
 
     def _block(self, plan: Plan, ds: Any, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of the plan's values as numpy (one bounded block)."""
+        start, stop = plan.first + start, plan.first + stop
         if not plan.member:
             block = ds[start:stop]
         else:
@@ -218,10 +243,12 @@ class HDF5Source:
     ) -> None:
         if out.size == 0:
             return
-        offset = self._raw_offset(plan, ds, out.nbytes)
+        row_bytes = out.nbytes // plan.rows
+        offset = self._raw_offset(plan, ds, row_bytes * int(ds.shape[0]))
         if offset is not None:  # contiguous and unfiltered: the bytes straight from the file
             what = f"{self.label}: dataset {plan.name!r}"
-            _hdf5_chunks.copy_raw(self.label, what, offset, out, progress)
+            start = offset + plan.first * row_bytes
+            _hdf5_chunks.copy_raw(self.label, what, start, out, progress)
             if not ds.dtype.isnative and ds.dtype.itemsize > 1:
                 out.rows(0, plan.rows).byteswap(inplace=True)
             return
@@ -231,9 +258,9 @@ class HDF5Source:
             self.label, what, ds, filters, out, progress
         ):
             return
-        row_bytes = out.nbytes // plan.rows
+        first = plan.first
         for start, stop in self._steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
-            ds.read_direct(out.rows(start, stop), np.s_[start:stop])
+            ds.read_direct(out.rows(start, stop), np.s_[first + start : first + stop])
             progress((stop - start) * row_bytes)
 
     def _read_member(
@@ -245,6 +272,7 @@ class HDF5Source:
         row_bytes = out.nbytes // plan.rows
         runs = self._record_runs(plan, ds)
         if runs is not None:  # Note [Fields of raw records]
+            runs = _within(runs, plan.first, plan.first + plan.rows, ds.dtype.itemsize)
             what = f"{self.label}: dataset {plan.path!r}"
             _hdf5_chunks.copy_field(
                 self.label, what, ds, runs, lambda block: _field(plan, block), out, progress
@@ -275,7 +303,7 @@ class HDF5Source:
         record_bytes = ds.dtype.itemsize * int(np.prod(row_shape))
         for start, stop in self._steps(plan.rows, record_bytes, _CHUNK, ds.chunks):
             count = (stop - start, *row_shape)
-            file_space.select_hyperslab((start,) + (0,) * len(row_shape), count)
+            file_space.select_hyperslab((plan.first + start,) + (0,) * len(row_shape), count)
             ds.id.read(h5s.create_simple(count), file_space, out.rows(start, stop), mtype=mtype)
             progress((stop - start) * row_bytes)
 
@@ -295,9 +323,26 @@ class HDF5Source:
 
     def _inflatable(self, plan: Plan, ds: Any) -> list[int] | None:
         """The pipeline ``_hdf5_chunks.inflate`` decodes for this plan, or None."""
-        if plan.reader != "direct" or self._swmr:
-            return None
+        if plan.reader != "direct" or self._swmr or plan.rows != ds.shape[0]:
+            return None  # (a node's share of the rows: read_direct selects them)
         return _hdf5_chunks.inflatable(ds)
+
+
+def _within(
+    runs: list[tuple[int, int, int]], start: int, stop: int, size: int
+) -> list[tuple[int, int, int]]:
+    """The parts of ``runs`` of records in rows ``[start, stop)``, renumbered from ``start``.
+
+    Example:
+        >>> _within([(0, 10, 100), (10, 10, 500)], 5, 12, 2)
+        [(0, 5, 110), (5, 2, 500)]
+    """
+    inside = []
+    for first, count, offset in runs:
+        lo, hi = max(first, start), min(first + count, stop)
+        if lo < hi:
+            inside.append((lo - start, hi - lo, offset + (lo - first) * size))
+    return inside
 
 
 def _field(plan: Plan, records: np.ndarray) -> np.ndarray:
@@ -406,14 +451,18 @@ class HDF5Dataset(ColumnDataset):
     ) -> None:
         source = HDF5Source(path, keys)
         self.labels = {p.name: dict(p.labels) for p in source.plans if p.labels is not None}
-        loaded = load_columns(
-            source,
-            storage_dir=storage_dir,
-            progress=progress,
-            share=share,
-            shard=shard,
-            timeout=timeout,
-        )
+        try:
+            loaded = load_columns(
+                source,
+                storage_dir=storage_dir,
+                progress=progress,
+                share=share,
+                shard=shard,
+                timeout=timeout,
+            )
+        except BaseException:  # a bad argument is refused before the loader owns the file
+            source.close()
+            raise
         super().__init__(loaded, transform=transform, output=output)
 
     def __getstate__(self) -> dict[str, Any]:
