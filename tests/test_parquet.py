@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, default_collate
 
 import shareddata as sd
 from shareddata._dataset import load_columns
+from shareddata._load import as_buffer
 from shareddata.sources import parquet as sp
 from shareddata.sources.parquet import (
     ArrowDataset,
@@ -260,7 +261,7 @@ def test_progress_reports_every_byte(pq_file):
     try:
         for spec in source.specs():
             layout = sd._columns.COLUMN_KINDS[spec.kind].layout(spec)
-            buffers = {k: np.zeros(shape, dtype) for k, (shape, dtype) in layout.items()}
+            buffers = {k: as_buffer(np.zeros(s, d)) for k, (s, d) in layout.items()}
             source.read(spec, buffers, seen.append)
             assert sum(seen) == spec.nbytes - (8 if spec.kind != "tensor" else 0)
             seen.clear()
@@ -619,6 +620,7 @@ def test_a_file_changed_between_sizing_and_reading(tmp_path):
         (spec,) = source.specs()
         pq.write_table(pa.table({"s": ["abc", "cd"]}), path)  # one more byte
         buffers = {"offsets": np.zeros(3, np.int64), "values": np.zeros(spec.values, np.uint8)}
+        buffers = {k: as_buffer(b) for k, b in buffers.items()}
         with pytest.raises(OSError, match="changed"):
             source.read(spec, buffers, lambda n: None)
     finally:
@@ -647,7 +649,7 @@ def test_writer_rebases_chunks_onto_a_large_running_total():
     column = sp._Column("s", pa.string(), "t", None)
     spec = sd._columns.ColumnSpec("s", 2, np.dtype(np.uint8), (), "str", 5)
     buffers = {"offsets": np.zeros(3, np.int64), "values": np.zeros(5, np.uint8)}
-    writer = sp._Writer(column, spec, buffers)
+    writer = sp._Writer(column, spec, {k: as_buffer(b) for k, b in buffers.items()})
     writer.write(pa.array(["ab", "cde"]).slice(0), "t")
     assert buffers["offsets"].tolist() == [0, 2, 5]
     assert bytes(buffers["values"]) == b"abcde"

@@ -35,8 +35,8 @@ import numpy as np
 
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
+from .._load import Buffer
 from .._nested import Level, NestedSpec
-from .._storage import ready
 from ..errors import (
     EmptySelectionError,
     MissingColumnError,
@@ -495,7 +495,7 @@ class _Column:
 class _Writer:
     """Copies one column's chunks, in order, into its shared buffers."""
 
-    def __init__(self, column: _Column, spec: ColumnSpec, buffers: dict[str, np.ndarray]) -> None:
+    def __init__(self, column: _Column, spec: ColumnSpec, buffers: dict[str, Buffer]) -> None:
         self.column = column
         self.spec = spec
         self.buffers = buffers
@@ -506,11 +506,11 @@ class _Writer:
         if spec.kind == "nested":
             for key, buf in buffers.items():
                 if key.endswith(".offsets"):
-                    _rows(buf, 0, 1)[0] = 0
+                    buf.rows(0, 1)[0] = 0
             levels = len(column.kind.tree.levels())  # type: ignore[union-attr]
             self.done, self.bytes_done = [0] * levels, [0] * levels
         elif spec.kind != "tensor":
-            _rows(buffers["offsets"], 0, 1)[0] = 0
+            buffers["offsets"].rows(0, 1)[0] = 0
 
     def write(self, arr: Any, where: str) -> int:
         """Copy one normalized chunk; return the bytes written."""
@@ -528,7 +528,7 @@ class _Writer:
         if spec.kind == "tensor":
             leaf, mask = _leaf(arr)
             values = _numpy_values(leaf, spec.dtype)
-            dest = _rows(self.buffers["data"], self.row, self.row + n).reshape(-1)
+            dest = self.buffers["data"].rows(self.row, self.row + n).reshape(-1)
             dest[...] = values
             if mask is not None:
                 dest[~mask] = col.fill_scalar()
@@ -541,9 +541,9 @@ class _Writer:
                 f"{where} has more values in column {spec.name!r} than the sizing pass counted "
                 f"({spec.values}); was the file changed while it was being loaded?"
             )
-        dest_offsets = _rows(self.buffers["offsets"], self.row + 1, self.row + n + 1)
+        dest_offsets = self.buffers["offsets"].rows(self.row + 1, self.row + n + 1)
         rebase_offsets(offsets, self.value, dest_offsets)
-        dest = _rows(self.buffers["values"], self.value, end)
+        dest = self.buffers["values"].rows(self.value, end)
         dest[...] = values
         if mask is not None:
             dest[~mask] = col.fill_scalar()
@@ -568,7 +568,7 @@ class _Writer:
             if level.kind in ("list", "str", "bytes"):
                 # a list's child level follows it in preorder
                 base = self.done[i + 1] if level.kind == "list" else self.bytes_done[i]
-                dest = _rows(buffers[f"{i}.offsets"], e + 1, e + n + 1)
+                dest = buffers[f"{i}.offsets"].rows(e + 1, e + n + 1)
                 np.cumsum(pieces.lengths[i], out=dest)
                 dest += base
                 written += dest.nbytes
@@ -579,11 +579,11 @@ class _Writer:
                         f"{where} has more text in column {spec.name!r} than the sizing pass "
                         "counted; was the file changed while it was being loaded?"
                     )
-                _rows(buffers[f"{i}.values"], v, v + len(data))[...] = data
+                buffers[f"{i}.values"].rows(v, v + len(data))[...] = data
                 self.bytes_done[i] = v + len(data)
                 written += len(data)
             elif level.kind == "num":
-                dest = _rows(buffers[f"{i}.data"], e, e + n)
+                dest = buffers[f"{i}.data"].rows(e, e + n)
                 dest[...] = pieces.data[i]
                 written += dest.nbytes
         for i in range(len(levels)):
@@ -666,16 +666,6 @@ class _Sizer:
                 tree=k.tree, counts=tuple((n, v) for n, v in counts), records=column.records,
             )  # fmt: skip
         return ColumnSpec(column.name, rows, k.dtype, k.shape, k.kind, self.values)
-
-
-def _rows(buf: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """A writable view of rows ``[start, stop)`` of a buffer, once their pages are allocated.
-
-    The loader allocates pages in background threads while the source fills the
-    first ones; every write of this module goes through here.
-    """
-    ready(buf[:stop])
-    return buf[start:stop]
 
 
 def _check_utf8(chunk: Any, name: str, where: str) -> None:
@@ -884,7 +874,7 @@ class ArrowSource:
         return specs
 
     def read(
-        self, spec: ColumnSpec, buffers: dict[str, np.ndarray], progress: Callable[[int], None]
+        self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
     ) -> None:
         """Fill one column's buffers, one chunk at a time."""
         writer = _Writer(self._by_name[spec.name], spec, buffers)

@@ -40,10 +40,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
-import numpy as np
-
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
+from .._load import Buffer
 from ..errors import (
     MissingColumnError,
     MissingFileError,
@@ -477,7 +476,7 @@ class ParquetSource:
         return specs
 
     def read(
-        self, spec: ColumnSpec, buffers: dict[str, np.ndarray], progress: Callable[[int], None]
+        self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
     ) -> None:
         """Fill one column's buffers, one batch of rows at a time."""
         writer = _Writer(self._by_name[spec.name], spec, buffers)
