@@ -292,6 +292,27 @@ class RaggedColumn(_VarColumn):
     def _make(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values)
 
+    def gather(self, indices: torch.Tensor, shared: bool = False) -> list[Any]:
+        """The rows ``indices``, each a 1-D tensor.
+
+        With ``shared`` (in a DataLoader worker) the rows are views of ONE buffer,
+        where they are copied side by side: the batch leaves the worker as one memfd
+        however many rows it has (Note [How a batch leaves a worker] in
+        ``_transport.py``), not as one shared segment per row.
+        """
+        if not shared:
+            return super().gather(indices)
+        idx = indices.numpy()
+        starts = self._offsets[idx]
+        lengths = self._offsets[idx + 1] - starts
+        dtype = torch.from_numpy(self._values[:0]).dtype
+        out = worker_empty((int(lengths.sum()),), dtype).as_subclass(torch.Tensor)
+        flat, values, at = out.numpy(), self._values, 0
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            flat[at : at + length] = values[start : start + length]
+            at += length
+        return list(out.split(lengths.tolist()))
+
     @classmethod
     def from_lists(cls, name: str, rows: list[Any], dtype: Any) -> RaggedColumn:
         """A column holding ``rows`` (for tests and small data)."""

@@ -8,55 +8,59 @@ then fetches from the worker over a socket (``multiprocessing.resource_sharer``)
 a connection, an authentication handshake, and a thread of the worker that must
 take the GIL from the worker's busy main thread. On a 2-core VM that cost ~0.8 ms
 per 256 KiB batch and ~2 ms per 4 MiB one, with no data read at all
-(``benchmarks/bench_suite.py``, "IPC floor").
+(``benchmarks/bench_ipc.py``).
 
-A batch that shareddata gathers in a worker goes instead into a fresh memfd
-(``memfd_create`` + ``ftruncate``: no page is touched until the gather writes it),
-as a :class:`WorkerBatch` tensor. ``ForkingPickler`` (what the DataLoader's queue
-uses) pickles it as a handle ``(pid, fd, device, inode, offset, ...)``; the main
+A batch that shareddata gathers in a worker goes instead into a memfd
+(``memfd_create`` + ``ftruncate``: no page is touched until the gather writes it):
+every fixed-shape column of the batch in one memfd, as :class:`WorkerBatch`
+tensors over one storage (a variable-length column's rows are views of one more
+memfd). ``ForkingPickler`` pickles any tensor over that storage -- the batch
+itself, a sample, a slice, a non-contiguous view -- as the memfd's handle
+``(pid, fd, device, inode, ...)`` plus the byte range and the tensor's layout
+(Note [Tensors over our memory cross by handle] in ``_reduce.py``); the storage is
+pickled once per message, however many tensors of the batch it carries. The main
 process opens ``/proc/<pid>/fd/<fd>`` itself, as ``_storage`` does for segments,
-checks device and inode, maps it, and sets the part's acknowledgement byte at the
-end of the memfd. All the columns of a batch share one memfd (one descriptor per
-batch, however many columns). The worker keeps each batch's descriptor until every
-part is acknowledged, and closes those when it makes its next batch; it never
-holds more than ``MAX_UNACKNOWLEDGED`` (a DataLoader has ``prefetch_factor``
-batches per worker in flight; a part that a custom ``collate_fn`` dropped is never
-received, and its batch is closed once it is the oldest beyond the cap). A batch
-that is received stays valid after its worker exits: the main process's mapping
-holds the pages. Nothing is ever named in ``/dev/shm``, so a small ``/dev/shm``
-(Docker's 64 MiB) does not limit the batch size, and a killed process leaves
-nothing behind.
+checks device and inode, and maps it. The worker keeps each batch's descriptor
+while the batch may still be received, and never holds more than
+``MAX_UNACKNOWLEDGED`` (a DataLoader has ``prefetch_factor`` batches per worker in
+flight); beyond that the oldest is closed, and a receiver that comes later gets
+:class:`~shareddata.AttachError`. A batch that is received stays valid after its
+worker exits: the main process's mapping holds the pages. Nothing is ever named in
+``/dev/shm``, so a small ``/dev/shm`` (Docker's 64 MiB) does not limit the batch
+size, and a killed process leaves nothing behind.
 
 Note [Reusing a batch's pages]
 ------------------------------
 A fresh memfd costs its first touch: the kernel allocates and zeroes every page as
 the gather writes it, ~3.3 ms for a 4 MiB batch on the 2-core VM, where the gather
 itself takes 0.1 ms (``benchmarks/bench_suite.py``, 16 KiB samples with workers).
-So a worker reuses the memfd of a batch that the main process has let go of. The
-memfd ends, after its parts, with a page-aligned block of one *received* byte and
-one *released* byte per part. The main process maps the memfd with ``mmap`` itself
-(no descriptor kept) under a numpy array that only the part's torch storage holds;
-when that storage is freed -- no tensor, view, numpy array or other holder of the
-part is left -- a finalizer on the array sets the part's released byte and unmaps
-it. (A fork child of the receiver inherits the mapping; its finalizer only unmaps.)
-A worker puts a batch whose parts are all released in its pool (at most ``POOL``
-memfds, kept unmapped, so they appear in no process's PSS: ``verify`` measures data,
-not transport), and gathers its next batch into a pooled memfd that is large
-enough, mapped again with ``MADV_POPULATE_WRITE`` (its pages exist: ~1.2 ms for
-4 MiB instead of 3.3 ms). A batch that is never released (the user keeps it, or
-sends it on) is never reused: its memfd is closed once it is the oldest beyond the
-cap, and the main process's mapping keeps its pages.
+So a worker reuses the memfd of a batch that nobody holds any more. The memfd
+ends, after its data, with a page holding a *released* counter. Each time the
+worker pickles the batch's storage it counts one send; the main process maps the
+memfd with ``mmap`` itself (no descriptor kept) under a numpy array that only the
+received storage holds, and when that storage is freed -- no tensor, view, numpy
+array or other holder of any part of it is left -- a finalizer on the array adds
+one to the counter and unmaps it. (A fork child of the receiver inherits the
+mapping; its finalizer only unmaps.) A worker puts a batch in its pool once its
+own mapping is gone (nothing in the worker refers to the batch: it has been
+pickled and dropped) and the counter equals its sends: the batch is *pinned* for
+as long as any view of it lives in the main process. The pool holds at most
+``POOL`` memfds, kept unmapped, so they appear in no process's PSS (``verify``
+measures data, not transport). The worker gathers its next batch into a pooled
+memfd that is large enough, mapped again with ``MADV_POPULATE_WRITE`` (its pages
+exist: ~1.2 ms for 4 MiB instead of 3.3 ms). A batch that is never released (the
+user keeps it, or sends it on) is never reused: its memfd is closed once it is the
+oldest beyond the cap, and the main process's mapping keeps its pages.
 
-Plain ``pickle`` (``torch.save``, a user's own queue) sees a ``WorkerBatch`` as an
-ordinary tensor, by value. Every torch operation on a ``WorkerBatch`` returns a
-plain tensor, so only the gathered batch itself takes this path.
+Plain ``pickle`` (``torch.save``, a user's own pickling) sees a ``WorkerBatch`` as
+an ordinary tensor, by value. Every torch operation on a ``WorkerBatch`` returns a
+plain tensor.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import functools
 import math
 import os
 import threading
@@ -66,8 +70,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._storage import _MADV_POPULATE_WRITE, _PROT_READ_WRITE, _libc_mmap, _madvise
+from ._linux import MADV_POPULATE_WRITE, PROT_READ_WRITE, libc_mmap, madvise
+from ._reduce import MAP_FAILED, guard_worker_sends, munmap, reduce_tensor, register_memory
 from .errors import AttachError
 
 __all__ = ["MAX_UNACKNOWLEDGED", "WorkerBatch", "worker_buffers", "worker_empty"]
@@ -77,6 +83,7 @@ POOL = 4
 """Released batch memfds a worker keeps for reuse (Note [Reusing a batch's pages])."""
 _ALIGN = 64
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_COUNTER = 8  # bytes of the released counter (a uint32, padded)
 
 
 class WorkerBatch(torch.Tensor):
@@ -90,45 +97,81 @@ class WorkerBatch(torch.Tensor):
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
 
+ForkingPickler.register(WorkerBatch, reduce_tensor)
+
+
+class _Batch:
+    """One memfd a worker gathered a batch into."""
+
+    __slots__ = ("address", "counter_at", "data", "fd", "ident", "ref", "sends", "size", "total")
+
+    def __init__(
+        self, fd: int, size: int, total: int, data: int, storage: torch.UntypedStorage
+    ) -> None:
+        self.fd: int | None = fd  # None once closed (its mapping here may still live)
+        self.size = size  # file size (a pooled memfd may be larger than this batch)
+        self.total = total  # bytes a receiver maps: data, then the counter's page
+        self.data = data  # bytes of data (the worker maps only these)
+        self.counter_at = data
+        self.address = storage.data_ptr()
+        self.ref = StorageWeakRef(storage)
+        st = os.fstat(fd)
+        self.ident = (st.st_dev, st.st_ino)
+        self.sends = 0
+
+    def released(self) -> bool:
+        """Whether every mapping of this batch in a receiver is gone."""
+        if self.sends == 0:
+            return True
+        assert self.fd is not None
+        return int.from_bytes(os.pread(self.fd, 4, self.counter_at), "little") >= self.sends
+
+
 class _Outbox:
-    """The batches one worker process has sent and not yet seen released, and its pool."""
+    """The batches one worker process has made and not yet seen released, and its pool."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        # (fd, file size, offset of the flag bytes, number of parts, weakrefs to the
-        # parts); no mapping is kept, so a batch in flight counts once, where it is held
-        self.pending: collections.deque[tuple[int, int, int, int, list[Any]]] = collections.deque()
-        self.sent: set[int] = set()  # descriptors of batches pickled for the main process
+        # no mapping of a sent batch is kept here: a batch in flight counts once, where held
+        self.pending: collections.deque[_Batch] = collections.deque()
+        self.by_address: dict[int, _Batch] = {}  # every batch whose mapping here may live
         self.pool: list[tuple[int, int]] = []  # (fd, file size): released, to be reused
 
     def reap(self) -> None:
         """Pool or close every batch that is done with (and close the oldest beyond the cap).
 
-        A sent batch is done once every part is released by the main process (read
-        through the descriptor, ``pread``: the worker keeps no mapping of a batch it
-        has sent): its memfd goes to the pool. A batch never sent is done once its
-        parts are garbage; it is closed, not pooled (views of its parts, made by a
-        transform, may still map it).
+        A batch is done once nothing in this worker maps it any more and every
+        mapping of it in the receiver is released: its memfd goes to the pool (or is
+        closed when the pool is full).
         """
         excess = len(self.pending) - MAX_UNACKNOWLEDGED + 1  # room for the next batch
-        keep: collections.deque[tuple[int, int, int, int, list[Any]]] = collections.deque()
-        for i, entry in enumerate(self.pending):
-            fd, size, at, parts, refs = entry
-            if fd in self.sent:
-                released = all(os.pread(fd, parts, at + parts))
-                if released and len(self.pool) < POOL:
-                    self.sent.discard(fd)
-                    self.pool.append((fd, size))
-                    continue
-                done = released
-            else:  # never sent (a transform or collate_fn made another batch of it)
-                done = all(ref() is None for ref in refs)
-            if i < excess or done:
-                self.sent.discard(fd)
-                os.close(fd)
+        keep: collections.deque[_Batch] = collections.deque()
+        for i, batch in enumerate(self.pending):
+            assert batch.fd is not None
+            gone_here = batch.ref.expired()
+            if gone_here and batch.released():
+                if len(self.pool) < POOL:
+                    self.pool.append((batch.fd, batch.size))
+                else:
+                    os.close(batch.fd)
+                batch.fd = None
+                self._forget(batch)
+            elif i < excess:  # pinned too long: close it; receivers keep their mappings
+                os.close(batch.fd)
+                batch.fd = None
+                if gone_here:
+                    self._forget(batch)
             else:
-                keep.append(entry)
+                keep.append(batch)
         self.pending = keep
+        for batch in list(self.by_address.values()):  # closed ones, now gone
+            if batch.fd is None and batch.ref.expired():
+                self._forget(batch)
+
+    def _forget(self, batch: _Batch) -> None:
+        # a later batch may be mapped at the same address already
+        if self.by_address.get(batch.address) is batch:
+            del self.by_address[batch.address]
 
     def take(self, size: int) -> tuple[int, int] | None:
         """The smallest pooled memfd of at least ``size`` bytes, or None."""
@@ -139,18 +182,36 @@ class _Outbox:
         self.pool.remove(entry)
         return entry
 
+    def locate(self, address: int, nbytes: int) -> _Batch | None:
+        """The live batch whose data holds ``[address, address + nbytes)``."""
+        batch = self.by_address.get(address)
+        if batch is None or batch.ref.expired():
+            batch = None
+            for candidate in self.by_address.values():  # a storage over part of a batch
+                start = candidate.address
+                if start <= address < start + candidate.data and not candidate.ref.expired():
+                    batch = candidate
+                    break
+        if batch is None or address + nbytes > batch.address + batch.data:
+            return None
+        return batch
+
 
 _OUTBOX: _Outbox | None = None
 _OUTBOX_LOCK = threading.Lock()
 
 
+def _outbox() -> _Outbox | None:
+    box = _OUTBOX
+    return box if box is not None and box.pid == os.getpid() else None
+
+
 def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Empty tensors for the parts (columns) of one batch, all in one memfd.
 
-    One descriptor per batch, however many columns it has. The memfd ends with a
-    received byte and a released byte per part, which the receiving process sets
-    (Note [Reusing a batch's pages]); the memfd is a fresh one, or one of this
-    worker's released batches.
+    One descriptor per batch, however many columns it has. The memfd ends with the
+    batch's released counter (Note [Reusing a batch's pages]); the memfd is a fresh
+    one, or one of this worker's released batches.
 
     Example:
         >>> import pickle
@@ -163,20 +224,21 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
                 [1., 1., 1.]]), tensor([7, 7]))
     """
     global _OUTBOX
+    guard_worker_sends()  # Note [A batch that cannot be sent] in _reduce.py
     layout = []
     offset = 0
     for shape, dtype in parts:
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         layout.append((offset, nbytes))
         offset += -(-nbytes // _ALIGN) * _ALIGN
-    flags_at = -(-offset // _PAGE) * _PAGE  # its own page: the receiver maps it alone
-    total = flags_at + 2 * len(parts)
-    if all(nbytes == 0 for _, nbytes in layout):
+    data = -(-offset // _PAGE) * _PAGE  # the counter on its own page
+    total = data + _COUNTER
+    if data == 0:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in parts]
     with _OUTBOX_LOCK:
-        if _OUTBOX is None or _OUTBOX.pid != os.getpid():  # first batch of this process
-            _OUTBOX = _Outbox()
-        box = _OUTBOX
+        box = _outbox()
+        if box is None:  # first batch of this process
+            box = _OUTBOX = _Outbox()
         box.reap()
         pooled = box.take(total)
         if pooled is None:
@@ -188,29 +250,22 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
             if pooled is None:
                 os.ftruncate(fd, total)
             else:
-                os.pwrite(fd, bytes(2 * len(parts)), flags_at)
-            base = _map(f"/proc/self/fd/{fd}", total)
+                os.pwrite(fd, bytes(_COUNTER), data)
+            base = _map(f"/proc/self/fd/{fd}", data)
             if pooled is not None:  # its pages exist: map them all in one call
-                _madvise(base.data_ptr(), flags_at, _MADV_POPULATE_WRITE)
-            st = os.fstat(fd)
+                madvise(base.data_ptr(), data, MADV_POPULATE_WRITE)
+            batch = _Batch(fd, size, total, data, base.untyped_storage())
         except BaseException:
             os.close(fd)
             raise
-        refs: list[Any] = []
-        box.pending.append((fd, size, flags_at, len(parts), refs))
-    out: list[torch.Tensor] = []
-    for k, ((shape, dtype), (start, nbytes)) in enumerate(zip(parts, layout)):
-        if nbytes == 0:
-            os.pwrite(fd, b"\x01", flags_at + k)  # nothing to receive or release
-            os.pwrite(fd, b"\x01", flags_at + len(parts) + k)
-            out.append(torch.empty(shape, dtype=dtype))
-            continue
-        part = base[start : start + nbytes].view(dtype).view(shape).as_subclass(WorkerBatch)
-        flags = (flags_at + k, flags_at + len(parts) + k)
-        part._sd_handle = (box.pid, fd, (st.st_dev, st.st_ino), total, start, nbytes, flags)  # type: ignore[attr-defined]
-        refs.append(weakref.ref(part))
-        out.append(part)
-    return out
+        box.pending.append(batch)
+        box.by_address[batch.address] = batch
+    return [
+        base[start : start + nbytes].view(dtype).view(shape).as_subclass(WorkerBatch)
+        if nbytes
+        else torch.empty(shape, dtype=dtype)
+        for (shape, dtype), (start, nbytes) in zip(parts, layout)
+    ]
 
 
 def worker_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -218,27 +273,33 @@ def worker_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return worker_buffers([(shape, dtype)])[0]
 
 
-def _reduce(tensor: WorkerBatch) -> Any:
-    """``ForkingPickler``'s reduction: the handle, or torch's own for anything else."""
-    from torch.multiprocessing.reductions import reduce_tensor
+def _owns(address: int, nbytes: int) -> bool:
+    box = _outbox()
+    return box is not None and box.locate(address, nbytes) is not None
 
-    handle = getattr(tensor, "_sd_handle", None)
-    plain = tensor.as_subclass(torch.Tensor)
-    if (
-        handle is None
-        or handle[0] != os.getpid()
-        or plain.storage_offset() * plain.element_size() != handle[4]
-        or not plain.is_contiguous()
-        or plain.nbytes != handle[5]
-    ):
-        return reduce_tensor(plain)
+
+def _find(storage: torch.UntypedStorage, address: int, nbytes: int) -> Any:
+    """The reduction of a storage inside one of this worker's batches (counts a send)."""
+    box = _outbox()
+    if box is None:
+        return None
     with _OUTBOX_LOCK:
-        if _OUTBOX is not None:
-            _OUTBOX.sent.add(handle[1])
-    return _receive, (*handle, tuple(plain.shape), plain.dtype)
+        batch = box.locate(address, nbytes)
+        if batch is None:
+            return None
+        if batch.fd is not None:
+            batch.sends += 1
+            handle = (box.pid, batch.fd, batch.ident, batch.total, batch.counter_at)
+            return (_receive, (*handle, address - batch.address, nbytes))
+    # closed (kept here beyond the cap): send a copy, the way torch sends any storage
+    from torch.multiprocessing.reductions import reduce_storage
+
+    copy = torch.empty(nbytes, dtype=torch.uint8)
+    copy.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))  # type: ignore[call-overload]
+    return reduce_storage(copy.untyped_storage())
 
 
-ForkingPickler.register(WorkerBatch, _reduce)
+register_memory(_find, _owns)
 
 
 def _receive(
@@ -246,16 +307,14 @@ def _receive(
     fd: int,
     ident: tuple[int, int],
     total: int,
+    counter_at: int,
     start: int,
     nbytes: int,
-    flags: tuple[int, int],
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Unpickle one part in the receiving process: map the worker's memfd, acknowledge it.
+) -> torch.UntypedStorage:
+    """Unpickle a storage of a worker's batch: map the worker's memfd.
 
-    The part's memory is released (its released byte set, then unmapped) as soon as
-    nothing holds it any more (Note [Reusing a batch's pages]).
+    The mapping is released (the counter incremented, then unmapped) as soon as
+    nothing holds the storage any more (Note [Reusing a batch's pages]).
     """
     path = f"/proc/{pid}/fd/{fd}"
     try:
@@ -273,36 +332,28 @@ def _receive(
                 f"cannot receive a batch from DataLoader worker {pid}: {path} now refers to "
                 f"another file (the batch was not received within {MAX_UNACKNOWLEDGED} batches)."
             )
-        address = _libc_mmap()(None, total, _PROT_READ_WRITE, _MAP_SHARED, new_fd, 0)
-        if address in (None, _MAP_FAILED):
+        address = libc_mmap()(None, total, PROT_READ_WRITE, _MAP_SHARED, new_fd, 0)
+        if address in (None, MAP_FAILED):
             raise OSError(ctypes.get_errno(), f"mmap of a batch from worker {pid} failed")
     finally:
         os.close(new_fd)
-    received, released = flags
     mapped = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(address))
     # Runs once the storage below is freed: it alone holds ``mapped`` (through a view).
-    weakref.finalize(mapped, _release, os.getpid(), address, total, released).atexit = False
-    mapped[received] = 1
-    return torch.from_numpy(mapped[start : start + nbytes]).view(dtype).view(shape)
+    weakref.finalize(mapped, _release, os.getpid(), address, total, counter_at).atexit = False
+    return torch.from_numpy(mapped[start : start + nbytes]).untyped_storage()
 
 
 _MAP_SHARED = 0x01
-_MAP_FAILED = 2**64 - 1  # (void *) -1 as ctypes returns it
+_RELEASE_LOCK = threading.Lock()
 
 
-def _release(pid: int, address: int, total: int, released: int) -> None:
-    """Tell the worker that the part is no longer used here, and unmap it."""
+def _release(pid: int, address: int, total: int, counter_at: int) -> None:
+    """Tell the worker that this mapping of the batch is gone, and unmap it."""
     if os.getpid() == pid:  # not in a fork child: the receiver may still hold it
-        ctypes.c_uint8.from_address(address + released).value = 1
-    _munmap()(address, total)
-
-
-@functools.lru_cache(maxsize=1)
-def _munmap() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.munmap.restype = ctypes.c_int
-    return libc.munmap
+        counter = ctypes.c_uint32.from_address(address + counter_at)
+        with _RELEASE_LOCK:
+            counter.value += 1
+    munmap(address, total)
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:

@@ -1,0 +1,275 @@
+"""Everything a DataLoader worker returns crosses to the main process intact (issue 14).
+
+One ``collate_fn`` returns every shape at once (the samples themselves, a list of
+sample values, slices and non-contiguous views of the collated batch, nested
+dicts, the default collate, torchvision's ``tuple(zip(*batch))``), for every
+dataset kind at once, so that each worker start checks every shape on every kind.
+Note [Tensors over our memory cross by handle] in ``shareddata/_reduce.py``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import shm_names
+from kinds import KINDS, assert_batch, assert_item, make
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+import shareddata as sd
+from shareddata.errors import BatchSendError
+
+ROWS = 24
+BATCH = 8
+
+
+@pytest.fixture(autouse=True)
+def hard_timeout():
+    """Fail (with every thread's stack) instead of hanging: a loader must never hang."""
+
+    def expired(signum, frame):
+        faulthandler.dump_traceback(all_threads=True)
+        raise TimeoutError("test_crossing: the test hung for 60 s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+class EveryKind(Dataset):
+    """Batch ``indices`` of every dataset, as ``{name: what its __getitems__ returned}``.
+
+    The collate then sees each kind's samples exactly as the DataLoader would give
+    them to a ``collate_fn`` (the default collate's shortcut included).
+    """
+
+    def __init__(self, datasets):
+        self.datasets = datasets
+
+    def __len__(self):
+        return ROWS
+
+    def __getitems__(self, indices):
+        return {name: _getitems(ds, indices) for name, ds in self.datasets.items()}
+
+
+def _getitems(ds, indices):
+    getitems = getattr(ds, "__getitems__", None)
+    return getitems(indices) if getitems else [ds[i] for i in indices]
+
+
+def every_shape(per_kind):
+    """Every collate shape of issue 14 at once, per dataset."""
+    out = {}
+    for name, samples in per_kind.items():
+        tuples = not isinstance(samples[0], dict)
+        collated = default_collate(samples)
+        x = collated[0] if tuples else collated["x"]
+        out[name] = {
+            "identity": samples,  # lambda b: b
+            "xs": [s[0] if tuples else s["x"] for s in samples],  # [s["x"] for s in b]
+            "slice": x[1:3],
+            "t": x.t(),
+            "strided": x[:, ::2],
+            "nested": {"a": {"b": [x[0], x], "c": (samples[1],)}},
+            "default": collated,
+            "zip": tuple(zip(*samples)),  # torchvision's detection collate
+            "fresh": torch.arange(5),  # not ours: torch's own path
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kinds")
+    made = {kind: make(kind, tmp / kind, rows=ROWS) for kind in KINDS}
+    made["numpy_tuple"] = make("numpy", tmp / "numpy", rows=ROWS, reuse=True, output="tuple")
+    return made
+
+
+def _check(out, made, first):
+    for name, got in out.items():
+        kind = "numpy" if name == "numpy_tuple" else name
+        want = made[name][1][first : first + BATCH]
+        xs = torch.from_numpy(np.stack([w["x"] for w in want]))
+        for sample, w in zip(got["identity"], want):
+            assert_item(sample, w, kind)
+        assert torch.equal(torch.stack(got["xs"]), xs), name
+        assert torch.equal(got["slice"], xs[1:3]), name
+        assert torch.equal(got["t"], xs.t()) and torch.equal(got["strided"], xs[:, ::2]), name
+        assert torch.equal(got["nested"]["a"]["b"][0], xs[0]), name
+        assert torch.equal(got["nested"]["a"]["b"][1], xs), name
+        assert_item(got["nested"]["a"]["c"][0], want[1], kind)
+        assert_batch(got["default"], want, kind)
+        columns = got["zip"]
+        if name == "numpy_tuple":  # (xs, ys)
+            assert torch.equal(torch.stack(columns[0]), xs), name
+        assert torch.equal(got["fresh"], torch.arange(5))
+    # the samples of a batch are views of one memfd: they crossed as one handle
+    storages = {s["x"].untyped_storage().data_ptr() for s in out["numpy"]["identity"]}
+    assert len(storages) == 1, f"{len(storages)} storages for one batch's samples"
+
+
+def _run(made, method, workers=2, batches=2):
+    ds = EveryKind({name: ds for name, (ds, _) in made.items()})
+    loader = DataLoader(
+        ds,
+        batch_size=BATCH,
+        num_workers=workers,
+        collate_fn=every_shape,
+        multiprocessing_context=method,
+        timeout=30,
+    )
+    seen = 0
+    for k, out in enumerate(loader):
+        _check(out, made, k * BATCH)
+        seen += 1
+        if seen == batches:
+            break
+    assert seen == batches
+    del loader, out
+
+
+def _no_new_shm(before):
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while shm_names() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not shm_names() - before, f"left in /dev/shm: {sorted(shm_names() - before)}"
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_every_collate_shape_of_every_kind_crosses_intact(datasets, method):
+    before = shm_names()
+    _run(datasets, method)
+    _no_new_shm(before)
+
+
+def test_every_shape_under_forkserver_and_the_file_system_strategy(datasets):
+    before = shm_names()
+    _run(datasets, "forkserver", workers=1, batches=1)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        # the whole epoch: torch leaves its file_system segments of batches that
+        # were prefetched and never received until the shm manager exits
+        _run(datasets, "fork", workers=1, batches=ROWS // BATCH)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+    _no_new_shm(before)
+
+
+def test_ragged_rows_of_a_batch_leave_a_worker_as_one_memfd(tmp_path):
+    for kind in ("parquet", "hdf5"):
+        ds, expected = make(kind, tmp_path / kind, rows=ROWS, ragged=True)
+        loader = DataLoader(ds, batch_size=BATCH, num_workers=1, collate_fn=list, timeout=30)
+        for k, samples in enumerate(loader):
+            for sample, want in zip(samples, expected[k * BATCH :]):
+                assert_item(sample, want, kind)
+            rows = [s["r"] for s in samples if s["r"].numel()]
+            assert len({r.untyped_storage().data_ptr() for r in rows}) == 1, kind
+            assert _mapped_from(rows[0]) == "memfd:shareddata-batch", kind
+
+
+def _mapped_from(tensor):
+    """The name of the file that ``tensor``'s memory is mapped from, as /proc/self/maps says."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            start, stop = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < stop:
+                return os.path.basename(fields[5]) if len(fields) > 5 else ""
+    return None
+
+
+class ColumnViews(Dataset):
+    """A user's Dataset that returns views of shared arrays, ``batch_size=None`` style."""
+
+    def __init__(self, data):
+        self.readonly = sd.NumpyDataset({"x": data})
+        self.shared = sd.SharedArray.from_array(data)
+
+    def __len__(self):
+        return len(self.shared)
+
+    def __getitem__(self, i):
+        column = self.readonly._columns["x"].arrays["data"].torch()
+        return {"ro": column[i], "rw": self.shared.torch()[i], "col": column[:, 1]}
+
+
+def test_views_of_shared_memory_cross_without_a_copy():
+    data = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    ds = ColumnViews(data)
+    loader = DataLoader(ds, batch_size=None, sampler=range(4), num_workers=1, timeout=30)
+    before = shm_names()
+    for i, item in enumerate(loader):
+        assert torch.equal(item["ro"], torch.from_numpy(data[i]))
+        assert torch.equal(item["col"], torch.from_numpy(data[:, 1].copy()))
+        assert _mapped_from(item["ro"]).startswith("memfd:shareddata")  # the dataset's own
+        assert _mapped_from(item["rw"]).startswith("memfd:shareddata")
+        assert item["ro"].untyped_storage().nbytes() == data.nbytes  # the column, not a copy
+        item["ro"].add_(1000)  # copy-on-write: the dataset never changes
+        item["rw"].add_(1)  # a SharedArray is shared: the write reaches its owner
+    assert torch.equal(ds.readonly[2]["x"], torch.from_numpy(data[2]))
+    assert torch.equal(ds.shared.torch()[:4], torch.from_numpy(data[:4] + 1))
+    assert torch.equal(ds.shared.torch()[4:], torch.from_numpy(data[4:]))
+    assert shm_names() == before
+
+
+def unpicklable(batch):
+    return {"x": default_collate(batch)["x"], "lock": threading.Lock()}
+
+
+@pytest.mark.parametrize("method", ["fork"])
+def test_a_batch_that_cannot_be_sent_is_an_error_in_the_main_process(method):
+    ds = sd.NumpyDataset({"x": np.zeros((32, 4), np.float32)})
+    loader = DataLoader(
+        ds, batch_size=8, num_workers=1, collate_fn=unpicklable, timeout=30,
+        multiprocessing_context=method,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(BatchSendError, match="worker process 0 could not send batch 0") as info:
+        next(iter(loader))
+    assert isinstance(info.value, RuntimeError)
+    assert "lock" in str(info.value) and time.monotonic() - t0 < 25  # not the timeout
+
+
+def test_a_held_sample_is_never_overwritten_and_dropped_batches_are_reused():
+    data = np.arange(512 * 64, dtype=np.float32).reshape(512, 64)
+    ds = sd.NumpyDataset(data)
+    loader = DataLoader(
+        ds, batch_size=16, num_workers=1, collate_fn=lambda b: b, persistent_workers=True,
+        timeout=30,
+    )  # fmt: skip
+    held, files = [], set()
+    for _epoch in range(2):
+        for i, samples in enumerate(loader):
+            files.add(_inode(samples[0]["data"]))
+            if i % 4 == 0:
+                held.append((i, samples[3]["data"][::2]))  # a strided view of one sample
+            del samples
+    for i, view in held:
+        assert torch.equal(view, torch.from_numpy(data[i * 16 + 3][::2])), f"batch {i} changed"
+    assert len(files) <= 24, f"{len(files)} memfds for 64 batches: dropped ones not reused"
+    del loader
+
+
+def _inode(tensor):
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            start, stop = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < stop:
+                return int(fields[4])
+    return None
