@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Set up .venv from scratch if needed, then run the demo: a synthetic dataset served
-# to spawn workers, naive Dataset vs shareddata, memory reports side by side.
-# Extra arguments go to the demo, e.g. `bash scripts/demo.sh --size 256MiB --workers 2`.
+# The demo: one synthetic dataset read by DataLoader workers twice, with a plain numpy
+# Dataset and with shareddata; it ends with how many times each holds the data, the
+# memory saved and the time to the first batch (docs/cli.md shows a transcript).
+# Sets up .venv first (scripts/setup.sh: a few minutes on the first run, seconds after).
+# Extra arguments go to the demo, e.g.
+#   bash scripts/demo.sh --size 1GiB --workers 4 --plot memory.png
+# (`bash scripts/demo.sh --help` lists them).
 set -euo pipefail
+echo "setting up .venv (scripts/setup.sh) ..."
+start=$SECONDS
 source "$(dirname "$0")/setup.sh"
+echo "set-up done in $((SECONDS - start)) s"
+echo
 python -m shareddata demo "$@"

@@ -1,280 +1,472 @@
-"""``python -m shareddata``: ``demo``, ``info FILE``, ``verify MODULE:FUNCTION``, ``clean``."""
+"""``python -m shareddata``: ``demo``, ``info FILE``, ``verify MODULE:FUNCTION``, ``clean``.
+
+Each command prints what it found in words; usage errors (a missing file, a file
+shareddata cannot read, a ``MODULE:FUNCTION`` that does not give a DataLoader) are
+one line on stderr and exit code 2. ``verify`` exits 1 when the data is duplicated,
+``info`` when the file does not fit in memory.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import re
 import shutil
 import sys
-import tempfile
-import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from ._capacity import available_memory
 from ._columns import ColumnSpec
-from ._storage import _fmt, available_memory
+from ._text import format_bytes, parse_size, plural
 from .errors import DuplicationError, SharedDataError
 
-__all__ = ["main", "open_source"]
+__all__ = ["build_parser", "main", "open_source"]
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_HDF5 = (".h5", ".hdf5", ".hdf", ".he5")
+_PARQUET = (".parquet", ".pq")
+_NUMPY = (".npy", ".npz")
+_FORMATS = ".npy, .npz, .h5/.hdf5, .parquet, or a folder of .npy or .parquet files"
 
 
-def parse_size(text: str) -> int:
-    """``"512MiB"``, ``"1g"``, ``"4096"`` -> bytes.
+class CommandError(Exception):
+    """A usage error: printed as one ``error:`` line, exit code 2."""
 
-    Example:
-        >>> parse_size("512MiB"), parse_size("1.5g"), parse_size("100")
-        (536870912, 1610612736, 100)
+
+def open_source(path: str, names: Sequence[str] | None = None) -> Any:
+    """The source reader for a file or folder, chosen by its extension (metadata only).
+
+    Args:
+        path: a ``.npy``/``.npz``/``.h5``/``.parquet`` file or a folder of them.
+        names: the columns (HDF5: keys) to select; ``None`` selects all.
+
+    Raises:
+        CommandError: ``path`` does not exist or is in no format shareddata reads.
     """
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
-
-
-def open_source(path: str) -> Any:
-    """The source reader for a file or folder, chosen by its extension (metadata only)."""
-    from .sources.npy import NumpySource
-
-    lower = path.lower()
+    if not os.path.exists(path):
+        raise CommandError(f"{path} does not exist (looked in {os.getcwd()})")
+    lower = path.lower().rstrip("/")
     if os.path.isdir(path):
-        names = os.listdir(path)
-        if any(n.endswith(".parquet") for n in names):
+        entries = os.listdir(path)
+        if any(n.endswith(_PARQUET) for n in entries):
             lower = ".parquet"
-        elif not any(n.endswith(".npy") for n in names):
-            raise SharedDataError(f"folder {path} holds no .npy or .parquet files")
-    if lower.endswith((".h5", ".hdf5", ".hdf", ".he5")):
+        elif any(n.endswith(".npy") for n in entries):
+            lower = ".npy"
+        else:
+            raise CommandError(f"folder {path} holds no .npy or .parquet files")
+    if lower.endswith(_HDF5):
         from .sources.hdf5 import HDF5Source
 
-        return HDF5Source(path)
-    if lower.endswith((".parquet", ".pq")):
+        return HDF5Source(path, names)
+    if lower.endswith(_PARQUET):
         from .sources.parquet import ParquetSource
 
-        return ParquetSource(path)
-    return NumpySource(path)
+        return ParquetSource(path, names)
+    if lower.endswith(_NUMPY):
+        from .sources.npy import NumpySource
+
+        return NumpySource(path, names)
+    raise CommandError(f"{path}: not a format shareddata reads; it reads {_FORMATS}")
 
 
 # -- info ----------------------------------------------------------------------------------
 
 
+def _dtype(spec: ColumnSpec) -> str:
+    if spec.kind == "tensor":
+        return str(spec.dtype)
+    if spec.kind == "ragged":
+        return f"ragged {spec.dtype}"
+    return spec.kind  # "str", "bytes"
+
+
+def _row_shape(spec: ColumnSpec) -> str:
+    if spec.kind == "tensor":
+        return str(tuple(spec.shape))
+    unit = {"str": "bytes", "bytes": "bytes"}.get(spec.kind, "values")
+    mean = spec.values / spec.rows if spec.rows else 0.0
+    return f"varies, {mean:.1f} {unit} on average"
+
+
 def _info(args: argparse.Namespace) -> int:
-    source = open_source(args.file)
+    names = _names(args.keys) if args.keys else None
+    source = open_source(args.file, names)
     try:
         specs: list[ColumnSpec] = source.specs()
     finally:
         source.close()
     rows = specs[0].rows if specs else 0
-    width = max([len("column")] + [len(s.name) for s in specs])
-    print(f"{args.file}: {rows} rows, {len(specs)} columns")
-    print(f"  {'column':<{width}}  {'type':<24} {'bytes':>12}")
-    for s in specs:
-        print(f"  {s.name:<{width}}  {s.describe():<24} {_fmt(s.nbytes):>12}")
     needed = sum(s.nbytes for s in specs)
+    print(f"{args.file}: {plural(len(specs), 'column')}, {plural(rows, 'row')}")
+    table = [("column", "dtype", "row shape", "bytes")]
+    table += [(s.name, _dtype(s), _row_shape(s), format_bytes(s.nbytes)) for s in specs]
+    widths = [max(len(r[i]) for r in table) for i in range(3)]
+    for r in table:
+        print(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>10}")
     ram = available_memory()
     shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-    print(f"shared memory needed: {_fmt(needed)} ({needed} bytes)")
-    print(f"free for shareddata (RAM / memory cgroup): {_fmt(ram)}")
-    print(f"free in /dev/shm (DataLoader batches pass through it): {_fmt(shm)}")
+    print(f"shared memory needed: {format_bytes(needed)} ({needed:,} bytes)")
+    print(f"room for it: {format_bytes(ram)} (free RAM, within the memory cgroup's limit)")
+    print(f"room in /dev/shm, which DataLoader batches pass through: {format_bytes(shm)}")
     if needed <= ram:
-        print("fits: yes")
+        print(f"fits: yes, with {format_bytes(ram - needed)} to spare")
         return 0
-    print("fits: NO - load fewer columns, or pass storage_dir='/path/on/local/disk'")
+    print(
+        f"fits: NO, {format_bytes(needed - ram)} short. Load fewer columns (--keys/--columns "
+        "here, columns=[...] or keys=[...] in Python), or pass storage_dir='/a/local/disk'."
+    )
     return 1
+
+
+def _names(values: list[str]) -> list[str]:
+    return [name.strip() for value in values for name in value.split(",") if name.strip()]
 
 
 # -- verify --------------------------------------------------------------------------------
 
 
-def _load_factory(spec: str) -> Any:
-    module_name, _, func_name = spec.partition(":")
-    if not module_name or not func_name:
-        raise SystemExit(f"expected MODULE:FUNCTION (e.g. train:make_loader), got {spec!r}")
-    sys.path.insert(0, os.getcwd())
-    module = importlib.import_module(module_name)
+def _split_target(target: str) -> tuple[str, str, str]:
+    """``MODULE:NAME`` -> (the folder to import from, the module's name, NAME)."""
+    module_name, sep, name = target.rpartition(":")
+    if not sep or not module_name or not name:
+        raise CommandError(
+            f"expected MODULE:FUNCTION, a function that returns your DataLoader "
+            f"(e.g. train:make_loader), got {target!r}"
+        )
+    if module_name.endswith(".py"):
+        path = os.path.abspath(module_name)
+        return os.path.dirname(path), os.path.basename(path)[:-3], name
+    return os.getcwd(), module_name, name
+
+
+def load_factory(target: str) -> Any:
+    """The function (or DataLoader) named by ``MODULE:NAME``, imported from the current folder.
+
+    ``MODULE`` is a module name (``train``, ``pkg.data``) or a file (``train.py``).
+
+    Raises:
+        CommandError: ``target`` is malformed, the module does not exist or the name
+            is not in it.
+    """
+    folder, module_name, name = _split_target(target)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
-        return getattr(module, func_name)
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):
+            traceback.print_exc()
+            raise CommandError(
+                f"importing {module_name} failed: {e} (it imports a package that is not "
+                "installed; the traceback above shows where)"
+            ) from None
+        raise CommandError(
+            f"no module named {module_name!r} in {folder} or on sys.path: run from the "
+            f"folder that holds {module_name.split('.')[0]}.py, or pass MODULE as a file path"
+        ) from None
+    except Exception as e:
+        traceback.print_exc()
+        raise CommandError(
+            f"importing {module_name} raised {type(e).__name__} (traceback above)"
+        ) from None
+    try:
+        return getattr(module, name)
     except AttributeError:
-        raise SystemExit(f"module {module_name!r} has no function {func_name!r}") from None
+        defined = sorted(
+            n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+        )
+        raise CommandError(
+            f"module {module_name!r} ({module.__file__}) has no {name!r}; "
+            f"its functions and classes: {', '.join(defined) or 'none'}"
+        ) from None
+
+
+def _make_loader(target: str) -> Any:
+    from torch.utils.data import DataLoader
+
+    factory = load_factory(target)
+    if isinstance(factory, DataLoader):
+        return factory
+    if not callable(factory):
+        raise CommandError(
+            f"{target} is a {type(factory).__name__}, not a function: name a function that "
+            "takes no arguments and returns your DataLoader"
+        )
+    try:
+        loader = factory()
+    except Exception as e:
+        traceback.print_exc()
+        raise CommandError(f"{target}() raised {type(e).__name__} (traceback above)") from None
+    if not isinstance(loader, DataLoader):
+        raise CommandError(
+            f"{target}() returned a {type(loader).__name__}, not a torch.utils.data.DataLoader: "
+            "return the DataLoader you train with (same num_workers and start method)"
+        )
+    return loader
+
+
+def verdict_line(report: Any) -> str:
+    """``OK: ...`` or ``FAIL: ...``, the verdict of a :class:`~shareddata.MemoryReport` in words."""
+    own = getattr(report, "verdict_line", None)
+    if callable(own):
+        return str(own())
+    limit = report.max_duplication
+    bound = "no limit" if limit is None else f"limit {limit:.2f}"
+    if report.passed:
+        return f"OK: the dataset is held {report.duplication:.2f}x ({bound})"
+    return (
+        f"FAIL: the dataset is duplicated {report.duplication:.2f}x across the main process "
+        f"and {plural(report.num_workers, 'worker')} ({bound}): load it with a "
+        "shareddata dataset (sd.NumpyDataset, sd.HDF5Dataset, sd.ParquetDataset) or wrap it "
+        "in sd.SharedDataset(dataset), so that the workers index one copy"
+    )
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from torch.utils.data import DataLoader
+    import multiprocessing
 
     from .memory import verify
 
-    loader = _load_factory(args.target)()
-    if not isinstance(loader, DataLoader):
-        raise SystemExit(
-            f"{args.target} returned a {type(loader).__name__}; it must return the "
-            "torch.utils.data.DataLoader to verify (with the workers you train with)."
-        )
+    loader = _make_loader(args.target)
+    # `python train.py` has its forkserver preload train.py (its __main__) and so what
+    # it imports; here __main__ is shareddata: preload MODULE instead.
+    if loader.num_workers > 0:
+        module_name = _split_target(args.target)[1]
+        multiprocessing.get_context("forkserver").set_forkserver_preload([module_name])
     try:
-        report = verify(loader, batches=args.batches, max_duplication=args.max_duplication)
-        failed = False
+        report = verify(
+            loader,
+            batches=args.batches,
+            max_duplication=args.max_duplication,
+            dataset_bytes=args.dataset_size,
+        )
     except DuplicationError as e:
-        report, failed = e.report, True
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
-    return 1 if failed else 0
+        report = e.report
+    if args.json:
+        print(report.to_json(indent=2))
+        print(verdict_line(report), file=sys.stderr)
+    else:
+        print(report)
+        print(verdict_line(report))
+    return 0 if report.passed else 1
 
 
-# -- demo ----------------------------------------------------------------------------------
-
-
-class NaiveDataset:
-    """What most training code does: a numpy array held as an attribute.
-
-    Under ``spawn``/``forkserver`` the DataLoader pickles it, array and all, into
-    every worker.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.data = np.load(path)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> Any:
-        import torch
-
-        return torch.from_numpy(self.data[i])
+# -- demo and clean ------------------------------------------------------------------------
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from torch.utils.data import DataLoader
+    from ._demo import DemoOptions, run_demo  # imports torch: only for the demo
 
-    from .memory import verify
-    from .sources.npy import NumpyDataset
-
-    if args.plot:  # fail now, not after the runs, when matplotlib is missing
-        from .memory._plot import figure_class
-
-        figure_class()
-    row = 4096  # bytes per sample: 1024 float32
-    rows = max(1, args.size // row)
-    tmp = tempfile.mkdtemp(prefix="shareddata-demo-")
-    try:
-        path = os.path.join(tmp, "features.npy")
-        print(f"writing a synthetic {_fmt(rows * row)} dataset ({rows} x 1024 float32) ...")
-        data = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, 1024))
-        for start in range(0, rows, 16384):
-            data[start : start + 16384] = np.float32(start)
-        data.flush()
-        del data
-
-        def run(dataset: Any, label: str) -> Any:
-            loader = DataLoader(
-                dataset,
-                batch_size=args.batch_size,
-                shuffle=True,
-                num_workers=args.workers,
-                multiprocessing_context=args.start_method if args.workers else None,
-            )
-            t0 = time.perf_counter()
-            report = verify(loader, batches=args.batches, max_duplication=None)
-            print(f"\n== {label} ({time.perf_counter() - t0:.1f} s) ==\n{report}")
-            return report
-
-        nbytes = rows * row
-        naive = run(_Sized(NaiveDataset(path), nbytes), "naive numpy Dataset")
-        t0 = time.perf_counter()
-        shared_ds = NumpyDataset(path)
-        load_s = time.perf_counter() - t0
-        shared = run(shared_ds, f"shareddata.NumpyDataset (loaded in {load_s:.1f} s)")
-        del shared_ds
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    saved = naive.total_pss - shared.total_pss
-    print(
-        f"\n{args.workers} {args.start_method} workers over {_fmt(nbytes)}: the naive Dataset is "
-        f"held {naive.duplication:.2f}x, shareddata {shared.duplication:.2f}x; total memory "
-        f"{_fmt(naive.total_pss)} vs {_fmt(shared.total_pss)} "
-        f"({naive.total_pss / max(shared.total_pss, 1):.2f}x less, {_fmt(saved)} saved)."
+    return run_demo(
+        DemoOptions(
+            size=args.size,
+            workers=args.workers,
+            start_method=args.start_method,
+            batch_size=args.batch_size,
+            batches=args.batches,
+            plot=args.plot,
+        )
     )
-    if args.plot:
-        from .memory._plot import save
-
-        who = f"{args.workers} {args.start_method} workers"
-        panels = [(f"naive numpy Dataset, {who}", naive), (f"shareddata, {who}", shared)]
-        print(f"chart written to {save(panels, args.plot)}")
-    return 0
-
-
-class _Sized:
-    """A Dataset wrapper that tells verify() how big the naive dataset is."""
-
-    def __init__(self, dataset: Any, nbytes: int) -> None:
-        self.dataset = dataset
-        self.nbytes = nbytes
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.dataset[i]
-
-
-# -- clean ---------------------------------------------------------------------------------
 
 
 def _clean(args: argparse.Namespace) -> int:
     from ._sweep import sweep
 
+    if not os.path.isdir(args.dir):
+        raise CommandError(f"{args.dir} is not a folder")
     found = sweep(args.dir, min_age=args.min_age, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for leftover in found:
         print(
-            f"{verb} {leftover.path} ({_fmt(leftover.nbytes)}, left by process {leftover.pid}, "
-            f"dead; {leftover.age:.0f} s old)"
+            f"{verb} {leftover.path}: {format_bytes(leftover.nbytes)}, left by process "
+            f"{leftover.pid} (dead), {leftover.age:.0f} s old"
         )
     total = sum(leftover.nbytes for leftover in found)
     print(
-        f"{verb} {len(found)} name(s) left in {args.dir} by dead processes ({_fmt(total)}). "
-        "shareddata's own segments have no name and cannot be left behind; these are "
-        "torch's DataLoader batches."
+        f"{verb} {plural(len(found), 'name')} ({format_bytes(total)}) that dead DataLoader "
+        f"processes left in {args.dir}. These are torch's batch buffers: shareddata's own "
+        "segments have no name and are never left behind."
     )
     return 0
 
 
-# -- entry point ---------------------------------------------------------------------------
+# -- the parser ----------------------------------------------------------------------------
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text!r}")
+    return value
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps descriptions, keeps the examples' line breaks, shows set defaults."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m shareddata``."""
     parser = argparse.ArgumentParser(
         prog="python -m shareddata",
-        description="Load datasets once into shared memory for every DataLoader worker.",
+        description="Load a dataset once into shared memory for every DataLoader worker "
+        "and local rank, and check that it is held once.",
+        epilog="examples:\n"
+        "  python -m shareddata demo\n"
+        "  python -m shareddata info data.h5\n"
+        "  python -m shareddata verify train:make_loader\n"
+        "  python -m shareddata clean --dry-run\n\n"
+        "`python -m shareddata COMMAND --help` explains each command.",
+        formatter_class=_Formatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="naive Dataset vs shareddata, memory side by side")
-    demo.add_argument("--size", type=parse_size, default=parse_size("512MiB"))
-    demo.add_argument("--workers", type=int, default=4)
-    demo.add_argument("--start-method", choices=["spawn", "forkserver", "fork"], default="spawn")
-    demo.add_argument("--batch-size", type=int, default=256)
-    demo.add_argument("--batches", type=int, default=None, help="default: one full epoch")
+    demo = sub.add_parser(
+        "demo",
+        help="a naive Dataset vs shareddata: memory held and time to the first batch",
+        description="Write a synthetic float32 dataset to a temporary .npy file and read it "
+        "with DataLoader workers twice: as a plain numpy Dataset (the array is pickled into "
+        "every worker) and as shareddata.NumpyDataset (one copy in shared memory). Prints how "
+        "many times each holds the data, the memory saved and the time to the first batch.",
+        epilog="examples:\n"
+        "  python -m shareddata demo\n"
+        "  python -m shareddata demo --size 1GiB --workers 4 --start-method spawn\n"
+        "  python -m shareddata demo --plot memory.png",
+        formatter_class=_Formatter,
+    )
+    demo.add_argument("--size", type=_size, default="256MiB", help="dataset size (KiB, MiB, GiB)")
+    demo.add_argument("--workers", type=_positive, default=2, help="DataLoader num_workers")
     demo.add_argument(
-        "--plot", metavar="FILE", help="write a PNG chart of both runs' memory per process"
+        "--start-method",
+        choices=["forkserver", "spawn", "fork"],
+        default="forkserver",
+        help="how workers start; forkserver and spawn pickle the naive Dataset into each "
+        "worker, fork shares it until written",
+    )
+    demo.add_argument("--batch-size", type=_positive, default=64, help="samples per batch")
+    demo.add_argument(
+        "--batches",
+        type=_positive,
+        default=8,
+        help="batches to read before measuring (each worker has started by then)",
+    )
+    demo.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="also write a bar chart of both runs' memory per process (needs matplotlib)",
     )
     demo.set_defaults(func=_demo)
 
-    info = sub.add_parser("info", help="columns, rows and shared memory needed by a file")
-    info.add_argument("file")
+    info = sub.add_parser(
+        "info",
+        help="a file's columns, dtypes, rows and bytes, and whether it fits in memory",
+        description="Read a file's metadata (no data) and print each column's dtype, row "
+        "shape and size in shared memory, the total, and the room this machine has for it. "
+        f"Reads {_FORMATS}. Exit code 1 when it does not fit.",
+        epilog="examples:\n"
+        "  python -m shareddata info data.h5\n"
+        "  python -m shareddata info data.h5 --keys images,labels\n"
+        "  python -m shareddata info train.parquet --columns text,label\n"
+        "  python -m shareddata info features/   # a folder of .npy files",
+        formatter_class=_Formatter,
+    )
+    info.add_argument("file", metavar="FILE", help="the file or folder to describe")
+    info.add_argument(
+        "--keys",
+        "--columns",
+        dest="keys",
+        action="append",
+        metavar="NAME[,NAME...]",
+        default=None,
+        help="only these columns (HDF5: dataset paths such as grp/images); repeatable; "
+        "default: all",
+    )
     info.set_defaults(func=_info)
 
-    ver = sub.add_parser("verify", help="measure a DataLoader built by MODULE:FUNCTION")
-    ver.add_argument("target", metavar="MODULE:FUNCTION")
-    ver.add_argument("--batches", type=int, default=None, help="default: one full epoch")
-    ver.add_argument("--max-duplication", type=float, default=1.10)
-    ver.add_argument("--json", action="store_true", help="print the report as JSON")
+    ver = sub.add_parser(
+        "verify",
+        help="run your DataLoader and check that the dataset is held once",
+        description="Import MODULE from the current folder, call FUNCTION() to build the "
+        "DataLoader you train with, iterate it, measure every process (main and workers) "
+        "and say how many times the dataset is held in memory. Exit code 0 when within "
+        "--max-duplication, 1 when the data is duplicated, 2 on a usage error.",
+        epilog="examples:\n"
+        "  python -m shareddata verify train:make_loader\n"
+        "  python -m shareddata verify train:make_loader --batches 50 --max-duplication 1.2\n"
+        "  python -m shareddata verify src/data.py:loader --json > memory.json",
+        formatter_class=_Formatter,
+    )
+    ver.add_argument(
+        "target",
+        metavar="MODULE:FUNCTION",
+        help="a function taking no arguments that returns your DataLoader (or the "
+        "DataLoader itself); MODULE may be a file path",
+    )
+    ver.add_argument(
+        "--batches",
+        type=_positive,
+        default=None,
+        help="batches to read before measuring; default: one epoch",
+    )
+    ver.add_argument(
+        "--max-duplication",
+        type=float,
+        default=1.10,
+        help="fail above this many copies of the dataset",
+    )
+    ver.add_argument(
+        "--dataset-size",
+        type=_size,
+        default=None,
+        help="the dataset's size (e.g. 2GiB); default: dataset.nbytes or an estimate",
+    )
+    ver.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON on stdout (the verdict goes to stderr)",
+    )
     ver.set_defaults(func=_verify)
+
     clean = sub.add_parser(
-        "clean", help="remove shared-memory names that killed DataLoader processes left"
+        "clean",
+        help="remove the shared-memory names that killed DataLoader processes left",
+        description="Remove torch's /dev/shm names (batch buffers) whose process is dead, "
+        "that no process holds and that are older than --min-age. shareddata runs this "
+        "sweep at every load too (SHAREDDATA_NO_SWEEP=1 turns that off).",
+        epilog="examples:\n  python -m shareddata clean --dry-run\n  python -m shareddata clean",
+        formatter_class=_Formatter,
     )
     clean.add_argument("--dry-run", action="store_true", help="only list what would go")
     clean.add_argument("--dir", default="/dev/shm", help="the shared-memory folder")
@@ -285,11 +477,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hint(command: str, message: str) -> str:
+    """Python keyword arguments named by a library message, as this command's flags."""
+    if command == "info" and ("keys=[" in message or "columns=[" in message):
+        return f"{message} On the command line: --keys NAME,NAME."
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
+    """Run the command line; returns the exit code.
+
+    Example:
+        >>> main(["info", "no-such-file.npy"])
+        2
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except SharedDataError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (CommandError, SharedDataError) as e:
+        message = _hint(args.command, str(e).strip())
+        print(f"error: {message}", file=sys.stderr)
         return 2

@@ -1,118 +1,228 @@
+"""The command line: docs/cli.md's transcripts, re-run; usage errors; --json; --help.
+
+docs/cli.md shows real transcripts, each a ```console block after a
+``<!-- transcript: NAME -->`` line whose first line is the command. The test makes the
+page's example files (its ```python blocks), runs every command there, and compares
+the output with the page after normalising what varies between runs and machines
+(numbers, units, torch's worker-count warnings). ``SHAREDDATA_UPDATE_TRANSCRIPTS=1``
+writes the fresh output into the page instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
 import json
+import os
+import pathlib
+import re
+import shlex
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from conftest import REPO
 
-FACTORIES = """
-import numpy as np
-import torch
-import shareddata as sd
-from torch.utils.data import DataLoader, Dataset
+from shareddata.cli import main
 
-DATA = np.ones((16384, 1024), np.float32)  # 64 MiB
-
-
-class Plain(Dataset):
-    def __init__(self):
-        self.data = DATA.copy()
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return torch.from_numpy(self.data[i])
+PAGE = pathlib.Path(REPO) / "docs" / "cli.md"
+UPDATE = os.environ.get("SHAREDDATA_UPDATE_TRANSCRIPTS", "") not in ("", "0")
+TRANSCRIPT = re.compile(
+    r"^<!-- transcript: (?P<name>[\w-]+) -->\n```console\n(?P<body>.*?)^```$", re.M | re.S
+)
+PYTHON = re.compile(
+    r"^(?:<!-- file: (?P<file>\S+) -->\n)?```python\n(?P<code>.*?)^```$", re.M | re.S
+)
+# commands that run DataLoader workers: a fresh interpreter each (forkserver preloads)
+IN_SUBPROCESS = ("demo", "verify-ok", "verify-fail")
+SHM = "/dev/shm"
 
 
-def shared():
-    return DataLoader(sd.NumpyDataset(DATA), batch_size=256, num_workers=2,
-                      multiprocessing_context="spawn")
+def normalise(text: str) -> str:
+    """What must match: the words and layout, not the figures of one run."""
+    lines = []
+    for line in text.splitlines():
+        if re.match(r"\s*warning \(", line):  # torch's worker-count warning: machine-dependent
+            continue
+        line = re.sub(r"-?\d+(?:[.,]\d+)*", "N", line)
+        line = re.sub(r"N (?:B|KiB|MiB|GiB|TiB)\b", "N <size>", line)
+        line = re.sub(r"\s+", " ", line).strip()
+        if line:
+            lines.append(line)
+    return "\n".join(lines)
 
 
-def naive():
-    return DataLoader(Plain(), batch_size=256, num_workers=2, multiprocessing_context="spawn")
+def _make_files(folder: pathlib.Path, shm: pathlib.Path) -> None:
+    """The page's example files (its python blocks), and one dead process's leftover."""
+    for match in PYTHON.finditer(PAGE.read_text()):
+        if match["file"]:
+            (folder / match["file"]).write_text(match["code"])
+        else:
+            exec(compile(match["code"], f"{PAGE}:python block", "exec"), {})
+    shm.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = shm / f"torch_{dead.pid}_2961407238_17"
+    leftover.write_bytes(bytes(1 << 20))
+    old = time.time() - 3600
+    os.utime(leftover, (old, old))
 
 
-def not_a_loader():
-    return 42
-"""
-
-
-def _cli(*args, cwd=REPO, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "shareddata", *args],
-        capture_output=True,
+def _start(argv: list[str], folder: pathlib.Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "shareddata", *argv],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        cwd=cwd,
-        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": REPO},
     )
 
 
-def test_info_npz(tmp_path):
-    np.savez(tmp_path / "d.npz", x=np.zeros((100, 3, 4), np.float32), y=np.arange(100))
-    proc = _cli("info", str(tmp_path / "d.npz"))
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    assert "100 rows, 2 columns" in out
-    assert "float32 (3, 4)" in out and "int64 ()" in out
-    assert f"({100 * 12 * 4 + 100 * 8} bytes)" in out
-    assert "fits: yes" in out and "/dev/shm" in out
+def _in_process(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = main(argv)
+    return code, out.getvalue()
 
 
-def test_info_missing_file(tmp_path):
-    proc = _cli("info", str(tmp_path / "nope.npy"))
-    assert proc.returncode == 2
-    assert "nope.npy does not exist" in proc.stderr
+def test_transcripts_in_the_docs_match_the_commands(tmp_path, monkeypatch):
+    page = PAGE.read_text()
+    transcripts = {m["name"]: m for m in TRANSCRIPT.finditer(page)}
+    assert set(transcripts) >= {"demo", "info-h5", "verify-ok", "verify-fail", "clean"}
+    monkeypatch.chdir(tmp_path)
+    _make_files(tmp_path, tmp_path / "shm")
+    commands = {}
+    for name, match in transcripts.items():
+        first = match["body"].splitlines()[0]
+        assert first.startswith("$ python -m shareddata "), f"{name}: {first!r}"
+        argv = shlex.split(first[len("$ python -m shareddata ") :])
+        commands[name] = (first, [str(tmp_path / "shm") if a == SHM else a for a in argv])
+    running = {  # the slow ones, side by side
+        name: _start(argv, tmp_path)
+        for name, (_, argv) in commands.items()
+        if name in IN_SUBPROCESS
+    }
+    monkeypatch.setattr(sys, "path", list(sys.path))  # verify-typo imports train.py here
+    try:
+        results = {
+            name: _in_process(argv) for name, (_, argv) in commands.items() if name not in running
+        }
+    finally:
+        sys.modules.pop("train", None)
+    for name, proc in running.items():
+        out, _ = proc.communicate(timeout=300)
+        results[name] = (proc.returncode, out)
+    expected_codes = {"verify-fail": 1, "verify-typo": 2, "info-error": 2}
+    fresh = {}
+    for name, (code, out) in results.items():
+        assert code == expected_codes.get(name, 0), f"{name} exited {code}:\n{out}"
+        fresh[name] = commands[name][0] + "\n" + out.replace(str(tmp_path / "shm"), SHM)
+        fresh[name] = fresh[name].replace(str(tmp_path) + os.sep, "")
+    if UPDATE:
+        PAGE.write_text(
+            TRANSCRIPT.sub(
+                lambda m: (
+                    f"<!-- transcript: {m['name']} -->\n```console\n"
+                    f"{fresh[m['name']].rstrip()}\n```"
+                ),
+                page,
+            )
+        )
+        transcripts = {m["name"]: m for m in TRANSCRIPT.finditer(PAGE.read_text())}
+    for name, text in fresh.items():
+        assert normalise(transcripts[name]["body"]) == normalise(text), (
+            f"docs/cli.md's {name} transcript is stale; run SHAREDDATA_UPDATE_TRANSCRIPTS=1 "
+            f"pytest tests/test_cli.py. This run printed:\n{text}"
+        )
+    # what the transcripts show, checked in words and numbers
+    demo = results["demo"][1]
+    assert "Memory saved" in " ".join(demo.split())
+    held = [float(x) for x in re.findall(r"^dataset held\s+([\d.]+)x\s+([\d.]+)x", demo, re.M)[0]]
+    assert held[0] > 2.5 and held[1] < 1.3, demo
+    assert "OK: the dataset is held" in results["verify-ok"][1]
+    assert "FAIL: the dataset is duplicated" in results["verify-fail"][1]
+    info = results["info-h5"][1]
+    assert "4 columns, 1,000 rows" in info and "ragged int32" in info and " str " in info
+    assert "(32, 32, 3)" in info and "fits: yes" in info
+    parquet = results["info-parquet"][1]
+    assert " bytes " in parquet and "ragged int32" in parquet and "1 column" not in parquet
+    assert "keys" in results["info-error"][1] and "--keys" in results["info-error"][1]
+    assert "would remove /dev/shm/torch_" in fresh["clean"] and "1 name " in fresh["clean"]
+    assert (tmp_path / "shm").exists() and len(list((tmp_path / "shm").iterdir())) == 1
 
 
-@pytest.fixture
-def factories(tmp_path):
-    (tmp_path / "factories.py").write_text(FACTORIES)
-    return tmp_path
-
-
-def test_verify_gates_on_duplication(factories):
-    ok = _cli("verify", "factories:shared", "--batches", "8", cwd=factories)
-    assert ok.returncode == 0, ok.stderr
-    assert "dataset held" in ok.stdout and "worker 1" in ok.stdout
-    bad = _cli("verify", "factories:naive", "--batches", "8", "--json", cwd=factories)
-    assert bad.returncode == 1, bad.stderr
-    report = json.loads(bad.stdout)
-    assert report["duplication"] > 2.5
-    assert len(report["processes"]) >= 3
-
-
-def test_verify_usage_errors(factories):
-    proc = _cli("verify", "factories:not_a_loader", cwd=factories)
-    assert proc.returncode != 0 and "DataLoader" in proc.stderr
-    proc = _cli("verify", "factories", cwd=factories)
-    assert proc.returncode != 0 and "MODULE:FUNCTION" in proc.stderr
-
-
-def test_demo_small():
-    proc = _cli("demo", "--size", "48MiB", "--workers", "2", "--batches", "20")
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    assert "naive numpy Dataset" in out and "shareddata.NumpyDataset" in out
-    assert "2 spawn workers over 48.0 MiB" in out
-
-
-def test_info_hdf5_and_parquet(tmp_path):
-    import h5py
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    with h5py.File(tmp_path / "d.h5", "w") as f:
-        f["grp/x"] = np.zeros((50, 4), np.float32)
-        f["name"] = [f"n{i}" for i in range(50)]
-    pq.write_table(
-        pa.table({"a": list(range(30)), "s": [str(i) for i in range(30)]}), tmp_path / "d.parquet"
+def test_usage_errors_are_one_line_with_exit_code_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "factories.py").write_text(
+        "import torch\nNOT_A_FUNCTION = 3\n"
+        "def dataset():\n    return torch.utils.data.TensorDataset(torch.zeros(4))\n"
+        "def broken():\n    raise RuntimeError('boom')\n"
     )
-    h5 = _cli("info", str(tmp_path / "d.h5"))
-    assert h5.returncode == 0, h5.stderr
-    assert "50 rows, 2 columns" in h5.stdout and "grp/x" in h5.stdout and "str" in h5.stdout
-    table = _cli("info", str(tmp_path / "d.parquet"))
-    assert table.returncode == 0, table.stderr
-    assert "30 rows, 2 columns" in table.stdout and "fits: yes" in table.stdout
+    (tmp_path / "needs_missing.py").write_text("import no_such_package_h4\n")
+    (tmp_path / "notes.txt").write_text("not data")
+    np.save(tmp_path / "x.npy", np.zeros(3))
+    cases = [
+        (["verify", "factories"], "expected MODULE:FUNCTION"),
+        (["verify", "no_such_module_h4:make"], "no module named 'no_such_module_h4'"),
+        (["verify", "needs_missing:make"], "importing needs_missing failed"),
+        (["verify", "factories:make_loader"], "has no 'make_loader'; its functions"),
+        (["verify", "factories:NOT_A_FUNCTION"], "is a int, not a function"),
+        (["verify", "factories:dataset"], "returned a TensorDataset, not a torch"),
+        (["verify", "factories:broken"], "factories:broken() raised RuntimeError"),
+        (["info", "missing.h5"], "missing.h5 does not exist"),
+        (["info", "notes.txt"], "notes.txt: not a format shareddata reads"),
+        (["info", "x.npy", "--columns", "nope"], "nope"),
+        (["clean", "--dir", "nowhere"], "nowhere is not a folder"),
+    ]
+    try:
+        for argv, words in cases:
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            last = err.strip().splitlines()[-1]
+            assert last.startswith("error: ") and words in last, (argv, err)
+            if argv[1] not in ("needs_missing:make", "factories:broken"):
+                assert "Traceback" not in err, (argv, err)  # the user's own code: traceback
+    finally:
+        for name in ("factories", "needs_missing"):
+            sys.modules.pop(name, None)
+
+
+def test_help_has_descriptions_defaults_and_examples(capsys):
+    for command, words in [
+        ("demo", ["(default: 256MiB)", "(default: 2)", "examples:", "--plot"]),
+        ("info", ["--keys NAME[,NAME...], --columns", "examples:"]),
+        ("verify", ["(default: 1.1)", "--json", "examples:", "Exit code"]),
+        ("clean", ["(default: /dev/shm)", "--dry-run", "examples:"]),
+    ]:
+        with pytest.raises(SystemExit) as done:
+            main([command, "--help"])
+        assert done.value.code == 0
+        out = " ".join(capsys.readouterr().out.split())
+        for word in words:
+            assert word in out, (command, word, out)
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--size", "lots"])
+    assert done.value.code == 2 and "not a size: 'lots'" in capsys.readouterr().err
+
+
+def test_verify_json_is_the_report(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "loaders.py").write_text(
+        "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+        "def plain():\n"
+        "    return DataLoader(TensorDataset(torch.zeros(4096, 256)), batch_size=64)\n"
+    )
+    try:
+        assert main(["verify", "loaders.py:plain", "--json", "--batches", "4"]) == 0
+    finally:
+        sys.modules.pop("loaders", None)
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["passed"] is True and abs(report["dataset_bytes"] - 4096 * 256 * 4) < 4096
+    assert [p["role"] for p in report["processes"]] == ["main"] and report["batches"] == 4
+    assert err.strip().splitlines()[-1].startswith("OK: the dataset is held")

@@ -117,6 +117,8 @@ def test_demo_plot_shows_the_naive_copies(tmp_path):
             "32MiB",
             "--workers",
             "1",
+            "--start-method",
+            "spawn",
             "--batches",
             "5",
             "--plot",
