@@ -1,11 +1,11 @@
 """Train with DDP on ONE copy of the data per node (shareddata under torchrun).
 
     torchrun --standalone --nproc_per_node=2 examples/ddp_train.py          # CPU, gloo
-    torchrun --standalone --nproc_per_node=8 examples/ddp_train.py          # GPUs, NCCL
-    # two nodes, each holding only its half of the rows:
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --rdzv-backend=c10d \\
-        --rdzv-endpoint=HOST:29500 examples/ddp_train.py --shard
     python examples/ddp_train.py                                            # 1 process
+    torchrun --standalone --nproc_per_node=8 examples/ddp_train.py          # GPUs, NCCL
+    # two nodes, each holding only its half of the rows (on node NODE = 0 and 1):
+    torchrun --nnodes=2 --node_rank=NODE --nproc_per_node=8 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 examples/ddp_train.py --shard
 
 Every local rank builds the same ``sd.NumpyDataset``; local rank 0 of each node
 loads it, the others attach, and all their DataLoader workers index the same pages.
@@ -75,6 +75,13 @@ def main() -> None:
         folder, output="tuple", shard="node" if args.shard else None, progress=rank == 0
     )
     sampler = sd.NodeShardSampler(dataset, shuffle=True, seed=0)  # also fine for full copies
+    shard = dataset.node_shard
+    if shard is not None and local_rank == 0:
+        print(
+            f"rows {shard.start}:{shard.stop} of {shard.total} on node {shard.node} "
+            f"of {shard.num_nodes}",
+            flush=True,
+        )
     loader = DataLoader(
         dataset,
         batch_size=args.batch_size,

@@ -1,17 +1,25 @@
 """A PyTorch Lightning LightningDataModule over shareddata: one copy for every worker.
 
-Run: python examples/lightning_datamodule.py [--rows N] [--devices 2 --strategy ddp]
+Run:
+    python examples/lightning_datamodule.py                          # one device
+    python examples/lightning_datamodule.py --devices 2 --strategy ddp   # 2 ranks, CPU
 Needs: pip install 'shareddata[lightning]'
 
 Where things go: `prepare_data` runs once per node (on local rank 0) and writes
 files; `setup` runs on every rank and builds the shareddata datasets there. Under a
 multi-process strategy every local rank builds the same dataset and shareddata
 loads it once per node (local rank 0 reads, the others attach).
+
+Every rank must name the same folder, or the ranks ask to share different datasets
+(``LocalRankError``). With ``strategy="ddp"`` Lightning starts the other ranks by
+running this script again with this process's environment, so the temporary folder
+made here is handed to them in ``SHAREDDATA_EXAMPLE_DATA``.
 """
 
 import argparse
 import multiprocessing
 import os
+import shutil
 import tempfile
 
 import lightning as L
@@ -91,15 +99,22 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--batches", type=int, help="batches per epoch (default: all)")
+    parser.add_argument("--data", help="a folder with x.npy and y.npy (default: synthetic)")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as folder:
+    folder, made = args.data or os.environ.get("SHAREDDATA_EXAMPLE_DATA"), False
+    if folder is None:  # the launching process (rank 0): one folder for every rank
+        folder, made = tempfile.mkdtemp(prefix="shareddata-lightning-"), True
+        os.environ["SHAREDDATA_EXAMPLE_DATA"] = folder  # inherited by the ranks Lightning starts
+    try:
         data = FeaturesDataModule(folder, args.rows, workers=args.workers)
         trainer = L.Trainer(
             accelerator="cpu",
             devices=args.devices,
             strategy=args.strategy,
             max_epochs=args.epochs,
+            limit_train_batches=args.batches,
             callbacks=[CheckMemory()],
             logger=False,
             enable_checkpointing=False,
@@ -110,6 +125,9 @@ def main() -> None:
         trainer.fit(model, datamodule=data)
         if trainer.is_global_zero:
             print(f"trained {trainer.global_step} steps, last loss {model.last_loss:.3f}")
+    finally:
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
