@@ -273,22 +273,6 @@ def test_local_rank_0_killed_while_loading(id_folder):
 
 
 @pytest.mark.slow
-def test_the_ddp_example_trains_on_one_copy():
-    run = torchrun(
-        "--standalone",
-        "--nproc_per_node=2",
-        os.path.join(REPO, "examples", "ddp_train.py"),
-        "--rows",
-        "150000",
-        "--epochs",
-        "1",
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert "copies in the 2 ranks' main processes: 1" in run.stdout
-    assert "dataset held" in run.stdout and "epoch 0: mean loss" in run.stdout
-
-
-@pytest.mark.slow
 def test_sigkill_of_the_whole_job_leaves_nothing(data_256):
     """SIGKILL every process of a running job: /dev/shm stays empty and Shmem comes back."""
     run = run_isolated(
