@@ -36,11 +36,14 @@ def rows_of(ds):
 
 
 def reference(table):
-    """pyarrow's rows of ``table`` with structs flattened (``s.a``) and times as integers."""
+    """pyarrow's rows of ``table``: structs flattened (``s.a``), times as integers, and
+    extension types as their storage."""
     while any(pa.types.is_struct(f.type) for f in table.schema):
         table = table.flatten()
     cols = {}
     for name, col in zip(table.column_names, table.columns):
+        if isinstance(col.type, pa.BaseExtensionType):  # loaded as its storage (uuid: bytes)
+            col = pa.chunked_array([c.storage for c in col.chunks], col.type.storage_type)
         t = col.type
         if pa.types.is_timestamp(t) or pa.types.is_date64(t) or pa.types.is_duration(t):
             col = col.cast(pa.int64())

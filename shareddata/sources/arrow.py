@@ -806,6 +806,11 @@ def _as_table(table: Any) -> Any:
         return table
     if isinstance(table, pa.RecordBatch):
         return pa.Table.from_batches([table])
+    if type(table).__module__.startswith("datasets.") and hasattr(table, "flatten_indices"):
+        # an HF datasets.Dataset: its Arrow table, in the order its indices mapping gives
+        if getattr(table, "_indices", None) is not None:
+            table = table.flatten_indices()
+        return table.data.table
     exports = hasattr(table, "__arrow_c_stream__") or hasattr(table, "__arrow_c_array__")
     if exports and not isinstance(table, (pa.ChunkedArray, pa.Array)):
         # polars, duckdb, pandas >= 2.2, HF datasets' tables: any Arrow PyCapsule producer
@@ -897,8 +902,8 @@ class ArrowDataset(ColumnDataset):
     shared copy.
 
     Any object that exports Arrow data is accepted as it is: a polars or pandas
-    DataFrame, a duckdb relation, an HF ``datasets.Dataset``'s ``.data.table``
-    (``__arrow_c_stream__`` or ``__arrow_c_array__``).
+    DataFrame, a duckdb relation (``__arrow_c_stream__`` or ``__arrow_c_array__``),
+    and an HF ``datasets.Dataset`` (its Arrow table, in its current row order).
 
     Struct columns load as one column per field, named as ``Table.flatten()`` names
     them (``s.a``, nested ``s.b.c``); items are flat (``{"s.a": ..., "s.b.c": ...}``).
