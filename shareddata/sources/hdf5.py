@@ -388,8 +388,7 @@ class HDF5Dataset(ColumnDataset):
         progress: show a progress bar for loads longer than ~2 s.
         share: under torchrun, ``"node"`` (the default there) loads once per node
             and the other local ranks attach; ``"process"`` loads in every process.
-        shard: ``"node"`` loads only this node's contiguous share of the rows, where
-            the source can read a range of rows (else ``ShardingNotSupportedError``).
+        shard: ``"node"`` loads only this node's contiguous share of the rows.
         timeout: seconds to wait for another local rank (default
             ``$SHAREDDATA_TIMEOUT``, else 300).
 
