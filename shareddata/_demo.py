@@ -185,20 +185,22 @@ def _write(path: str, rows: int) -> None:
 
 def _run(options: DemoOptions, label: str, make: Any, seen: set[str]) -> _Run:
     print(f"{label}: loading, starting {plural(options.workers, 'worker')} ...", flush=True)
-    t0 = time.perf_counter()
-    dataset = make()
-    load_s = time.perf_counter() - t0
-    loader = _TimedLoader(
-        dataset,
-        batch_size=options.batch_size,
-        shuffle=True,
-        num_workers=options.workers,
-        multiprocessing_context=options.start_method if options.workers else None,
-    )
+    # torch warns of too many workers when the loader is made and at every iter():
+    # record the warnings and show each once
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        t0 = time.perf_counter()
+        dataset = make()
+        load_s = time.perf_counter() - t0
+        loader = _TimedLoader(
+            dataset,
+            batch_size=options.batch_size,
+            shuffle=True,
+            num_workers=options.workers,
+            multiprocessing_context=options.start_method if options.workers else None,
+        )
         report = verify(loader, batches=options.batches, max_duplication=None)
-    for w in caught:  # torch repeats its worker-count warning at every iter(): show it once
+    for w in caught:
         text = str(w.message).strip()
         if text not in seen:
             seen.add(text)
