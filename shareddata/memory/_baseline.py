@@ -120,5 +120,3 @@ def _types_in(obj: Any, depth: int, limit: int = 200) -> list[Any]:
                     return found
         level = nxt
     return found
-
-

@@ -12,23 +12,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ..distributed import NodeContext, _socket_name, exchange, node_context, resolve_timeout
-from ._process import ProcessMemory, data_pss, measure_all
+from ..distributed import NodeContext, exchange, node_context, resolve_timeout
+from ..distributed import socket_name as _socket_name
+from ._account import account
+from ._process import ProcessMemory, Segments, measure_all
 from ._report import MemoryReport
+from ._shared import dataset_identity
 
 _ROUNDS = itertools.count()
-
-
-def dataset_identity(dataset: Any) -> frozenset[tuple[int, int]] | None:
-    """The (device, inode) of every segment a shareddata dataset maps; None for others."""
-    for _ in range(8):  # Subset, wrappers: follow .dataset
-        identity = getattr(dataset, "segment_identity", None)
-        if callable(identity):
-            return identity()  # type: ignore[no-any-return]
-        if not hasattr(dataset, "dataset"):
-            break
-        dataset = dataset.dataset
-    return None
 
 
 class NodeVerify:
@@ -39,8 +30,11 @@ class NodeVerify:
     reports into the node's. See Note [How duplication is measured] in ``_verify.py``.
     """
 
-    def __init__(self, ctx: NodeContext, timeout: float | None = None) -> None:
+    def __init__(
+        self, ctx: NodeContext, segments: Segments = (), timeout: float | None = None
+    ) -> None:
         self.ctx = ctx
+        self.segments = sorted(segments)
         self.timeout = resolve_timeout(timeout)
         self.number = next(_ROUNDS)
         self.rows: dict[str, list[ProcessMemory]] = {}
@@ -52,15 +46,17 @@ class NodeVerify:
         """A drop-in for ``measure_all`` that measures the whole node at once."""
 
         def measure(procs: list[tuple[int | None, str]]) -> list[ProcessMemory]:
-            def respond(per_rank: list[list[tuple[int | None, str]]]) -> list[Any]:
+            def respond(per_rank: list[tuple[list[Any], list[Any]]]) -> list[Any]:
                 owner: dict[int, tuple[int, str]] = {}
                 flat: list[tuple[int | None, str]] = []
-                for rank, rank_procs in enumerate(per_rank):
+                segments: set[tuple[int, int]] = set()
+                for rank, (rank_procs, rank_segments) in enumerate(per_rank):
+                    segments |= {(int(d), int(i)) for d, i in rank_segments}
                     for pid, role in rank_procs:
                         if pid is not None:
                             owner[pid] = (rank, role)
                             flat.append((pid, f"r{rank} {role}"))
-                rows = measure_all(flat)
+                rows = measure_all(flat, segments)
                 self.rows[phase] = rows
                 mine: list[list[ProcessMemory]] = [[] for _ in per_rank]
                 for row in rows:
@@ -68,10 +64,16 @@ class NodeVerify:
                     mine[rank].append(replace(row, role=role))
                 return mine
 
-            return exchange(
-                self.ctx, self._name(phase), procs, respond, self.timeout, "sd.verify()"
+            return exchange(  # type: ignore[no-any-return]
+                self.ctx,
+                self._name(phase),
+                (procs, self.segments),
+                respond,
+                self.timeout,
+                "sd.verify()",
             )
 
+        measure.node_wide = True  # type: ignore[attr-defined]
         return measure
 
     def combine(self, report: MemoryReport, dataset: Any) -> MemoryReport:
@@ -84,6 +86,9 @@ class NodeVerify:
             "identity": dataset_identity(dataset),
             "dataset_bytes": report.dataset_bytes,
             "batches": report.batches,
+            "resolution": report.resolution,
+            "shared_bytes": report.shared_bytes,
+            "batch_bytes": report.batch_bytes,
         }
 
         def respond(infos: list[dict[str, Any]]) -> list[Any]:
@@ -91,12 +96,13 @@ class NodeVerify:
             nbytes = infos[0]["dataset_bytes"]
             identities = [i["identity"] for i in infos]
             copies = len({x for x in identities if x is not None}) + identities.count(None)
-            extra = (
-                data_pss(after)
-                - data_pss(before)
-                - sum(i["workers"] * i["baseline"] for i in infos)
+            found = account(
+                before,
+                after,
+                sum(i["workers"] * i["baseline"] for i in infos),
+                sum(i["resolution"] for i in infos),
             )
-            duplication = copies + extra / nbytes if nbytes > 0 else float(copies)
+            duplication = copies + found.attributed / nbytes if nbytes > 0 else float(copies)
             node = MemoryReport(
                 dataset_bytes=nbytes,
                 total_pss=sum(p.pss for p in after),
@@ -111,20 +117,25 @@ class NodeVerify:
                 max_duplication=report.max_duplication,
                 local_ranks=len(infos),
                 rank_copies=copies,
+                shared_bytes=infos[0]["shared_bytes"],
+                copied_bytes=found.copies,
+                working_bytes=found.excess,
+                resolution=found.resolution,
+                batch_bytes=max(i["batch_bytes"] for i in infos),
             )
             return [node] * len(infos)
 
         return exchange(self.ctx, self._name("combine"), info, respond, self.timeout, "sd.verify()")
 
 
-def node_verifier(across_ranks: bool | None) -> NodeVerify | None:
+def node_verifier(across_ranks: bool | None, segments: Segments = ()) -> NodeVerify | None:
     """The node-wide helper for ``verify``, or ``None`` to measure this process alone."""
     if across_ranks is False:
         return None
     ctx = node_context()
     if ctx is None or ctx.local_world_size <= 1:
         return None
-    return NodeVerify(ctx)
+    return NodeVerify(ctx, segments)
 
 
 # --------------------------------------------------------------------------------------

@@ -26,12 +26,23 @@ class MemoryReport:
         num_workers: the loader's ``num_workers``.
         pss_before: PSS of the main process (and the forkserver) before the workers
             started.
-        extra_bytes: anonymous and shared memory beyond one copy of the dataset and
-            the workers' baselines (``(duplication - 1) * dataset_bytes``).
+        extra_bytes: bytes counted as copies beyond the one copy of the dataset
+            (``(duplication - 1) * dataset_bytes``): :attr:`copied_bytes` plus
+            :attr:`working_bytes` when that exceeds :attr:`resolution`.
         batches: number of batches iterated before measuring.
         max_duplication: the limit checked against, ``None`` for no check.
         local_ranks: local ranks measured together (1: this process alone).
         rank_copies: copies held by those ranks' main processes (see the Note).
+        shared_bytes: the part of the dataset in shareddata's segments, whose pages
+            are counted exactly (0 for a dataset of other kinds).
+        copied_bytes: private copies of those pages (copy-on-write), exact.
+        working_bytes: growth of the processes' memory outside the dataset's
+            segments, file pages and batches in flight, beyond the workers'
+            baselines: an estimate, where copies of other datasets show up.
+        resolution: the working memory iterating may add without copying data
+            (per process and per batch in flight); a :attr:`working_bytes` within
+            it is not counted as a copy.
+        batch_bytes: bytes of the largest batch received.
     """
 
     dataset_bytes: int
@@ -47,6 +58,11 @@ class MemoryReport:
     max_duplication: float | None = None
     local_ranks: int = 1
     rank_copies: int = 1
+    shared_bytes: int = 0
+    copied_bytes: int = 0
+    working_bytes: int = 0
+    resolution: int = 0
+    batch_bytes: int = 0
 
     def _workers(self) -> int:
         return sum(1 for p in self.processes if "worker" in p.role.split())
@@ -62,10 +78,71 @@ class MemoryReport:
         """Whether :attr:`duplication` is within :attr:`max_duplication` (or no limit)."""
         return self.max_duplication is None or self.duplication <= self.max_duplication
 
+    @property
+    def resolution_fraction(self) -> float:
+        """:attr:`resolution` as a fraction of the dataset (``inf`` for an empty one)."""
+        return self.resolution / self.dataset_bytes if self.dataset_bytes else float("inf")
+
+    def _limit(self) -> str:
+        return "no limit" if self.max_duplication is None else f"limit {self.max_duplication:.2f}"
+
     def verdict(self) -> str:
-        """Return the one-line verdict, e.g. ``"dataset held 1.02x (limit 1.10)"``."""
-        limit = "no limit" if self.max_duplication is None else f"limit {self.max_duplication:.2f}"
-        return f"dataset held {self.duplication:.2f}x ({limit})"
+        """Return the short verdict, e.g. ``"dataset held 1.02x (limit 1.10)"``."""
+        return f"dataset held {self.duplication:.2f}x ({self._limit()})"
+
+    def verdict_line(self) -> str:
+        """Return the verdict in words: ``OK: ...`` or ``FAIL: ...`` with the fix.
+
+        Example:
+            >>> r = MemoryReport(dataset_bytes=100, total_pss=0, duplication=3.0, processes=[],
+            ...                  baseline_bytes=0, start_method="spawn", num_workers=3,
+            ...                  max_duplication=1.1)
+            >>> r.verdict_line().split(":")[:2]
+            ['FAIL', ' the dataset is duplicated 3.00x across 3 workers (limit 1.10)']
+            >>> r.duplication = 1.01
+            >>> r.verdict_line()
+            'OK: the dataset is held 1.01x (limit 1.10)'
+        """
+        if self.passed:
+            return f"OK: the dataset is held {self.duplication:.2f}x ({self._limit()})"
+        return (
+            f"FAIL: the dataset is duplicated {self.duplication:.2f}x {self._across()} "
+            f"({self._limit()}): {self.fix()}"
+        )
+
+    def _across(self) -> str:
+        workers = f"{self.num_workers} worker{'s' if self.num_workers != 1 else ''}"
+        if self.local_ranks > 1:
+            return f"across {self.local_ranks} local ranks and {workers}"
+        return f"across {workers}" if self.num_workers else "in the main process"
+
+    def fix(self) -> str:
+        """The fix for a duplicated dataset, in words, for what was measured."""
+        if self.local_ranks > 1 and self.rank_copies > 1:
+            return (
+                f"the {self.local_ranks} local ranks hold {self.rank_copies} copies; build the "
+                "dataset with a shareddata dataset and share='node' so that local rank 0 loads "
+                "it and the other ranks attach to its segments"
+            )
+        if self.copied_bytes > max(self.extra_bytes - self.copied_bytes, 0):
+            return (
+                "the workers write into the dataset's shared pages, and each write copies "
+                "a page into the writing process; do not modify items in place (copy an "
+                "item before changing it, e.g. np.array(item))"
+            )
+        how = (
+            "the workers copy Python objects (lists, dicts, strings) as they read them, "
+            "because reading one writes its reference count"
+            if self.start_method == "fork"
+            else "each worker unpickles its own copy of the dataset"
+            if self.num_workers
+            else "the main process holds it more than once"
+        )
+        return (
+            f"{how}; load the data with a shareddata dataset (sd.NumpyDataset, "
+            "sd.HDF5Dataset, sd.ParquetDataset, sd.ArrowDataset) or wrap the dataset in "
+            "sd.SharedDataset(dataset), so that every worker indexes one copy"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Return the report as a JSON-serialisable dict (rows as dicts)."""
@@ -83,6 +160,13 @@ class MemoryReport:
             "local_ranks": int(self.local_ranks),
             "rank_copies": int(self.rank_copies),
             "passed": self.passed,
+            "shared_bytes": int(self.shared_bytes),
+            "copied_bytes": int(self.copied_bytes),
+            "working_bytes": int(self.working_bytes),
+            "resolution": int(self.resolution),
+            "resolution_fraction": float(self.resolution_fraction),
+            "batch_bytes": int(self.batch_bytes),
+            "verdict": self.verdict_line(),
             "processes": [p.to_dict() for p in self.processes],
         }
 
@@ -113,6 +197,7 @@ class MemoryReport:
         Example:
             >>> import os, tempfile, torch
             >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from shareddata import verify
             >>> loader = DataLoader(TensorDataset(torch.zeros(64, 4)), batch_size=16)
             >>> report = verify(loader, max_duplication=None)
             >>> with tempfile.TemporaryDirectory() as tmp:
@@ -128,51 +213,43 @@ class MemoryReport:
         def mib(n: int) -> str:
             return f"{n / MIB:11.1f}"
 
+        heads = ("RSS MiB", "USS MiB", "PSS MiB", "shared MiB", "file MiB", "data MiB", "work MiB")
         lines = [
             f"memory of the DataLoader: {self._who()}, measured after {self.batches} batches",
-            f"{'process':<12}{'pid':>9}"
-            + "".join(
-                f"{h:>11}" for h in ("RSS MiB", "USS MiB", "PSS MiB", "shared MiB", "file MiB")
-            ),
+            f"{'process':<12}{'pid':>9}" + "".join(f"{h:>11}" for h in heads),
         ]
+        names = ("rss", "uss", "pss", "shared", "pss_file", "data_pss", "working")
         rows = self.processes
         for p in rows:
-            values = (p.rss, p.uss, p.pss, p.shared, p.pss_file)
-            lines.append(f"{p.role:<12}{p.pid:>9}" + "".join(mib(v) for v in values))
-        totals = [sum(getattr(p, name) for p in rows) for name in ("rss", "uss")]
-        totals += [self.total_pss] + [
-            sum(getattr(p, n) for p in rows) for n in ("shared", "pss_file")
-        ]
+            lines.append(f"{p.role:<12}{p.pid:>9}" + "".join(mib(getattr(p, n)) for n in names))
+        totals = [sum(getattr(p, n) for p in rows) for n in names]
         lines.append(f"{'total':<12}{'':>9}" + "".join(mib(v) for v in totals))
         lines.append(
-            f"dataset {self.dataset_bytes / MIB:.1f} MiB; PSS before iterating "
-            f"{self.pss_before / MIB:.1f} MiB; worker baseline {self.baseline_bytes / MIB:.1f}"
-            f" MiB x {self._workers()}; beyond one copy {self.extra_bytes / MIB:.1f} MiB "
-            "(file pages left out)"
+            "  PSS: each page divided among the processes mapping it (sums to the real total); "
+            "file: code, libraries, mapped files; data: the dataset's shared segments; "
+            "work: the rest (anonymous and shared memory, batches in flight left out)"
+        )
+        size = self.dataset_bytes
+        lines.append(
+            f"dataset {size / MIB:.1f} MiB, {self.shared_bytes / MIB:.1f} MiB of it in "
+            f"shareddata segments: private copies of their pages {self.copied_bytes / MIB:.1f} "
+            "MiB (exact)"
+        )
+        counted = "counted as copies" if self.extra_bytes > self.copied_bytes else "not counted"
+        lines.append(
+            f"working memory grew {self.working_bytes / MIB:.1f} MiB beyond "
+            f"{self._workers()} worker baseline(s) of {self.baseline_bytes / MIB:.1f} MiB "
+            f"(estimate; resolution {self.resolution / MIB:.1f} MiB = "
+            f"{self.resolution_fraction:.2f}x the dataset): {counted}"
         )
         if self.local_ranks > 1:
             lines.append(
                 f"copies in the {self.local_ranks} ranks' main processes: {self.rank_copies}"
             )
-        lines.append(self.verdict())
+        lines.append(self.verdict_line())
         return "\n".join(lines)
 
 
-
 def duplication_message(report: MemoryReport) -> str:
-    return (
-        f"{report.verdict()}: the DataLoader's {len(report.processes)} "
-        f"process{'es' if len(report.processes) != 1 else ''} ({report._who()}) "
-        f"hold {report.total_pss / MIB:.1f} MiB (sum of PSS after {report.batches} batches), "
-        f"{report.pss_before / MIB:.1f} MiB before iterating. Net of code and libraries "
-        f"and of {report.baseline_bytes / MIB:.1f} MiB per worker without data, "
-        f"{report.extra_bytes / MIB:.1f} MiB remain beyond one copy of the "
-        f"{report.dataset_bytes / MIB:.1f} MiB dataset: the data is held more than once.\n"
-        "Fixes: load the data with a shareddata dataset (sd.NumpyDataset, sd.HDF5Dataset, "
-        "sd.ParquetDataset, sd.ArrowDataset) or wrap the dataset in sd.SharedDataset(dataset). "
-        "Under spawn/forkserver a plain numpy array or Python object is pickled by value into "
-        "every worker; under fork Python objects (lists, dicts) are copied as workers read "
-        "them (pytorch/pytorch#13246). If the excess is working memory rather than data "
-        "(a dataset of a few MiB, large batches), pass dataset_bytes= or a larger "
-        "max_duplication.\n" + str(report)
-    )
+    """The message of the :class:`~shareddata.DuplicationError` for ``report``."""
+    return f"{report.verdict_line()}\n{report}"

@@ -18,7 +18,27 @@ _SAMPLE = 256  # elements looked at per container; the rest is extrapolated
 _CODE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
+def shared_nbytes(obj: Any) -> int | None:
+    """``obj.nbytes`` when ``obj`` is a shareddata dataset; ``None`` for anything else.
+
+    A shareddata dataset has a ``segment_identity()`` method and an integer ``nbytes``.
+    """
+    if isinstance(obj, type):
+        return None
+    try:
+        identity = getattr(obj, "segment_identity", None)
+        nbytes = getattr(obj, "nbytes", None)
+    except Exception:
+        return None
+    if not callable(identity) or isinstance(nbytes, bool):
+        return None
+    if isinstance(nbytes, (int, np.integer)):
+        return int(nbytes)
+    return None
+
+
 def dataset_nbytes(dataset: Any) -> int:
+    """The dataset's ``nbytes`` when it is an integer, else :func:`estimate_nbytes`."""
     try:
         nbytes = getattr(dataset, "nbytes", None)
     except Exception:
@@ -63,6 +83,9 @@ class _Sizer:
             return 0.0
         self.seen.add(id(obj))
         self.budget -= 1
+        shared = shared_nbytes(obj)
+        if shared is not None:  # its segments, not the mmap objects over them
+            return float(shared)
         if isinstance(obj, np.ndarray):
             return self._array(obj, depth)
         if isinstance(obj, torch.Tensor):
