@@ -12,4 +12,6 @@ start=$SECONDS
 source "$(dirname "$0")/setup.sh"
 echo "set-up done in $((SECONDS - start)) s"
 echo
+start=$SECONDS
 python -m shareddata demo "$@"
+echo "(the demo took $((SECONDS - start)) s after set-up)"
