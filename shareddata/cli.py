@@ -247,8 +247,10 @@ def _verify(args: argparse.Namespace) -> int:
         print(report.to_json(indent=2))
         print(verdict_line(report), file=sys.stderr)
     else:
-        print(report)
-        print(verdict_line(report))
+        text, line = str(report), verdict_line(report)
+        print(text)
+        if not text.rstrip().endswith(line):  # the table may end with it already
+            print(line)
     return 0 if report.passed else 1
 
 
