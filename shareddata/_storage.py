@@ -337,13 +337,13 @@ os.register_at_fork(after_in_child=_remap_sealed_in_child)
 
 # Note [Allocating shared pages]
 # ==============================
-# Filling fresh shared memory costs more than the copy itself: the kernel allocates
-# and zeroes each 4 KiB page and maps it into the page tables, ~2 us per page on a
-# VM (FACTS.md; ``benchmarks/bench_formats.py`` measures it as the "first touch"
-# limit). Private numpy arrays fault 2 MiB transparent huge pages instead; shared
-# memory gets them only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
-# (memfd) or the tmpfs mount's ``huge=`` option allows, so each segment asks for
-# them (``MADV_HUGEPAGE``: honoured under ``advise``, a no-op under ``never``).
+# Filling fresh shared memory costs more than the copy itself: the kernel allocates,
+# zeroes and maps each 4 KiB page (``docs/internals.md#allocating-pages``;
+# ``benchmarks/bench_first_touch.py`` measures it). Private numpy arrays fault 2 MiB
+# transparent huge pages instead; shared memory gets them only where
+# ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` (memfd) or the tmpfs mount's
+# ``huge=`` option allows, so each segment asks for them (``MADV_HUGEPAGE``:
+# honoured under ``advise``, a no-op under ``never``).
 #
 # A segment in RAM (a memfd, or a file on tmpfs) is therefore reserved by
 # ``MADV_POPULATE_WRITE`` alone, run by several threads on disjoint ranges (ctypes
@@ -700,8 +700,11 @@ class SharedArray:
 
     Every process that unpickles it maps the same pages, under ``fork``,
     ``spawn`` and ``forkserver`` alike, including DataLoader workers and
-    ``multiprocessing`` pools. It is writable, so processes can build results in
-    place; concurrent writes are the caller's to coordinate (a
+    ``multiprocessing`` pools, and back: an array a pool worker creates and
+    returns reaches the parent by handle, even if the worker exits right after
+    (Note [Handing a segment over]); if it cannot be attached, its first use raises
+    :class:`~shareddata.AttachError`. It is writable, so processes can build
+    results in place; concurrent writes are the caller's to coordinate (a
     ``multiprocessing.Lock``, disjoint slices per process, or accepted races for
     statistics that tolerate them).
 
