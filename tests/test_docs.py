@@ -145,12 +145,7 @@ def test_an_unguarded_spawn_example_fails(tmp_path):
     proc = run_program(program, tmp_path)  # and the run itself
     assert proc.returncode != 0
     assert "bootstrapping phase" in proc.stderr  # multiprocessing's error in the worker
-    guarded = program.code.replace("loader =", f"{GUARD}\n    loader =").replace(
-        "print(", "    print("
-    )
-    (program.file, program.code) = ("guarded.py", guarded)
-    proc = run_program(program, tmp_path)
-    assert proc.returncode == 0 and proc.stdout.strip() == "28", proc.stderr[-2000:]
+    # (the guarded form runs: README.md's and quickstart.md's spawn programs above)
 
 
 def test_fragments_join_the_block_they_continue(tmp_path):
