@@ -9,6 +9,8 @@ cost of carrying a batch out of a worker (issue 14: goal <= 150 us).
 
 IPC floor (workers return a new batch without reading anything):
 
+- ``no data``: workers return an int, the DataLoader's own cost per batch (its
+  queues, pipes and bookkeeping), which no transport can go below;
 - ``torch /dev/shm``: the batch is a tensor in torch's shared memory, as the
   default collate makes it in a worker; torch passes a descriptor that the main
   process fetches from the worker over a socket;
@@ -57,7 +59,9 @@ class NewBatches(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> Any:
+        if self.how == "none":
+            return i
         if self.how == "torch":
             batch = shared_empty((ROWS, FLOATS), torch.float32)
         else:
@@ -83,6 +87,9 @@ def ipc_loaders(data: sd.NumpyDataset, n: int) -> dict[str, DataLoader]:
         "timeout": 60,
     }
     return {
+        "no data (an int): the DataLoader's own cost": DataLoader(
+            NewBatches(n, "none"), batch_size=None, **kw
+        ),
         "torch /dev/shm": DataLoader(NewBatches(n, "torch"), batch_size=None, **kw),
         "memfd, fresh each batch (before)": DataLoader(
             NewBatches(n, "memfd"), batch_size=None, worker_init_fn=_pool_off, **kw
