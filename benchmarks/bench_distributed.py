@@ -1,6 +1,6 @@
 """The PSS table: 1, 2 and 4 local ranks x 2 spawn workers, node sharing vs per-rank loading.
 
-    python benchmarks/bench_distributed.py [--mib 256] [--ranks 1 2 4]
+    python benchmarks/bench_distributed.py [--mib 256] [--ranks 1 2 4] [--modes ...]
 
 Writes the table to stdout and to ``benchmarks/results/distributed.md``.
 
@@ -16,7 +16,14 @@ Ways of loading:
 * ``process``: ``sd.NumpyDataset(path, share="process")``: each rank loads its own
   copy, its workers share it;
 * ``plain``: ``TensorDataset(torch.from_numpy(np.load(path)))``: each rank loads its
-  own copy and every spawn worker gets another by pickling.
+  own copy and every spawn worker gets another by pickling;
+* ``wrap node`` / ``wrap process``: ``sd.SharedDataset(MyDataset())`` over as many
+  4 KiB items (a float32 tensor of 1024 values, an int, a str), node-shared or per rank;
+* ``list node`` / ``list process``: ``sd.SharedList`` of as many ``{"id", "blob"}``
+  dicts of ~4 KiB pickled, node-shared or per rank.
+
+The net/data column divides by the dataset's own bytes (its ``nbytes``, minus the
+1 MiB run's), so every kind is compared with the data it holds.
 """
 
 import argparse
@@ -30,7 +37,16 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "dist_scripts")
-MODES = {"node": [], "process": ["--share", "process"], "plain": ["--plain"]}
+MODES = {
+    "node": [],
+    "process": ["--share", "process"],
+    "plain": ["--plain"],
+    "wrap node": ["--kind", "shared_dataset"],
+    "wrap process": ["--kind", "shared_dataset", "--share", "process"],
+    "list node": ["--kind", "shared_list"],
+    "list process": ["--kind", "shared_list", "--share", "process"],
+}
+KIND = {"node": "NumpyDataset", "process": "NumpyDataset", "plain": "TensorDataset"}
 
 
 def run(ranks: int, mode: str, path: str) -> dict:
@@ -65,6 +81,10 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--quick", action="store_true", help="skip the 1 MiB runs (net PSS)")
+    parser.add_argument(
+        "--out", default=os.path.join(REPO, "benchmarks", "results", "distributed.md")
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         big, tiny = os.path.join(tmp, "big.npy"), os.path.join(tmp, "tiny.npy")
@@ -79,28 +99,34 @@ def main() -> None:
             "`sd.verify` measures every process of the node. Net PSS = total PSS minus the "
             "same run over a 1 MiB dataset (an independent check of verify's duplication).",
             "",
-            "| local ranks x 2 spawn workers | loading | processes | total PSS MiB | "
+            "| local ranks x 2 spawn workers | dataset | loading | processes | total PSS MiB | "
             "net PSS MiB (- 1 MiB run) | net / data | verify duplication | copies in mains |",
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         print("\n".join(lines), flush=True)
         for ranks in args.ranks:
             for mode in args.modes:
-                if ranks == 1 and mode == "process":
+                if ranks == 1 and mode.endswith("process"):
                     continue  # the same as "node" with one rank
-                r, base = run(ranks, mode, big), run(ranks, mode, tiny)
-                net = r["total_pss"] - base["total_pss"]
-                data = args.mib * mib
+                r = run(ranks, mode, big)
+                base = None if args.quick else run(ranks, mode, tiny)
+                net = r["total_pss"] - (base["total_pss"] if base else 0)
+                data = r["dataset_bytes"] - (base["dataset_bytes"] if base else 0)
+                kind = KIND.get(mode, "SharedDataset" if mode.startswith("wrap") else "SharedList")
                 lines.append(
-                    f"| {ranks} | {mode} | {len(r['roles'])} | {r['total_pss'] / mib:.0f} | "
-                    f"{net / mib:.0f} | {net / data:.2f}x | {r['duplication']:.2f}x | "
-                    f"{r['rank_copies']} |"
+                    f"| {ranks} | {kind} | {mode.split()[-1]} | {len(r['roles'])} | "
+                    f"{r['total_pss'] / mib:.0f} | "
+                    + (f"{net / mib:.0f} | {net / data:.2f}x | " if base else "- | - | ")
+                    + f"{r['duplication']:.2f}x | {r['rank_copies']} |"
                 )
                 print(lines[-1], flush=True)
-    out = os.path.join(REPO, "benchmarks", "results", "distributed.md")
+                write(lines, args.out)  # row by row: a long run keeps what it measured
+    print(f"wrote {args.out}")
+
+
+def write(lines: list[str], out: str) -> None:
     with open(out, "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

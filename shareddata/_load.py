@@ -123,9 +123,9 @@ class Source(Protocol):
         ...
 
     def read(
-        self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
+        self, spec: ColumnSpec, buffers: dict[str, Any], progress: Callable[[int], None]
     ) -> None:
-        """Fill ``buffers`` (laid out as ``COLUMN_KINDS[spec.kind].layout(spec)``).
+        """Fill ``buffers``: :class:`Buffer` s laid out as ``COLUMN_KINDS[spec.kind].layout(spec)``.
 
         Write only through ``buffer.rows(start, stop)``; call ``progress(nbytes)`` as
         data arrives.

@@ -13,7 +13,7 @@ import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -281,7 +281,7 @@ class _Items:
 
     def __init__(self, items: Iterable[Any]) -> None:
         self.items = items
-        self.start, self.stop = 0, None
+        self.start, self.stop = 0, cast("int | None", None)
         self.buffer: VarBuffer | None = None
 
     def total_rows(self) -> int:

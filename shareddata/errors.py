@@ -40,17 +40,28 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ArgumentTypeError",
     "AttachError",
+    "BatchSendError",
     "ColumnLengthError",
     "DuplicationError",
     "EmptySelectionError",
+    "IndexOutOfRangeError",
+    "IndexTypeError",
+    "InvalidArgumentError",
+    "ItemMismatchError",
+    "ItemValueError",
+    "LocalRankError",
+    "LocalRankTimeoutError",
     "MissingColumnError",
     "MissingDependencyError",
     "MissingFileError",
     "NullValuesError",
+    "ShardingNotSupportedError",
     "SharedDataError",
     "SharedMemoryFullError",
     "SourceReadError",
+    "UnpicklableItemError",
     "UnsupportedDtypeError",
 ]
 

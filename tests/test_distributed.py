@@ -165,9 +165,10 @@ def test_two_local_ranks_share_one_copy(data_256, tmp_path):
     assert r0["wrap_ok"] and r1["wrap_ok"]
     assert r0["dataset_segments"] == r1["dataset_segments"]
     assert r0["list_segments"] == r1["list_segments"]
-    for key in ("dataset_duplication", "list_duplication"):
-        assert r0[key] <= 1.10 and r0[key] == r1[key], (key, run.stdout)
-    assert r0["dataset_process_duplication"] >= 1.8, run.stdout  # share="process": 2 copies
+    # both measured in one loader (64 MiB each): a per-rank copy of either reads >= 1.5
+    assert r0["wrap_duplication"] <= 1.10, run.stdout
+    assert r0["wrap_duplication"] == r1["wrap_duplication"]
+    assert r0["wrap_process_duplication"] >= 1.8, run.stdout  # share="process": 2 copies
 
 
 @pytest.mark.slow
@@ -638,15 +639,15 @@ def test_fingerprints_tell_arguments_apart():
 
 
 def test_a_rank_0_error_keeps_its_type():
-    info = distributed._error_info(sd.MissingFileError("x.npy does not exist"))
-    error = distributed._rebuild_error(info, "local rank 0 failed: ")
+    info = distributed.error_info(sd.MissingFileError("x.npy does not exist"))
+    error = distributed.rebuild_error(info, "local rank 0 failed: ")
     assert isinstance(error, sd.MissingFileError) and "x.npy does not exist" in str(error)
-    info = distributed._error_info(KeyError("k"))
-    assert isinstance(distributed._rebuild_error(info, ""), KeyError)
+    info = distributed.error_info(KeyError("k"))
+    assert isinstance(distributed.rebuild_error(info, ""), KeyError)
 
     class Local(Exception):
         pass
 
     assert isinstance(
-        distributed._rebuild_error(distributed._error_info(Local("?")), ""), LocalRankError
+        distributed.rebuild_error(distributed.error_info(Local("?")), ""), LocalRankError
     )

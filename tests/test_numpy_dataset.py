@@ -397,3 +397,24 @@ def test_a_segment_dropped_while_its_pages_are_allocated_stops_the_threads():
     assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
     small = sd.SharedArray.empty(16, np.uint8)  # new mappings are not mistaken for it
     _storage.ready(small.numpy())
+
+
+def test_an_empty_selection_names_what_exists(tmp_path):
+    with pytest.raises(sd.EmptySelectionError, match="holds no columns") as err:
+        sd.NumpyDataset({})
+    assert isinstance(err.value, ValueError)
+    np.save(tmp_path / "a.npy", np.arange(3))
+    np.save(tmp_path / "b.npy", np.arange(3))
+    with pytest.raises(sd.EmptySelectionError, match="columns=\\[\\].*'a', 'b'"):
+        sd.NumpyDataset(tmp_path, columns=[])
+
+
+@pytest.mark.parametrize("dtype", ["longdouble", "clongdouble"])
+def test_extended_precision_is_refused_naming_the_column_before_loading(tmp_path, dtype):
+    if np.dtype(dtype).itemsize <= (8 if dtype == "longdouble" else 16):
+        pytest.skip(f"{dtype} is plain double precision on this platform")
+    np.save(tmp_path / "wide.npy", np.zeros(4, dtype))
+    for source in ({"ok": np.arange(4), "wide": np.zeros(4, dtype)}, tmp_path / "wide.npy"):
+        with pytest.raises(sd.UnsupportedDtypeError, match="'wide'.*astype") as err:
+            sd.NumpyDataset(source, progress=False)
+        assert isinstance(err.value, TypeError)

@@ -360,7 +360,7 @@ class Mixed(Dataset):
 def test_a_failure_mid_way_stops_the_writer_and_frees_everything(failure, monkeypatch):
     import errno
 
-    from shareddata import _materialise
+    from shareddata import _writer
 
     class Big(Dataset):
         def __len__(self):
@@ -380,7 +380,7 @@ def test_a_failure_mid_way_stops_the_writer_and_frees_everything(failure, monkey
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(fd, data, offset)
 
-        monkeypatch.setattr(_materialise.os, "pwrite", pwrite)
+        monkeypatch.setattr(_writer.os, "pwrite", pwrite)
     fds = open_fds()
     expected = sd.SharedMemoryFullError if failure == "full" else KeyboardInterrupt
     with pytest.raises(expected) as info:

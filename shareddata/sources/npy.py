@@ -21,7 +21,13 @@ import torch
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output
 from .._load import Buffer, build
-from ..errors import MissingColumnError, MissingFileError, SourceReadError, UnsupportedDtypeError
+from ..errors import (
+    EmptySelectionError,
+    MissingColumnError,
+    MissingFileError,
+    SourceReadError,
+    UnsupportedDtypeError,
+)
 from ._io import read_into
 
 __all__ = ["NumpyDataset", "NumpySource"]
@@ -63,6 +69,11 @@ def _check_dtype(dtype: np.dtype, name: str, label: str) -> None:
         fix = "store datetimes as integers: arr.astype('int64')"
     elif dtype.kind == "V":
         fix = "view the raw bytes as uint8: arr.view(np.uint8)"
+    elif dtype.kind in "fc" and dtype.itemsize > (8 if dtype.kind == "f" else 16):
+        fix = (
+            "torch has no extended-precision type; convert with arr.astype(np.float64) "
+            "(or np.complex128), or store the raw bytes with arr.view(np.uint8)"
+        )
     if fix is not None:
         raise UnsupportedDtypeError(
             f"column {name!r} of {label} has dtype {dtype}, which shareddata cannot store. Fix: "
@@ -221,7 +232,7 @@ class _NpzMember(_Entry):
                 pos = 0
                 for a, b in _blocks(out):
                     rows = out.rows(a, b)
-                    view, got = memoryview(rows.reshape(-1).view(np.uint8)), 0
+                    view, got = rows.reshape(-1).view(np.uint8).data, 0
                     while got < len(view):
                         n = f.readinto(view[got:])
                         if not n:
@@ -310,8 +321,19 @@ class NumpySource:
         return [_NpzMember(m[: -len(".npy")], path, archive, m) for m in members]
 
     def _select(self, entries: list[_Entry], columns: Sequence[str] | None) -> list[_Entry]:
+        names = ", ".join(repr(e.name) for e in entries) or "no columns"
         if columns is None:
+            if not entries:
+                raise EmptySelectionError(
+                    f"{self.label} holds no columns, so the dataset would have no rows. Pass "
+                    "at least one array: {column: array or .npy path}."
+                )
             return entries
+        if not isinstance(columns, str) and len(columns) == 0:
+            raise EmptySelectionError(
+                f"columns=[] selects nothing from {self.label}, so the dataset would have no "
+                f"rows; it has: {names}. Name at least one, or pass columns=None for all."
+            )
         if isinstance(columns, str):
             columns = [columns]
         by_name = {e.name: e for e in entries}

@@ -35,27 +35,50 @@ class Items(Dataset):
 
     calls = 0
 
+    def __init__(self, rows: int = WRAP_ROWS) -> None:
+        self.rows = rows
+
     def __len__(self) -> int:
-        return WRAP_ROWS
+        return self.rows
 
     def __getitem__(self, i: int):
         Items.calls += 1
         return torch.full((1024,), float(i)), i, f"item {i}"
 
 
-def records():
-    return ({"id": i, "blob": bytes([i % 251]) * 4000} for i in range(WRAP_ROWS))
+def records(rows: int = WRAP_ROWS):
+    return ({"id": i, "blob": bytes([i % 251]) * 4000} for i in range(rows))
 
 
-def measure(ds, ctx, workers: int, batch_size: int = 256, batches: int = 8) -> float:
-    loader = DataLoader(ds, batch_size=batch_size, num_workers=workers, multiprocessing_context=ctx)
-    return sd.verify(loader, batches=batches, max_duplication=None).duplication
+class Both(Dataset):
+    """Item i of a SharedDataset and of a SharedList: one loader measures both at once."""
+
+    def __init__(self, ds, names) -> None:
+        self.ds, self.names = ds, names
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        return self.ds[i][1], self.names[i]["id"]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ds.nbytes + self.names.nbytes
+
+    def segment_identity(self) -> frozenset:
+        return self.ds.segment_identity() | self.names.segment_identity()
+
+
+def measure(ds, ctx, workers: int) -> float:
+    loader = DataLoader(ds, batch_size=64, num_workers=workers, multiprocessing_context=ctx)
+    return sd.verify(loader, batches=8, max_duplication=None).duplication
 
 
 def wrapped(ctx, workers: int) -> dict:
     """SharedDataset and SharedList on every rank: one copy per node, items intact."""
     ds = sd.SharedDataset(Items(), progress=False)
-    names = sd.SharedList([r for r in records()], progress=False)
+    names = sd.SharedList(records(), progress=False)
     calls = Items.calls
     ok = (
         len(ds) == WRAP_ROWS
@@ -70,12 +93,12 @@ def wrapped(ctx, workers: int) -> dict:
         "wrap_ok": bool(ok),
         "dataset_segments": identity(ds),
         "list_segments": identity(names),
-        "dataset_duplication": measure(ds, ctx, workers),
-        "list_duplication": measure(names, ctx, workers),
+        "wrap_duplication": measure(Both(ds, names), ctx, workers),
     }
     del ds, names
     own = sd.SharedDataset(Items(), progress=False, share="process")
-    out["dataset_process_duplication"] = measure(own, ctx, workers)
+    listed = sd.SharedList(records(), progress=False, share="process")
+    out["wrap_process_duplication"] = measure(Both(own, listed), ctx, workers)
     return out
 
 
@@ -100,11 +123,22 @@ def main() -> None:
     parser.add_argument("--hash", action="store_true")
     parser.add_argument("--plain", action="store_true", help="np.load + TensorDataset per rank")
     parser.add_argument("--wrap", action="store_true", help="SharedDataset and SharedList too")
+    parser.add_argument(
+        "--kind",
+        default="numpy",
+        choices=["numpy", "shared_dataset", "shared_list"],
+        help="the measured dataset: the .npy file, or as many 4 KiB items wrapped",
+    )
     args = parser.parse_args()
     ctx = multiprocessing.get_context("spawn")
 
+    rows = np.load(args.path, mmap_mode="r").shape[0]
     if args.plain:  # what ranks do without shareddata: each loads its own array
         ds = TensorDataset(torch.from_numpy(np.load(args.path)))
+    elif args.kind == "shared_dataset":
+        ds = sd.SharedDataset(Items(rows), share=args.share, progress=False)
+    elif args.kind == "shared_list":
+        ds = sd.SharedList(records(rows), share=args.share, progress=False)
     else:
         ds = sd.NumpyDataset(args.path, share=args.share, progress=False)
     loader = DataLoader(

@@ -1,0 +1,255 @@
+"""Where materialised rows go: private buffers, and a writer thread for fixed-size rows.
+
+Variable-length leaves collect in :class:`VarBuffer` until their size is known; blocks
+of fixed-size rows are ``pwrite``-n into their shared segment by :class:`Writer`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import queue
+import threading
+from array import array
+from collections.abc import Iterable
+from itertools import accumulate, islice
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._capacity import available_memory, resolve_storage_dir
+from ._items import Leaf
+from ._linux import address_of
+from ._storage import Segment, SharedArray
+from ._text import format_bytes
+from .errors import (
+    SharedMemoryFullError,
+)
+
+__all__ = ["BlockWriter", "VarBuffer", "Writer", "chunk_rows"]
+
+
+# -- variable-length leaves ----------------------------------------------------------------
+
+
+class VarBuffer:
+    """Growable private offsets + values for one variable-length leaf, copied out at the end."""
+
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = np.dtype(dtype)
+        self.values = bytearray()
+        self.offsets = array("q", [0])
+        self.shapes: list[tuple[int, ...]] = []
+
+    def add(self, data: bytes, shape: tuple[int, ...] = ()) -> None:
+        """Append one row (``data`` holds its values' bytes)."""
+        self.values += data
+        self.offsets.append(len(self.values) // self.dtype.itemsize)
+        self.shapes.append(shape)
+
+    def extend(self, data: bytes, lengths: Iterable[int]) -> None:
+        """Append rows whose values, concatenated, are ``data``; ``lengths`` in elements."""
+        self.values += data
+        self.offsets.extend(islice(accumulate(lengths, initial=self.offsets[-1]), 1, None))
+
+
+# -- fixed-size leaves: written from a background thread ------------------------------------
+
+# Note [Writing rows in the background]
+# =====================================
+# Filling new shared pages is kernel work: each 4 KiB page of a memfd is allocated
+# when it is first written (~2 us per page on the 2-core VM measured in
+# benchmarks/results/wrap.md: 0.1 s for 192 MiB, half the time it takes to iterate
+# that benchmark's dataset once). The
+# builder hides it behind the iteration: the main thread only checks each item and
+# collects its values; every ``chunk`` rows it hands the fixed-size values to a
+# writer thread, which stacks them into a private staging block (``torch.stack``)
+# and ``pwrite``s the block into the segment's file. Both calls release the GIL, so
+# the writer runs on another core while the dataset's ``__getitem__`` runs here.
+#
+# * The segment is sized, not reserved (``allocate(reserve=False)``; its capacity is
+#   checked before the first item). ``pwrite`` allocates the pages as it fills them,
+#   with no zeroing and no page fault per page, and reports a full memory as
+#   ENOSPC/ENOMEM, raised as SharedMemoryFullError: nothing is ever written through
+#   the mapping, so no SIGBUS is possible.
+# * ``MADV_POPULATE_READ`` then maps each written block into this process, as loading
+#   through the mapping would have: the loading process holds the one copy that the
+#   PSS accounting of ``verify`` expects it to hold before the workers start.
+# * The main thread runs at most two blocks ahead of the writer (a bounded queue).
+# * On any error (an item that does not fit, ``__getitem__`` raising, Ctrl-C) the
+#   writer is stopped and joined BEFORE the segment is discarded, so it never writes
+#   to a descriptor that has been closed (and maybe reused).
+
+_BLOCK_BYTES = 4 << 20  # fixed-size bytes per block handed to the writer
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
+
+
+def chunk_rows(rows: int, row_bytes: int) -> int:
+    """Rows per block: up to ``_BLOCK_BYTES``, and ~1/64 of a small dataset.
+
+    The main thread waits at the end for the blocks still queued (up to three): small
+    blocks keep that tail short for small datasets, 64+ rows keep the cost per block
+    (a few Python calls) negligible per row.
+    """
+    return max(16, min(4096, _BLOCK_BYTES // max(row_bytes, 1), max(64, -(-rows // 64))))
+
+
+@functools.cache
+def _madvise() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc.madvise  # ctypes releases the GIL during the call
+
+
+class BlockWriter:
+    """Writes blocks of fixed-size rows into a segment's file with ``pwrite``.
+
+    The writer thread of the loading process uses one, and so does each DataLoader
+    worker of a parallel materialisation (Note [Materialising with workers]).
+    """
+
+    def __init__(self, segment: Segment, chunk: int, storage_dir: Any, what: str) -> None:
+        self.fd = segment.fd
+        self.size = segment.size
+        self.chunk = chunk
+        self.storage_dir = storage_dir
+        self.what = what
+        self._stages: dict[int, Any] = {}
+
+    def write(self, start: int, rows: int, target: SharedArray, leaf: Leaf, values: list) -> None:
+        """Write ``values`` as rows ``[start, start + rows)`` of ``target``."""
+        row_bytes = target.nbytes // target.shape[0]
+        self._pwrite(self._stage(target, leaf, values, rows), target.offset + start * row_bytes)
+
+    def _stage(self, target: SharedArray, leaf: Leaf, values: list[Any], rows: int) -> Any:
+        """The block of ``values`` as one contiguous array."""
+        if leaf.kind == "tensor":
+            stage = self._stages.get(id(target))
+            if stage is None:
+                stage = torch.empty((self.chunk, *leaf.shape), dtype=leaf.torch_dtype)
+                self._stages[id(target)] = stage
+            out = stage[:rows]
+            try:
+                torch.stack(values, out=out)
+            except RuntimeError:  # e.g. tensors on a GPU: copy_ moves them
+                for row, value in zip(out, values):
+                    row.copy_(value)
+            return out.numpy()
+        if leaf.kind == "ndarray":
+            stage = self._stages.get(id(target))
+            if stage is None:
+                stage = np.empty((self.chunk, *leaf.shape), dtype=leaf.dtype)
+                self._stages[id(target)] = stage
+            return np.stack(values, out=stage[:rows])
+        return np.asarray(values, dtype=target.dtype)
+
+    def _pwrite(self, data: np.ndarray, offset: int) -> None:
+        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+        while view:
+            try:
+                written = os.pwrite(self.fd, view, offset)
+            except OSError as e:
+                if e.errno not in _FULL_ERRNOS:
+                    raise
+                directory = resolve_storage_dir(self.storage_dir)
+                where = f"storage_dir={directory!r}" if directory else "RAM"
+                raise SharedMemoryFullError(
+                    f"{self.what} ran out of room in {where} at byte {offset} of {self.size} "
+                    f"({os.strerror(e.errno)}; {format_bytes(available_memory(directory))} "
+                    "free now): "
+                    "something else took the memory while the dataset was read. Nothing is "
+                    "kept. Fix: free memory or disk space, or pass storage_dir='/path' on a "
+                    "local disk."
+                ) from e
+            view = view[written:]
+            offset += written
+
+
+class Writer:
+    """Writes blocks of fixed-size rows from a background thread, and maps them here.
+
+    See Note [Writing rows in the background].
+    """
+
+    def __init__(self, segment: Segment, chunk: int, storage_dir: Any, what: str) -> None:
+        self._blocks = BlockWriter(segment, chunk, storage_dir, what)
+        self._base = address_of(segment.mmap)
+        self._madvise = _madvise()
+        self._populate = True
+        self._jobs: queue.Queue[Any] = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="shareddata-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, start: int, rows: int, blocks: list[tuple[SharedArray, Leaf, Any]]) -> None:
+        """Queue rows ``[start, start + rows)`` of each ``(array, leaf, values)``.
+
+        ``values`` None: the rows are written already (by a worker); only map them.
+        """
+        self._raise()
+        self._jobs.put((start, rows, blocks))
+
+    def wait(self) -> None:
+        """Return once every queued block is written; raise the writer's error if any."""
+        self._jobs.join()
+        self._raise()
+
+    def close(self) -> None:
+        """Write what is queued and end the thread."""
+        self.wait()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def abort(self) -> None:
+        """Drop what is queued, let the block being written finish, and end the thread."""
+        self._stop = True
+        if not self._thread.is_alive():
+            return
+        while True:
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            self._jobs.task_done()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        with torch.no_grad():  # per thread: values that require grad are only copied
+            while True:
+                job = self._jobs.get()
+                try:
+                    if job is None:
+                        return
+                    if not self._stop and self._error is None:
+                        self._write(*job)
+                except BaseException as e:  # handed to the main thread by submit()/wait()
+                    self._error = e
+                finally:
+                    job = None
+                    self._jobs.task_done()
+
+    def _write(self, start: int, rows: int, blocks: list[tuple[SharedArray, Leaf, Any]]) -> None:
+        for target, leaf, values in blocks:
+            if values is not None:
+                self._blocks.write(start, rows, target, leaf, values)
+            row_bytes = target.nbytes // target.shape[0]
+            self._map(target.offset + start * row_bytes, rows * row_bytes)
+
+    def _map(self, offset: int, nbytes: int) -> None:
+        if not self._populate or nbytes == 0:
+            return
+        start = (self._base + offset) // _PAGE * _PAGE
+        if self._madvise(start, self._base + offset + nbytes - start, _MADV_POPULATE_READ):
+            self._populate = False  # older kernel: pages map in when first read

@@ -1,0 +1,190 @@
+"""Where this process is in a distributed job: node, local rank, job; the coordination timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .. import errors
+
+__all__ = ["TIMEOUT_ENV", "NodeContext", "Shard", "Share", "node_context", "resolve_timeout"]
+
+Share = Literal["node", "process"]
+Shard = Literal["node"]
+
+TIMEOUT_ENV = "SHAREDDATA_TIMEOUT"
+_RANK_PID_ENV = "SHAREDDATA_RANK_PID"
+_DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """This process's place in a distributed job.
+
+    Attributes:
+        local_rank: rank among the processes of this node (``LOCAL_RANK``).
+        local_world_size: processes on this node (``LOCAL_WORLD_SIZE``).
+        node: index of this node (``GROUP_RANK``).
+        num_nodes: number of nodes (``GROUP_WORLD_SIZE``).
+        rank: global rank (``RANK``).
+        world_size: number of processes in the job (``WORLD_SIZE``).
+        job: a string that is the same for every process of one run of one job.
+    """
+
+    local_rank: int
+    local_world_size: int
+    node: int
+    num_nodes: int
+    rank: int
+    world_size: int
+    job: str
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError as e:
+        raise errors.InvalidArgumentError(
+            f"environment variable {name}={value!r} is not an integer"
+        ) from e
+
+
+def _is_rank_process() -> bool:
+    """Whether this is the process the launcher started, not a child that inherited its env.
+
+    DataLoader workers (any start method; also a spawn worker re-running an unguarded
+    ``__main__``) and pools inherit ``LOCAL_RANK`` & co.; they must load on their own
+    rather than pose as the rank. The rank marks itself in ``SHAREDDATA_RANK_PID``
+    (at import and at first use), which its children inherit.
+    """
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is not None:
+        return False
+    owner = os.environ.get(_RANK_PID_ENV)
+    if owner is None:
+        os.environ[_RANK_PID_ENV] = str(os.getpid())
+        return True
+    return owner == str(os.getpid())
+
+
+def _context_from_env() -> NodeContext | None:
+    local_rank, local_size = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
+    if local_rank is None or local_size is None or not _is_rank_process():
+        return None
+    rank = _env_int("RANK")
+    world = _env_int("WORLD_SIZE")
+    node = _env_int("GROUP_RANK")
+    if node is None:
+        node = rank // local_size if rank is not None else 0
+    nodes = _env_int("GROUP_WORLD_SIZE")
+    if nodes is None:
+        nodes = max(1, world // local_size) if world is not None else 1
+    job = "|".join(
+        os.environ.get(k, "")
+        for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+    )
+    return NodeContext(
+        local_rank=local_rank,
+        local_world_size=local_size,
+        node=node,
+        num_nodes=nodes,
+        rank=local_rank if rank is None else rank,
+        world_size=local_size * nodes if world is None else world,
+        job=job,
+    )
+
+
+def _host_identity() -> str:
+    """What processes that can reach each other's /proc and abstract sockets share."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        pass
+    for ns in ("net", "pid"):
+        try:
+            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
+        except OSError:
+            pass
+    return "/".join(parts)
+
+
+_GROUP_CONTEXT: dict[tuple[int, int], NodeContext] = {}
+
+
+def _context_from_group() -> NodeContext | None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cached = _GROUP_CONTEXT.get((rank, world))
+    if cached is not None:
+        return cached
+    mine = (_host_identity(), f"{os.getpid()}-{time.time_ns()}")
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)  # collective: every rank builds the dataset
+    hosts = list(dict.fromkeys(host for host, _ in everyone))
+    same = [r for r, (host, _) in enumerate(everyone) if host == mine[0]]
+    ctx = NodeContext(
+        local_rank=same.index(rank),
+        local_world_size=len(same),
+        node=hosts.index(mine[0]),
+        num_nodes=len(hosts),
+        rank=rank,
+        world_size=world,
+        job=f"group|{everyone[0][1]}",
+    )
+    _GROUP_CONTEXT[(rank, world)] = ctx
+    return ctx
+
+
+def node_context() -> NodeContext | None:
+    """This process's node and local rank, or ``None`` outside a distributed job.
+
+    Read from the torchrun environment (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``RANK``, ``WORLD_SIZE``); failing that,
+    derived once from an initialised ``torch.distributed`` process group (a
+    collective: every rank must get here).
+
+    Example:
+        >>> ctx = node_context()
+        >>> ctx is None or ctx.local_rank < ctx.local_world_size
+        True
+    """
+    return _context_from_env() or _context_from_group()
+
+
+def resolve_timeout(timeout: float | None = None) -> float:
+    """The coordination timeout in seconds: the argument, ``$SHAREDDATA_TIMEOUT``, or 300."""
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None or raw.strip() == "":
+            return _DEFAULT_TIMEOUT
+        try:
+            timeout = float(raw)
+        except ValueError as e:
+            raise errors.InvalidArgumentError(
+                f"{TIMEOUT_ENV}={raw!r} is not a number of seconds"
+            ) from e
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise errors.ArgumentTypeError(
+            f"the timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}"
+        )
+    if not timeout > 0:
+        raise errors.InvalidArgumentError(
+            f"the timeout must be a positive number of seconds, got {timeout!r}"
+        )
+    return float(timeout)
+
+
+if "LOCAL_RANK" in os.environ:  # mark the rank before it starts any child
+    _is_rank_process()
