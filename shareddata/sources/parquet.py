@@ -50,9 +50,7 @@ from ..errors import (
     SourceReadError,
     UnsupportedDtypeError,
 )
-from .arrow import (
-    ArrowDataset,
-    ArrowSource,
+from ._arrow_columns import (
     FillValue,
     _Column,
     _is_list,
@@ -64,6 +62,7 @@ from .arrow import (
     _Writer,
     rebase_offsets,
 )
+from .arrow import ArrowDataset, ArrowSource
 
 __all__ = ["ArrowDataset", "ArrowSource", "ParquetDataset", "ParquetSource", "rebase_offsets"]
 
