@@ -271,6 +271,7 @@ def test_globs_recursive_folders_hive_partitions_and_promoted_types(tmp_path):
         pq.write_table(parts[(year, kind)], folder / "part-0.parquet")
     (root / "_SUCCESS").write_text("")
     (root / "year=2024" / "README.txt").write_text("not data")
+    (root / "A-README.txt").write_text("not data, listed first")
     want = [{"id": i, "text": f"t{i}", "year": y, "kind": k}
             for (y, k), t in sorted(parts.items()) for i in t["id"].to_pylist()]  # fmt: skip
     for path in (root, str(root / "**" / "*.parquet")):

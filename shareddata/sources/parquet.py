@@ -169,7 +169,9 @@ def _glob_root(pattern: str) -> str:
 def _discover(folder: str) -> list[str]:
     """The files ``pyarrow.dataset`` finds under ``folder`` (recursively)."""
     try:
-        return list(_dataset().dataset(folder, format="parquet", partitioning=None).files)
+        # an empty schema: no file is opened to infer one (a README.txt may sort first)
+        found = _dataset().dataset(folder, format="parquet", schema=_pyarrow().schema([]))
+        return list(found.files)
     except _arrow_errors() as e:
         raise _read_error(folder, e, "listing its files") from e
 
