@@ -18,7 +18,9 @@ calls for everything that is not ours). A storage is *ours* when its bytes lie
 inside
 
 * a segment of ``_storage`` (a dataset's columns, a ``SharedArray``): it crosses
-  as the segment's handle plus the byte range, **no copy at all**; the receiver
+  as the segment's handle (with a ticket: a pool worker may return a view of its
+  ``SharedArray`` and exit, Note [Handing a segment over] in ``_handoff.py``) plus
+  the byte range, **no copy at all**; the receiver
   maps the segment once (``_storage.attach``) -- copy-on-write for a dataset's
   read-only segments, even in the process that loaded it, so a receiver writing
   to a sample never changes the data; shared for a writable ``SharedArray``;
@@ -136,7 +138,10 @@ def _find(storage: torch.UntypedStorage) -> Any:
     segment, offset = located
     # a dataset's (sealed or read-only) segment crosses copy-on-write; a SharedArray shared
     writable = segment.writable and segment not in _storage._SEALED
-    return (_rebuild_segment_storage, ((*segment.handle(), writable), offset, nbytes))
+    # a ticket: the sender keeps the file until the receiver has it, even if the
+    # sender drops the tensor or exits right after (Note [Handing a segment over])
+    handle = segment.handle(ticket=True)
+    return (_rebuild_segment_storage, ((*handle, writable), offset, nbytes))
 
 
 def _rebuild_segment_storage(

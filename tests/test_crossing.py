@@ -274,3 +274,24 @@ def _inode(tensor):
             if start <= address < stop:
                 return int(fields[4])
     return None
+
+
+KEPT = []
+
+
+def _view_of_a_new_array(i):
+    array = sd.SharedArray.from_array(np.full((1000, 4), i, np.float32))
+    KEPT.append(array)  # alive while the result is pickled; the worker exits right after
+    return array.torch()[10:20:3]
+
+
+def test_a_view_returned_by_a_pool_worker_that_exits_arrives():
+    # the view crosses as the segment's handle with a ticket: the exiting worker
+    # waits for the parent to hold the file (Note [Handing a segment over])
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+        got = pool.map_async(_view_of_a_new_array, range(4)).get(timeout=30)
+    for i, view in enumerate(got):
+        assert view.shape == (4, 4) and bool((view == i).all())
+        assert _mapped_from(view).startswith("memfd:shareddata")  # no copy
