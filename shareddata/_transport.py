@@ -316,6 +316,24 @@ def _receive(
     The mapping is released (the counter incremented, then unmapped) as soon as
     nothing holds the storage any more (Note [Reusing a batch's pages]).
     """
+    key = (pid, fd, *ident)
+    with _RELEASE_LOCK:
+        idle = _IDLE.pop(key, None)
+    if idle is not None and idle[1] >= total:  # mapped here before: no system call
+        address, length = idle
+    else:
+        if idle is not None:
+            munmap(*idle)
+        address, length = _map_batch(pid, fd, ident, total), total
+    mapped = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
+    # Runs once the storage below is freed: it alone holds ``mapped`` (through a view).
+    finalizer = weakref.finalize(mapped, _release, os.getpid(), key, address, length, counter_at)
+    finalizer.atexit = False
+    return torch.from_numpy(mapped[start : start + nbytes]).untyped_storage()
+
+
+def _map_batch(pid: int, fd: int, ident: tuple[int, int], total: int) -> int:
+    """Map ``total`` bytes of the memfd ``fd`` of process ``pid``; its address."""
     path = f"/proc/{pid}/fd/{fd}"
     try:
         new_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -337,23 +355,48 @@ def _receive(
             raise OSError(ctypes.get_errno(), f"mmap of a batch from worker {pid} failed")
     finally:
         os.close(new_fd)
-    mapped = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(address))
-    # Runs once the storage below is freed: it alone holds ``mapped`` (through a view).
-    weakref.finalize(mapped, _release, os.getpid(), address, total, counter_at).atexit = False
-    return torch.from_numpy(mapped[start : start + nbytes]).untyped_storage()
+    return int(address)
 
 
 _MAP_SHARED = 0x01
 _RELEASE_LOCK = threading.Lock()
+IDLE_BYTES = 4 << 20
+"""Bytes of released batch mappings a receiver keeps, to receive their memfds again."""
+# (pid, fd, device, inode) of a worker's memfd -> (address, length) of our idle mapping;
+# oldest first. A live inode is never renumbered, so a key names one file.
+_IDLE: dict[tuple[int, ...], tuple[int, int]] = {}
 
 
-def _release(pid: int, address: int, total: int, counter_at: int) -> None:
-    """Tell the worker that this mapping of the batch is gone, and unmap it."""
-    if os.getpid() == pid:  # not in a fork child: the receiver may still hold it
-        counter = ctypes.c_uint32.from_address(address + counter_at)
-        with _RELEASE_LOCK:
-            counter.value += 1
-    munmap(address, total)
+def _forget_idle() -> None:
+    # a fork child: the parent's idle mappings are not its to reuse; unmapping them
+    # here lets their files go when the parent and the worker let go of them
+    for mapping in _IDLE.values():
+        munmap(*mapping)
+    _IDLE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_idle)
+
+
+def _release(pid: int, key: tuple[int, ...], address: int, length: int, counter_at: int) -> None:
+    """Tell the worker that this mapping of the batch is gone; keep it idle or unmap it."""
+    if os.getpid() != pid:  # a fork child: the receiver may still hold it
+        munmap(address, length)
+        return
+    counter = ctypes.c_uint32.from_address(address + counter_at)
+    unmap = [(address, length)]
+    with _RELEASE_LOCK:
+        counter.value += 1
+        if key not in _IDLE and length <= IDLE_BYTES:
+            _IDLE[key] = (address, length)
+            unmap.clear()
+            kept = sum(n for _, n in _IDLE.values())
+            while kept > IDLE_BYTES:
+                oldest = next(iter(_IDLE))
+                unmap.append(_IDLE.pop(oldest))
+                kept -= unmap[-1][1]
+    for mapping in unmap:
+        munmap(*mapping)
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:
