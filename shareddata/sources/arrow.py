@@ -106,6 +106,14 @@ class ArrowSource:
             for start in range(0, len(chunk), step):  # nested: bounded pieces
                 fn(self.label, self.label, column.extract(chunk.slice(start, step)))
 
+    def total_rows(self) -> int:
+        """Rows of the whole table (before :meth:`select_rows`)."""
+        return int(self.table.num_rows)
+
+    def select_rows(self, start: int, stop: int) -> None:
+        """Describe and read only rows ``[start, stop)`` (``shard="node"``; a zero-copy slice)."""
+        self.table = self.table.slice(start, stop - start)
+
     def specs(self) -> list[ColumnSpec]:
         """Exact specs, from the table's buffers (nothing is copied)."""
         specs = []
