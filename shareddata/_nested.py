@@ -118,6 +118,16 @@ def _children(tree: Level) -> list[tuple[Level, tuple[int, ...]]]:
     return out
 
 
+def _arrow_friendly(tree: Level) -> bool:
+    """Whether Arrow's ``to_pylist`` gives this tree's values as the Python path does."""
+    for level in tree.levels():
+        if level.kind == "num" and level.dtype in ("bool", "float16"):
+            return False
+        if level.kind == "list" and level.children[0].kind == "num":
+            return False  # lists of numbers come back as tensors
+    return True
+
+
 class NestedColumn(Column):
     """Rows of nested lists/records, decoded from flat shared buffers on access.
 
@@ -140,6 +150,8 @@ class NestedColumn(Column):
         self._tree = _children(spec.tree)
         self._np = {k: a.numpy() for k, a in arrays.items()}
         self._records = spec.records
+        self._arrow: Any = None  # built on first use: Note [Gathering through Arrow]
+        self._arrow_ok = spec.records and _arrow_friendly(spec.tree)
 
     @staticmethod
     def layout(spec: ColumnSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -184,7 +196,58 @@ class NestedColumn(Column):
 
     def gather(self, indices: torch.Tensor, shared: bool = False) -> list[Any]:
         """The rows ``indices``, one Python value each."""
+        arrow = self._as_arrow() if self._arrow_ok else None
+        if arrow is not None:
+            import pyarrow as pa
+
+            return arrow.take(pa.array(indices.numpy())).to_pylist()  # type: ignore[no-any-return]
         return [self._range(0, i, i + 1)[0] for i in indices.tolist()]
+
+    def _as_arrow(self) -> Any:
+        """An Arrow array over the shared buffers (no copy), or None without pyarrow.
+
+        Note [Gathering through Arrow]
+        ------------------------------
+        The levels are Arrow's own layout (int64 offsets, UTF-8 values, numbers), so
+        an Arrow ``large_list<struct<...>>`` can be laid over the shared buffers
+        without a copy; a batch is then ``take`` + ``to_pylist``, which builds the
+        Python values in C++ (what HF ``datasets`` does), instead of one Python call
+        per element. Used where that gives the same values as the Python path: lists
+        of records (``records=True``) without lists of numbers (tensors there) and
+        without bool or float16 levels (no zero-copy Arrow form).
+        """
+        if self._arrow is None:
+            try:
+                import pyarrow as pa
+            except ImportError:
+                self._arrow_ok = False
+                return None
+            tree = _children(self.spec.tree)  # type: ignore[attr-defined]
+            counts = self.spec.counts  # type: ignore[attr-defined]
+
+            def build(i: int) -> Any:
+                level, kids = tree[i]
+                n = counts[i][0]
+                if level.kind == "struct":
+                    return pa.StructArray.from_arrays([build(k) for k in kids], list(level.names))
+                if level.kind == "num":
+                    data = self._np[f"{i}.data"]
+                    return pa.Array.from_buffers(
+                        pa.from_numpy_dtype(data.dtype), n, [None, pa.py_buffer(data)]
+                    )
+                offsets = pa.py_buffer(self._np[f"{i}.offsets"])
+                if level.kind == "list":
+                    child = build(kids[0])
+                    return pa.Array.from_buffers(
+                        pa.large_list(child.type), n, [None, offsets], children=[child]
+                    )
+                kind = pa.large_string() if level.kind == "str" else pa.large_binary()
+                return pa.Array.from_buffers(
+                    kind, n, [None, offsets, pa.py_buffer(self._np[f"{i}.values"])]
+                )
+
+            self._arrow = build(0)
+        return self._arrow
 
     def split(self, batch: list[Any]) -> list[Any]:
         """A gathered batch is already a list of rows."""

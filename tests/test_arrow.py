@@ -182,6 +182,7 @@ def test_struct_fields_load_as_flattened_columns_with_their_struct_nulls(tmp_pat
 TURN = pa.struct(
     [("role", pa.string()), ("content", pa.string()), ("tokens", pa.list_(pa.int32()))]
 )
+CHAT = pa.struct([("role", pa.string()), ("content", pa.large_string()), ("n", pa.int8())])
 
 
 def _conversations(n=40, seed=0):
@@ -199,6 +200,9 @@ def _conversations(n=40, seed=0):
         grid.append([rng.standard_normal(int(k)).tolist() for k in rng.integers(0, 3, i % 4)])
     return pa.table({
         "messages": pa.array(messages, pa.list_(TURN)),
+        "chat": pa.array(
+            [[{"role": t["role"], "content": t["content"], "n": len(t["tokens"])} for t in m]
+             for m in messages], pa.list_(CHAT)),  # fmt: skip
         "tags": pa.array(tags, pa.list_(pa.string())),
         "grid": pa.array(grid, pa.list_(pa.list_(pa.float64()))),
     })  # fmt: skip
@@ -212,6 +216,8 @@ def test_nested_lists_load_equal_to_pyarrow_from_arrow_and_parquet(tmp_path):
     for ds in (ArrowDataset(chunked, progress=False), ParquetDataset(path, progress=False)):
         assert ds.specs["messages"].kind == "nested"
         assert rows_of(ds) == reference(table)
+        gathered = ds.__getitems__(list(range(len(ds))))  # lists of records: through Arrow
+        assert [plain(dict(s)) for s in gathered] == reference(table)
         batch = ds.__getitems__([3, 0])
         assert plain(batch[0]["messages"]) == table["messages"][3].as_py()
     by_columns = ParquetDataset(path, ["messages"], records=False, progress=False)

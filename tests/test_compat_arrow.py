@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_arrow import reference, rows_of  # noqa: E402
+from test_arrow import plain, reference, rows_of  # noqa: E402
 
 import shareddata as sd  # noqa: E402
 
@@ -118,6 +118,8 @@ def _check_columns(name, make_dataset, want_table, table_rows):
             continue
         want = reference(want_table.select([column]))
         got = rows_of(ds)
+        gathered = [{k: plain(v) for k, v in s.items()} for s in ds.__getitems__(range(len(ds)))]
+        assert gathered == got, (name, column)
         if filled:
             want = [_fill_like(w, g) for w, g in zip(want, got)]
         assert got == want, (name, column, got, want)
