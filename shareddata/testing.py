@@ -48,7 +48,15 @@ def assert_shared(
 
     A thin wrapper of :func:`shareddata.verify` for tests: the error raised,
     :class:`shareddata.DuplicationError`, is an ``AssertionError`` whose message
-    carries the whole per-process table, so pytest shows what was measured.
+    carries the whole per-process table, so pytest shows what was measured, and
+    begins with the verdict in words (``FAIL: the dataset is duplicated ...: <fix>``).
+
+    A shareddata dataset is judged exactly at any size (its pages are counted
+    mapping by mapping). For other datasets the copies are estimated from the
+    processes' growth, and growth within ``report.resolution`` (the working memory
+    iterating adds: a few MiB per process and the batches in flight) is not counted,
+    so a correct loader never fails on noise; a plain dataset much smaller than that
+    resolution cannot be judged and passes.
 
     Args:
         loader: the DataLoader your training code builds (with its workers).

@@ -38,7 +38,8 @@ class Account:
         resolution: the working memory the estimate cannot tell from a copy of the
             data; an ``excess`` within it is not counted as duplication.
         attributed: bytes counted as copies of the dataset: ``copies``, plus
-            ``excess`` when it exceeds ``resolution``.
+            ``excess`` when it exceeds ``resolution``, up to one copy per process of
+            the part of the dataset outside shareddata's segments.
     """
 
     copies: int
@@ -68,6 +69,7 @@ def account(
     after: Sequence[ProcessMemory],
     baselines: int,
     tolerance: int,
+    plain_bytes: int,
 ) -> Account:
     """The copies of the dataset between two measurements of the same processes.
 
@@ -76,15 +78,22 @@ def account(
         after: every process of the loader after its last batch.
         baselines: the summed baselines of the workers in ``after``.
         tolerance: the :func:`resolution` of the estimate, in bytes.
+        plain_bytes: the part of the dataset outside shareddata's segments: working
+            memory can hold at most one copy of it per process (0 for a dataset that
+            is all in segments, whose copies are all counted exactly).
 
     Example:
         >>> row = ProcessMemory(pid=1, role="main", rss=0, uss=0, pss=10, shared=0)
-        >>> account([row], [row, row], baselines=10, tolerance=0)
-        Account(copies=0, excess=0, resolution=0, attributed=0)
+        >>> grown = ProcessMemory(pid=2, role="worker 0", rss=0, uss=0, pss=100, shared=0)
+        >>> account([row], [row, grown], baselines=10, tolerance=50, plain_bytes=1000)
+        Account(copies=0, excess=90, resolution=50, attributed=90)
+        >>> account([row], [row, grown], baselines=10, tolerance=50, plain_bytes=0).attributed
+        0
     """
     copies = max(sum(p.data_copied for p in after) - sum(p.data_copied for p in before), 0)
     excess = sum(p.working for p in after) - sum(p.working for p in before) - baselines
-    attributed = copies + (excess if excess > tolerance else 0)
+    estimated = min(excess, plain_bytes * len(after)) if excess > tolerance else 0
+    attributed = copies + max(estimated, 0)
     return Account(copies=copies, excess=excess, resolution=tolerance, attributed=attributed)
 
 

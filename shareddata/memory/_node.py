@@ -12,8 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ..distributed import NodeContext, exchange, node_context, resolve_timeout
-from ..distributed import socket_name as _socket_name
+from ..distributed import NodeContext, exchange, node_context, resolve_timeout, socket_name
 from ._account import account
 from ._process import ProcessMemory, Segments, measure_all
 from ._report import MemoryReport
@@ -40,7 +39,7 @@ class NodeVerify:
         self.rows: dict[str, list[ProcessMemory]] = {}
 
     def _name(self, phase: str) -> str:
-        return _socket_name(self.ctx, f"verify{phase}", self.number)
+        return socket_name(self.ctx, f"verify{phase}", self.number)
 
     def measurer(self, phase: str) -> Callable[[list[tuple[int | None, str]]], list[ProcessMemory]]:
         """A drop-in for ``measure_all`` that measures the whole node at once."""
@@ -101,6 +100,7 @@ class NodeVerify:
                 after,
                 sum(i["workers"] * i["baseline"] for i in infos),
                 sum(i["resolution"] for i in infos),
+                max(nbytes - infos[0]["shared_bytes"], 0),
             )
             duplication = copies + found.attributed / nbytes if nbytes > 0 else float(copies)
             node = MemoryReport(

@@ -235,7 +235,11 @@ class MemoryReport:
             f"shareddata segments: private copies of their pages {self.copied_bytes / MIB:.1f} "
             "MiB (exact)"
         )
-        counted = "counted as copies" if self.extra_bytes > self.copied_bytes else "not counted"
+        counted = (
+            "counted as copies"
+            if self.extra_bytes > self.copied_bytes
+            else "working memory, not the dataset"
+        )
         lines.append(
             f"working memory grew {self.working_bytes / MIB:.1f} MiB beyond "
             f"{self._workers()} worker baseline(s) of {self.baseline_bytes / MIB:.1f} MiB "
@@ -246,6 +250,11 @@ class MemoryReport:
             lines.append(
                 f"copies in the {self.local_ranks} ranks' main processes: {self.rank_copies}"
             )
+        estimated = self.extra_bytes - self.copied_bytes
+        lines.append(
+            f"{self.verdict()}: beyond one copy {self.extra_bytes / MIB:.1f} MiB "
+            f"({self.copied_bytes / MIB:.1f} MiB counted, {estimated / MIB:.1f} MiB estimated)"
+        )
         lines.append(self.verdict_line())
         return "\n".join(lines)
 
