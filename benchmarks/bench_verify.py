@@ -5,9 +5,10 @@ uint8 images (held once: its pages are counted exactly), the same images as a pl
 numpy ``Dataset`` (fork: shared copy-on-write pages, held once; spawn: one copy per
 worker) and a Python list of tuples under fork (copied as the workers read it).
 Before ``verify`` told the dataset's pages apart (commit fd93927), the SharedDataset
-read 1.08-1.10x (fork) and 1.01x (spawn) on this script, 1.59x/1.28x in the run
-issue 15 reports, and every kind plus these images (33 MiB) read 6.29x under fork
-in a pytest session; now 1.00x in all three.
+read 1.08-1.10x (fork) and 1.01x (spawn) on this script and 1.59x/1.28x in the run
+issue 15 reports; with working memory still counted as copies (its segments already
+told apart), every kind plus these images (33 MiB) read 6.29x under fork in a pytest
+session. Now 1.00x in all of them.
 
 Run: ``python benchmarks/bench_verify.py`` (about 1 min on 2 cores).
 """
