@@ -11,7 +11,7 @@ from faultlib import run_scenario
 def test_memory_filling_up_while_loading_a_second_dataset():
     run = run_scenario(
         """
-        import numpy as np, shareddata as sd, shareddata._storage as storage
+        import numpy as np, shareddata as sd, shareddata._capacity as storage
         from torch.utils.data import DataLoader
 
         rows = 32 * 256  # 32 MiB of 4 KiB rows
