@@ -161,11 +161,11 @@ def test_two_local_ranks_share_one_copy(data_256, tmp_path):
     assert r0["sha1"] == expected
     # SharedDataset(MyDataset()) and SharedList(...) with no code change: local rank 0
     # reads the items, rank 1 attaches without calling __getitem__; one copy per node.
-    assert r0["wrap_calls"] >= 16384 and r1["wrap_calls"] == 0
+    assert r0["wrap_calls"] >= 8192 and r1["wrap_calls"] == 0
     assert r0["wrap_ok"] and r1["wrap_ok"]
     assert r0["dataset_segments"] == r1["dataset_segments"]
     assert r0["list_segments"] == r1["list_segments"]
-    # both measured in one loader (64 MiB each): a per-rank copy of either reads >= 1.5
+    # both measured in one loader (32 MiB each): a per-rank copy of either reads >= 1.5
     assert r0["wrap_duplication"] <= 1.10, run.stdout
     assert r0["wrap_duplication"] == r1["wrap_duplication"]
     assert r0["wrap_process_duplication"] >= 1.8, run.stdout  # share="process": 2 copies

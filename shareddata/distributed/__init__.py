@@ -39,5 +39,3 @@ __all__ = [
     "resolve_timeout",
     "socket_name",
 ]
-
-_socket_name = socket_name  # the former name (memory/_node.py imported it before the split)
