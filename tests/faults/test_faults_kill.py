@@ -20,14 +20,14 @@ def test_sigkill_of_the_parent_during_a_load(where):
         code = r'''
         from shareddata.sources import npy
         import numpy as np, shareddata as sd
-        real = npy.copy_chunked
-        def slow(dest, src, progress=None):
+        real = npy._copy_rows
+        def slow(dest, src, progress):
             def stalled(n):  # the first 64 MiB are in: hold the rest of the load
                 announce()
                 print("@@LOADING", flush=True)
                 time.sleep(120)
             real(dest, src, stalled)
-        npy.copy_chunked = slow
+        npy._copy_rows = slow
         sd.NumpyDataset(np.broadcast_to(np.float32(1), ({MIB} * 256, 1024)),
                         storage_dir=STORE if sys.argv[1] == "store" else None)
         '''
