@@ -763,3 +763,34 @@ def test_invalid_utf8_in_a_string_column_is_refused_naming_file_and_column(tmp_p
         ParquetDataset(path, progress=False)
     assert "binary" in str(info.value)
     assert ParquetDataset(path, columns=["n"], progress=False)[2]["n"].item() == 3
+
+
+def test_select_rows_reads_a_range_across_files_and_row_groups(tmp_path):
+    """What shard="node" loads: rows [start, stop) of the files together, any cut."""
+    from shareddata._dataset import ColumnDataset
+    from shareddata._load import build
+    from shareddata.sources.parquet import ParquetSource
+
+    n = 1000
+    table = pa.table(
+        {
+            "i": np.arange(n),
+            "s": [f"r{i}" for i in range(n)],
+            "l": pa.array([[i] * (i % 3) for i in range(n)]),
+            "st": pa.array([{"a": i, "b": str(i)} for i in range(n)]),
+        }
+    )
+    pq.write_table(table.slice(0, 400), tmp_path / "a.parquet", row_group_size=70)
+    pq.write_table(table.slice(400), tmp_path / "b.parquet", row_group_size=130)
+    full = table.to_pylist()
+    for start, stop in [(0, 333), (333, 666), (666, 1000), (399, 401), (999, 1000)]:
+        source = ParquetSource(tmp_path)
+        assert source.total_rows() == n
+        source.select_rows(start, stop)
+        ds = ColumnDataset(build(source, share="process", progress=False))
+        assert len(ds) == stop - start
+        for k in range(stop - start):
+            got, want = ds[k], full[start + k]
+            assert int(got["i"]) == want["i"] and got["s"] == want["s"]
+            assert got["l"].tolist() == want["l"]
+            assert (int(got["st.a"]), got["st.b"]) == (want["st"]["a"], want["st"]["b"])

@@ -16,7 +16,7 @@ variable-length columns through Arrow's ``offsets`` and ``values`` buffers. Each
 chunk's offsets (int32 for ``string``/``list``) are rebased onto the running int64
 total (:func:`rebase_offsets`), so columns beyond 2 GiB work. Arrow's memory is
 given back to the system after every row group (``release_unused``): its allocator
-otherwise keeps several times the data after a load (FACTS.md).
+otherwise keeps several times the data after a load (docs/internals.md#arrow-memory).
 
 The loading process's private memory is thus bounded by a batch, not by the row
 group: decoding needs about eight times the batch's values (levels, pages, the
@@ -274,6 +274,7 @@ class ParquetSource:
         self.memory_map = memory_map
         self._open: Any = None
         self._specs: list[ColumnSpec] | None = None
+        self._window: tuple[int, int] | None = None  # rows [start, stop) of select_rows
         self.files = [self._info(p) for p in self.paths]
         first = self.files[0]
         schema = first.schema
@@ -358,6 +359,25 @@ class ParquetSource:
                 fields[name] = unified.field(0)
         return pa.schema([fields[n] if n in fields else schema.field(n) for n in schema.names])
 
+    def total_rows(self) -> int:
+        """Rows of every file together (before :meth:`select_rows`), from the metadata."""
+        return sum(info.rows for info in self.files)
+
+    def select_rows(self, start: int, stop: int) -> None:
+        """Describe and read only rows ``[start, stop)`` of the files together (``shard="node"``).
+
+        Row groups outside the range are never decoded; the ones it cuts are decoded
+        and sliced.
+        """
+        self._window = (int(start), int(stop))
+        self._specs = None
+
+    def _overlap(self, first: int, count: int) -> tuple[int, int] | None:
+        """The part ``[a, b)`` of global rows ``[first, first + count)`` that is selected."""
+        lo, hi = self._window if self._window is not None else (0, first + count)
+        a, b = max(first, lo), min(first + count, hi)
+        return (a, b) if a < b else None
+
     # -- reading one column, row group by row group ------------------------------------------
     def _file(self, info: _ParquetFileInfo) -> Any:
         self._close_open()
@@ -381,15 +401,24 @@ class ParquetSource:
         """
         pa = _pyarrow()
         selector = ".".join(column.path)  # a struct's field: only its leaves are decoded
+        base = 0  # global row of the current file's first row
         for f, info in enumerate(self.files):
+            first_file_row, base = base, base + info.rows
+            if self._overlap(first_file_row, info.rows) is None:
+                continue
             if column.name in self._partition_names:  # the value of the file's folder
+                a, b = self._overlap(first_file_row, info.rows)  # type: ignore[misc]
                 value = pa.scalar(self.partitions[f].get(column.name), column.arrow_type)
-                for start in range(0, info.rows, _MAX_BATCH_ROWS):
-                    n = min(_MAX_BATCH_ROWS, info.rows - start)
+                for start in range(a, b, _MAX_BATCH_ROWS):
+                    n = min(_MAX_BATCH_ROWS, b - start)
                     fn(info.path, info.path, column.extract(pa.repeat(value, n)))
                 continue
             pf = self._file(info)
+            group_first = first_file_row
             for i, rows in enumerate(info.row_groups):
+                group_first += rows
+                if self._overlap(group_first - rows, rows) is None:
+                    continue
                 where = f"{info.path} (row group {i})"
                 batch_rows = self._batch_rows(info, column, i)
                 seen = 0
@@ -398,12 +427,17 @@ class ParquetSource:
                         batch_size=batch_rows, row_groups=[i], columns=[selector],
                         use_threads=False,
                     ):  # fmt: skip
+                        at = group_first - rows + seen  # global row of the batch's first row
                         seen += batch.num_rows
                         if seen > rows:
                             break
                         chunk = batch.column(0)
                         del batch
-                        fn(info.path, where, column.extract(chunk))
+                        part = self._overlap(at, len(chunk))
+                        if part is not None:
+                            if part != (at, at + len(chunk)):
+                                chunk = chunk.slice(part[0] - at, part[1] - part[0])
+                            fn(info.path, where, column.extract(chunk))
                         del chunk
                 except _arrow_errors() as e:
                     if isinstance(e, SharedDataError):
@@ -433,6 +467,8 @@ class ParquetSource:
 
     def _stats_nulls(self, column: _Column) -> dict[str, int] | None:
         """Nulls per file from the column statistics, or None where they are missing."""
+        if self._window is not None:  # statistics cover whole row groups, not a range
+            return None
         per_file: dict[str, int] = {}
         for info in self.files:
             j = info.leaf_index.get(column.name)
@@ -454,7 +490,9 @@ class ParquetSource:
         """Exact specs: metadata for fixed-shape columns, a sizing pass for the others."""
         if self._specs is not None:
             return self._specs
-        rows = sum(info.rows for info in self.files)
+        rows = self.total_rows()
+        if self._window is not None:
+            rows = self._window[1] - self._window[0]
         specs = []
         for column in self.columns:
             k = column.kind
