@@ -31,7 +31,7 @@ import torch
 from ._columns import COLUMN_KINDS, Column, ColumnSpec
 from ._storage import SharedArray
 
-__all__ = ["Level", "NestedColumn", "NestedSpec"]
+__all__ = ["Level", "NestedColumn", "NestedSpec", "children"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def level_layout(
     return out
 
 
-def _children(tree: Level) -> list[tuple[Level, tuple[int, ...]]]:
+def children(tree: Level) -> list[tuple[Level, tuple[int, ...]]]:
     """Per level (preorder), the level and the preorder indices of its children."""
     out: list[tuple[Level, tuple[int, ...]]] = []
 
@@ -147,7 +147,7 @@ class NestedColumn(Column):
     def __init__(self, spec: ColumnSpec, arrays: dict[str, SharedArray]) -> None:
         super().__init__(spec, arrays)
         assert isinstance(spec, NestedSpec)
-        self._tree = _children(spec.tree)
+        self._tree = children(spec.tree)
         self._np = {k: a.numpy() for k, a in arrays.items()}
         self._records = spec.records
         self._arrow: Any = None  # built on first use: Note [Gathering through Arrow]
@@ -222,7 +222,7 @@ class NestedColumn(Column):
             except ImportError:
                 self._arrow_ok = False
                 return None
-            tree = _children(self.spec.tree)  # type: ignore[attr-defined]
+            tree = children(self.spec.tree)  # type: ignore[attr-defined]
             counts = self.spec.counts  # type: ignore[attr-defined]
 
             def build(i: int) -> Any:
@@ -258,7 +258,7 @@ class NestedColumn(Column):
         cls, name: str, tree: Level, rows: list[Any], records: bool = True
     ) -> NestedColumn:
         """A column holding ``rows`` (Python values shaped like ``tree``; for tests)."""
-        levels = _children(tree)
+        levels = children(tree)
         parts: list[list[Any]] = [[] for _ in levels]
 
         def add(i: int, values: list[Any]) -> None:

@@ -646,10 +646,10 @@ def test_rebase_offsets_beyond_int32():
 
 def test_writer_rebases_chunks_onto_a_large_running_total():
     # a string chunk written when 3 GiB of values are already in the column
-    column = sp._Column("s", pa.string(), "t", None)
+    column = sp.ArrowColumn("s", pa.string(), "t", None)
     spec = sd._columns.ColumnSpec("s", 2, np.dtype(np.uint8), (), "str", 5)
     buffers = {"offsets": np.zeros(3, np.int64), "values": np.zeros(5, np.uint8)}
-    writer = sp._Writer(column, spec, {k: as_buffer(b) for k, b in buffers.items()})
+    writer = sp.Writer(column, spec, {k: as_buffer(b) for k, b in buffers.items()})
     writer.write(pa.array(["ab", "cde"]).slice(0), "t")
     assert buffers["offsets"].tolist() == [0, 2, 5]
     assert bytes(buffers["values"]) == b"abcde"
@@ -715,13 +715,13 @@ def test_row_groups_are_decoded_in_bounded_batches(tmp_path, monkeypatch):
     pq.write_table(table, path, row_group_size=rows)
     monkeypatch.setattr(sp, "_BATCH_BYTES", 6400)  # 100 rows of x
     chunks = []
-    real = sp._Writer.write
+    real = sp.Writer.write
 
     def write(self, arr, where):
         chunks.append((self.spec.name, len(arr)))
         return real(self, arr, where)
 
-    monkeypatch.setattr(sp._Writer, "write", write)
+    monkeypatch.setattr(sp.Writer, "write", write)
     ds = ParquetDataset(path)
     x_chunks = [n for name, n in chunks if name == "x"]
     assert sum(x_chunks) == rows and max(x_chunks) <= 110 and len(x_chunks) >= 18

@@ -2,8 +2,8 @@
 
 What :class:`~shareddata.sources.arrow.ArrowDataset` (in-memory tables) and
 :class:`~shareddata.sources.parquet.ParquetDataset` (decoded Parquet batches) share:
-a selected column (:class:`_Column`, struct fields flattened to ``s.a``), its
-sizing pass (:class:`_Sizer`) and its copy into the buffers (:class:`_Writer`, only
+a selected column (:class:`ArrowColumn`, struct fields flattened to ``s.a``), its
+sizing pass (:class:`Sizer`) and its copy into the buffers (:class:`Writer`, only
 through ``Buffer.rows``); see Note [Reading Parquet into shared memory] in
 ``parquet.py`` for how Parquet batches are cut.
 
@@ -50,7 +50,7 @@ from ._arrow_nested import Parts, Refused, decoded, level_of, parts
 FillValue = Any  # a scalar, or a mapping {column: scalar}
 
 
-def _pyarrow() -> ModuleType:
+def pyarrow_module() -> ModuleType:
     """``pyarrow``, imported on first use so ``import shareddata`` works without it."""
     try:
         import pyarrow
@@ -60,9 +60,9 @@ def _pyarrow() -> ModuleType:
     return pyarrow
 
 
-def _release_arrow_memory() -> None:
+def release_arrow_memory() -> None:
     """Give the memory Arrow's allocator keeps after a read back to the system."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     pa.default_memory_pool().release_unused()
 
 
@@ -118,7 +118,7 @@ def _unsupported(name: str, label: str, arrow_type: Any, fix: str) -> Unsupporte
 
 def _numeric_dtype(t: Any) -> np.dtype | None:
     """The numpy dtype of an integer, float or bool Arrow type (else None)."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         return np.dtype(t.to_pandas_dtype())
     return None
@@ -126,7 +126,7 @@ def _numeric_dtype(t: Any) -> np.dtype | None:
 
 def _temporal_storage(t: Any) -> Any:
     """The integer type a timestamp/date/time/duration is stored as (else None)."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     if pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_date64(t):
         return pa.int64()
     if pa.types.is_time64(t):
@@ -136,8 +136,8 @@ def _temporal_storage(t: Any) -> Any:
     return None
 
 
-def _is_list(t: Any) -> bool:
-    pa = _pyarrow()
+def is_list(t: Any) -> bool:
+    pa = pyarrow_module()
     return bool(
         pa.types.is_list(t)
         or pa.types.is_large_list(t)
@@ -148,7 +148,7 @@ def _is_list(t: Any) -> bool:
 
 def _classify(t: Any, name: str, label: str) -> _Kind:
     """The column kind an Arrow type is stored as, or a clear UnsupportedDtypeError."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     if isinstance(t, pa.FixedShapeTensorType):
         perm = t.permutation
         if perm is not None and list(perm) != sorted(perm):
@@ -196,7 +196,7 @@ def _classify(t: Any, name: str, label: str) -> _Kind:
                 "other values as separate columns",
             )
         return _Kind("tensor", item.dtype, (int(t.list_size), *item.shape))
-    if _is_list(t):
+    if is_list(t):
         inner_dtype = _numeric_dtype(t.value_type)
         if inner_dtype is not None:
             return _Kind("ragged", inner_dtype)
@@ -232,7 +232,7 @@ def _classify(t: Any, name: str, label: str) -> _Kind:
 
 
 def _is_numberish(t: Any) -> bool:
-    pa = _pyarrow()
+    pa = pyarrow_module()
     return _numeric_dtype(t) is not None or pa.types.is_fixed_size_list(t)
 
 
@@ -242,7 +242,7 @@ def _normalize(arr: Any) -> Any:
     Strings and binary -> ``(large_)string/(large_)binary``, lists -> ``(large_)list``,
     temporal -> their integer storage, extension -> storage, dictionary -> decoded.
     """
-    pa = _pyarrow()
+    pa = pyarrow_module()
     while True:
         t = arr.type
         if isinstance(t, pa.BaseExtensionType):
@@ -277,7 +277,7 @@ def _leaf(arr: Any) -> tuple[Any, np.ndarray | None]:
     Returns the leaf array (``len(arr) * prod(shape)`` values, a null row's slots
     included) and a mask of valid leaf values, or None when every value is valid.
     """
-    pa = _pyarrow()
+    pa = pyarrow_module()
     if not pa.types.is_fixed_size_list(arr.type):
         return arr, (_valid_mask(arr) if arr.null_count else None)
     size = arr.type.list_size
@@ -290,7 +290,7 @@ def _leaf(arr: Any) -> tuple[Any, np.ndarray | None]:
 
 def _numpy_values(prim: Any, dtype: np.dtype) -> np.ndarray:
     """A primitive array's values as numpy (zero-copy when possible), nulls as garbage."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     if len(prim) == 0:
         return np.zeros(0, dtype)
     if prim.null_count == 0:
@@ -305,7 +305,7 @@ def _numpy_values(prim: Any, dtype: np.dtype) -> np.ndarray:
 
 def _var_offsets(arr: Any) -> np.ndarray:
     """The ``len + 1`` offsets of a string/binary/list array, its slice offset applied."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     t = arr.type
     wide = pa.types.is_large_string(t) or pa.types.is_large_binary(t) or pa.types.is_large_list(t)
     dtype = np.dtype(np.int64 if wide else np.int32)
@@ -315,7 +315,7 @@ def _var_offsets(arr: Any) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=len(arr) + 1, offset=arr.offset * dtype.itemsize)
 
 
-class _Column:
+class ArrowColumn:
     """One selected column: its kind, its fill value, and how a chunk is turned into buffers.
 
     Args:
@@ -464,7 +464,7 @@ class _Column:
         Null rows are replaced by the fill value here (the caller has checked that
         one was given); null elements of lists are reported by the mask.
         """
-        pa = _pyarrow()
+        pa = pyarrow_module()
         if arr.null_count:
             if self.kind.kind == "ragged":
                 arr = pa.compute.fill_null(arr, pa.scalar([], type=arr.type))
@@ -490,10 +490,10 @@ class _Column:
         return int(offsets[-1]) - int(offsets[0])
 
 
-class _Writer:
+class Writer:
     """Copies one column's chunks, in order, into its shared buffers."""
 
-    def __init__(self, column: _Column, spec: ColumnSpec, buffers: dict[str, Buffer]) -> None:
+    def __init__(self, column: ArrowColumn, spec: ColumnSpec, buffers: dict[str, Buffer]) -> None:
         self.column = column
         self.spec = spec
         self.buffers = buffers
@@ -611,10 +611,10 @@ class _Writer:
             )
 
 
-class _Sizer:
+class Sizer:
     """Counts one column's nulls and values over its chunks: the exact spec, or the error."""
 
-    def __init__(self, column: _Column) -> None:
+    def __init__(self, column: ArrowColumn) -> None:
         self.column = column
         self.values = 0
         self.nulls: dict[str, int] = {}
@@ -674,7 +674,7 @@ def _check_utf8(chunk: Any, name: str, where: str) -> None:
     """
     try:
         chunk.validate(full=True)
-    except _pyarrow().ArrowInvalid as error:
+    except pyarrow_module().ArrowInvalid as error:
         raise SourceReadError(
             f"{where}: column {name!r} holds bytes that are not UTF-8 text ({error}). The "
             "file is corrupt, or the column is binary data written as a string: re-create "
@@ -705,7 +705,7 @@ def _fields(schema: Any) -> list[tuple[str, tuple[str, ...], Any]]:
     A struct column ``s`` with fields ``a`` and ``b`` gives ``s.a`` and ``s.b`` (nested
     structs ``s.b.c``), the names ``Table.flatten()`` gives them.
     """
-    pa = _pyarrow()
+    pa = pyarrow_module()
     out: list[tuple[str, tuple[str, ...], Any]] = []
 
     def walk(name: str, path: tuple[str, ...], t: Any) -> None:
@@ -729,24 +729,24 @@ def _groups(fields: Sequence[tuple[str, tuple[str, ...], Any]]) -> dict[str, lis
     return groups
 
 
-def _make_columns(
+def make_columns(
     schema: Any,
     names: Sequence[str],
     label: str,
     fill_value: FillValue,
     records: bool = True,
-) -> list[_Column]:
+) -> list[ArrowColumn]:
     _check_fill_keys(fill_value, names, label)
     by_name = {name: (path, t) for name, path, t in _fields(schema)}
     columns = []
     for name in names:
         fill, is_global = _fill_for(fill_value, name)
         path, t = by_name[name]
-        columns.append(_Column(name, t, label, fill, is_global, path, records))
+        columns.append(ArrowColumn(name, t, label, fill, is_global, path, records))
     return columns
 
 
-def _select_fields(schema: Any, columns: Sequence[str] | None, label: str) -> list[str]:
+def select_fields(schema: Any, columns: Sequence[str] | None, label: str) -> list[str]:
     """The flattened columns selected from ``schema`` (a struct's name selects its fields)."""
     fields = _fields(schema)
     return _select([n for n, _, _ in fields], columns, label, _groups(fields))

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .._nested import Level, _children
+from .._nested import Level, children
 from ..errors import UnsupportedDtypeError
 
 __all__ = ["Parts", "Refused", "decoded", "level_of", "parts"]
@@ -158,7 +158,7 @@ def parts(arr: Any, tree: Level, fill: Any, where: str, name: str) -> Parts:
         name: the column, for messages.
     """
     pa = _pa()
-    levels = _children(tree)
+    levels = children(tree)
     out = Parts()
 
     def walk(arr: Any, i: int) -> None:

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .._storage import ready
 from ..errors import SourceReadError
 
 __all__ = ["read_into"]
@@ -28,7 +27,8 @@ def read_into(
     Args:
         path: the file.
         offset: where the data starts in the file.
-        out: the destination; its ``nbytes`` are read.
+        out: the destination; its ``nbytes`` are read. Its pages must be ready to
+            write (a view from ``Buffer.rows``).
         progress: called with the bytes of each chunk read.
         what: the data, for messages (e.g. ``"data.npy"`` or ``"f.h5: dataset 'x'"``).
 
@@ -51,7 +51,6 @@ def read_into(
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             while pos < len(view):
-                ready(flat, pos + _CHUNK)  # pages still being allocated: wait for them
                 n = os.preadv(fd, [view[pos : pos + _CHUNK]], offset + pos)
                 if n == 0:
                     raise SourceReadError(

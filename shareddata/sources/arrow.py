@@ -16,15 +16,15 @@ from .._dataset import ColumnDataset, Output, load_columns
 from .._load import Buffer
 from ..errors import UnsupportedDtypeError
 from ._arrow_columns import (
+    ArrowColumn,
     FillValue,
-    _Column,
-    _make_columns,
-    _pyarrow,
-    _release_arrow_memory,
-    _select_fields,
-    _Sizer,
-    _Writer,
+    Sizer,
+    Writer,
+    make_columns,
+    pyarrow_module,
     rebase_offsets,
+    release_arrow_memory,
+    select_fields,
 )
 
 __all__ = ["ArrowDataset", "ArrowSource", "rebase_offsets"]
@@ -38,7 +38,7 @@ _NESTED_ROWS = 1 << 16
 
 
 def _as_table(table: Any) -> Any:
-    pa = _pyarrow()
+    pa = pyarrow_module()
     if isinstance(table, pa.Table):
         return table
     if isinstance(table, pa.RecordBatch):
@@ -93,11 +93,11 @@ class ArrowSource:
         records: bool = True,
     ) -> None:
         self.table = _as_table(table)
-        names = _select_fields(self.table.schema, columns, self.label)
-        self.columns = _make_columns(self.table.schema, names, self.label, fill_value, records)
+        names = select_fields(self.table.schema, columns, self.label)
+        self.columns = make_columns(self.table.schema, names, self.label, fill_value, records)
         self._by_name = {c.name: c for c in self.columns}
 
-    def _each_chunk(self, column: _Column, fn: Callable[[str, str, Any], None]) -> None:
+    def _each_chunk(self, column: ArrowColumn, fn: Callable[[str, str, Any], None]) -> None:
         step = _NESTED_ROWS if column.kind.kind == "nested" else None
         for chunk in self.table.column(column.path[0]).chunks:
             if step is None:
@@ -118,7 +118,7 @@ class ArrowSource:
         """Exact specs, from the table's buffers (nothing is copied)."""
         specs = []
         for column in self.columns:
-            sizer = _Sizer(column)
+            sizer = Sizer(column)
             self._each_chunk(column, sizer.add)
             specs.append(sizer.spec(self.table.num_rows))
         return specs
@@ -127,12 +127,12 @@ class ArrowSource:
         self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
     ) -> None:
         """Fill one column's buffers, one chunk at a time."""
-        writer = _Writer(self._by_name[spec.name], spec, buffers)
+        writer = Writer(self._by_name[spec.name], spec, buffers)
         self._each_chunk(
             writer.column, lambda _, where, chunk: progress(writer.write(chunk, where))
         )
         writer.finish(self.label)
-        _release_arrow_memory()
+        release_arrow_memory()
 
     def close(self) -> None:
         """Drop the reference to the table (the caller's table is untouched)."""

@@ -51,16 +51,16 @@ from ..errors import (
     UnsupportedDtypeError,
 )
 from ._arrow_columns import (
+    ArrowColumn,
     FillValue,
-    _Column,
-    _is_list,
-    _make_columns,
-    _pyarrow,
-    _release_arrow_memory,
-    _select_fields,
-    _Sizer,
-    _Writer,
+    Sizer,
+    Writer,
+    is_list,
+    make_columns,
+    pyarrow_module,
     rebase_offsets,
+    release_arrow_memory,
+    select_fields,
 )
 from .arrow import ArrowDataset, ArrowSource
 
@@ -74,14 +74,14 @@ _MAX_BATCH_ROWS = 1 << 20
 
 
 def _parquet() -> ModuleType:
-    _pyarrow()
+    pyarrow_module()
     import pyarrow.parquet
 
     return pyarrow.parquet
 
 
 def _dataset() -> ModuleType:
-    _pyarrow()
+    pyarrow_module()
     import pyarrow.dataset
 
     return pyarrow.dataset
@@ -170,7 +170,7 @@ def _discover(folder: str) -> list[str]:
     """The files ``pyarrow.dataset`` finds under ``folder`` (recursively)."""
     try:
         # an empty schema: no file is opened to infer one (a README.txt may sort first)
-        found = _dataset().dataset(folder, format="parquet", schema=_pyarrow().schema([]))
+        found = _dataset().dataset(folder, format="parquet", schema=pyarrow_module().schema([]))
         return list(found.files)
     except _arrow_errors() as e:
         raise _read_error(folder, e, "listing its files") from e
@@ -178,7 +178,7 @@ def _discover(folder: str) -> list[str]:
 
 def _partitions(files: list[str], base: str | None) -> tuple[list[dict[str, Any]], Any]:
     """Per file, its Hive partition values (``key=value`` folders under ``base``)."""
-    pa, ds = _pyarrow(), _dataset()
+    pa, ds = pyarrow_module(), _dataset()
     if base is None or not any("=" in os.path.relpath(os.path.dirname(f), base) for f in files):
         return [{} for _ in files], pa.schema([])
     try:
@@ -193,7 +193,7 @@ def _partitions(files: list[str], base: str | None) -> tuple[list[dict[str, Any]
 
 
 def _arrow_errors() -> tuple[type[BaseException], ...]:
-    pa = _pyarrow()
+    pa = pyarrow_module()
     return (pa.ArrowException, OSError, ValueError, EOFError)
 
 
@@ -206,14 +206,14 @@ def _read_error(path: str, error: BaseException, doing: str) -> SourceReadError:
 
 def _leaf_count(t: Any) -> int:
     """How many Parquet leaf columns an Arrow type is stored as."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     if isinstance(t, pa.BaseExtensionType):
         return _leaf_count(t.storage_type)
     if pa.types.is_struct(t):
         return sum(_leaf_count(t.field(i).type) for i in range(t.num_fields))
     if pa.types.is_map(t):
         return _leaf_count(t.key_type) + _leaf_count(t.item_type)
-    if _is_list(t) or pa.types.is_fixed_size_list(t):
+    if is_list(t) or pa.types.is_fixed_size_list(t):
         return _leaf_count(t.value_type)
     if pa.types.is_dictionary(t):
         return _leaf_count(t.value_type)
@@ -222,7 +222,7 @@ def _leaf_count(t: Any) -> int:
 
 def _struct_leaves(name: str, t: Any, first: int, out: dict[str, int]) -> None:
     """The first Parquet leaf column of each field of a struct (``s.a``, ``s.b.c``)."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     if not pa.types.is_struct(t):
         return
     j = first
@@ -266,7 +266,7 @@ class ParquetSource:
         memory_map: bool = True,
         records: bool = True,
     ) -> None:
-        pa = _pyarrow()
+        pa = pyarrow_module()
         self._pq = _parquet()
         found = _parquet_files(path)
         self.paths, self.label = found.files, found.label
@@ -285,11 +285,11 @@ class ParquetSource:
                 f"({clash[0]}=...); rename one of them."
             )
         schema = pa.schema([*schema, *found.partition_schema])
-        names = _select_fields(schema, columns, first.path)
+        names = select_fields(schema, columns, first.path)
         tops = list(dict.fromkeys(n.split(".")[0] if n not in schema.names else n
                                   for n in names))  # fmt: skip
         self.schema = self._unify(schema, tops, found.partition_schema.names, columns is None)
-        self.columns = _make_columns(self.schema, names, self.label, fill_value, records)
+        self.columns = make_columns(self.schema, names, self.label, fill_value, records)
         self._by_name = {c.name: c for c in self.columns}
         self._partition_names = set(found.partition_schema.names)
 
@@ -323,7 +323,7 @@ class ParquetSource:
         any type...: ``pa.unify_schemas(promote_options="permissive")``); each batch is
         cast to the promoted type. Otherwise the file and column are named.
         """
-        pa = _pyarrow()
+        pa = pyarrow_module()
         first = self.files[0]
         fields = {name: schema.field(name) for name in tops}
         for other in self.files[1:]:
@@ -391,7 +391,7 @@ class ParquetSource:
             raise _read_error(info.path, e, "opening it") from e
         return self._open
 
-    def _each_chunk(self, column: _Column, fn: Callable[[str, str, Any], None]) -> None:
+    def _each_chunk(self, column: ArrowColumn, fn: Callable[[str, str, Any], None]) -> None:
         """Call ``fn(file, where, chunk)`` for one column, in bounded batches of rows.
 
         Each row group is decoded a batch of about ``_BATCH_BYTES`` at a time
@@ -399,7 +399,7 @@ class ParquetSource:
         referenced once ``fn`` returns, and Arrow's memory is given back after
         every row group.
         """
-        pa = _pyarrow()
+        pa = pyarrow_module()
         selector = ".".join(column.path)  # a struct's field: only its leaves are decoded
         base = 0  # global row of the current file's first row
         for f, info in enumerate(self.files):
@@ -450,10 +450,10 @@ class ParquetSource:
                         f"{where} gave {seen} rows of {column.name!r} where its metadata says "
                         f"{rows}; re-create the file."
                     )
-                _release_arrow_memory()
+                release_arrow_memory()
             self._close_open()
 
-    def _batch_rows(self, info: _ParquetFileInfo, column: _Column, i: int) -> int:
+    def _batch_rows(self, info: _ParquetFileInfo, column: ArrowColumn, i: int) -> int:
         """Rows per batch so that one decoded batch is about ``_BATCH_BYTES``."""
         rows = info.row_groups[i]
         first = info.leaf_index.get(column.name)
@@ -465,7 +465,7 @@ class ParquetSource:
         per_row = max(1, size // rows)
         return max(1, min(rows, _MAX_BATCH_ROWS, _BATCH_BYTES // per_row))
 
-    def _stats_nulls(self, column: _Column) -> dict[str, int] | None:
+    def _stats_nulls(self, column: ArrowColumn) -> dict[str, int] | None:
         """Nulls per file from the column statistics, or None where they are missing."""
         if self._window is not None:  # statistics cover whole row groups, not a range
             return None
@@ -508,7 +508,7 @@ class ParquetSource:
                     column.fill_scalar()  # a bad fill value fails before loading
                 specs.append(ColumnSpec(column.name, rows, k.dtype, k.shape))
                 continue
-            sizer = _Sizer(column)  # var-length, or no usable statistics: read once
+            sizer = Sizer(column)  # var-length, or no usable statistics: read once
             self._each_chunk(column, sizer.add)
             specs.append(sizer.spec(rows))
         self._specs = specs
@@ -518,7 +518,7 @@ class ParquetSource:
         self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
     ) -> None:
         """Fill one column's buffers, one batch of rows at a time."""
-        writer = _Writer(self._by_name[spec.name], spec, buffers)
+        writer = Writer(self._by_name[spec.name], spec, buffers)
         self._each_chunk(
             writer.column, lambda _, where, chunk: progress(writer.write(chunk, where))
         )
@@ -532,7 +532,7 @@ class ParquetSource:
     def close(self) -> None:
         """Close the file being read, and give Arrow's memory back."""
         self._close_open()
-        _release_arrow_memory()
+        release_arrow_memory()
 
 
 class ParquetDataset(ColumnDataset):
