@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
         "many times each holds the data, the memory saved and the time to the first batch.",
         epilog="examples:\n"
         "  python -m shareddata demo\n"
-        "  python -m shareddata demo --size 1GiB --workers 4 --start-method spawn\n"
+        "  python -m shareddata demo --size 1GiB --workers 4 --start-method forkserver\n"
         "  python -m shareddata demo --plot memory.png",
         formatter_class=_Formatter,
     )
@@ -371,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=_positive, default=2, help="DataLoader num_workers")
     demo.add_argument(
         "--start-method",
-        choices=["forkserver", "spawn", "fork"],
-        default="forkserver",
+        choices=["spawn", "forkserver", "fork"],
+        default="spawn",
         help="how workers start; forkserver and spawn pickle the naive Dataset into each "
         "worker, fork shares it until written",
     )

@@ -42,7 +42,7 @@ import shareddata as sd
 from shareddata.sources.parquet import ArrowDataset, ParquetDataset
 
 EXAMPLES = int(os.environ.get("SHAREDDATA_FUZZ_EXAMPLES", "25"))
-CASES = int(os.environ.get("SHAREDDATA_FUZZ_CASES", "50"))
+CASES = int(os.environ.get("SHAREDDATA_FUZZ_CASES", "30"))
 SEED = int(os.environ.get("SHAREDDATA_FUZZ_SEED", "0"))
 LONG = "SHAREDDATA_FUZZ_EXAMPLES" in os.environ  # the long run explores; the default replays
 FAULTS = os.path.join(REPO, "tests", "faults")
