@@ -193,6 +193,8 @@ def render(results: dict, baseline: str, current: str) -> str:
             noise = abs(ratio - 1) <= 0.10
         faster = ratio > 1 if case["higher_is_better"] else ratio < 1
         verdict = "within noise" if noise else ("faster" if faster else "slower")
+        if case["unit"] == "x" and not noise:  # copies of the data: lower is better
+            verdict = "lower" if ratio < 1 else "higher"
         unit = case["unit"]
         lines.append(
             f"| {case['name']} | {b:.3g} {unit} ({lo_b:.3g}-{hi_b:.3g}) "
