@@ -143,15 +143,15 @@ def _shared_without_pages(ds: Dataset) -> None:
     handing blocks over) with no kernel page work on the other core. Its main-thread
     CPU next to ``shared``'s shows what that page work costs the iteration itself.
     """
-    from shareddata import _materialise
+    from shareddata import _writer
 
-    write, populate = _materialise._BlockWriter.write, _materialise._Writer._map
-    _materialise._BlockWriter.write = lambda self, *args: None  # type: ignore[method-assign]
-    _materialise._Writer._map = lambda self, *args: None  # type: ignore[method-assign]
+    write, populate = _writer.BlockWriter.write, _writer.Writer._map
+    _writer.BlockWriter.write = lambda self, *args: None  # type: ignore[method-assign]
+    _writer.Writer._map = lambda self, *args: None  # type: ignore[method-assign]
     try:
         sd.SharedDataset(ds, progress=False)
     finally:
-        _materialise._BlockWriter.write, _materialise._Writer._map = write, populate
+        _writer.BlockWriter.write, _writer.Writer._map = write, populate
 
 
 LIBC = ctypes.CDLL(None, use_errno=True)
