@@ -45,7 +45,7 @@ from ..errors import (
     UnsupportedDtypeError,
     missing_dependency,
 )
-from ._arrow_nested import Parts, Refused, decoded, level_of, parts
+from ._arrow_nested import Parts, Refused, decoded, level_of, parts, temporal_storage
 
 FillValue = Any  # a scalar, or a mapping {column: scalar}
 
@@ -124,18 +124,6 @@ def _numeric_dtype(t: Any) -> np.dtype | None:
     return None
 
 
-def _temporal_storage(t: Any) -> Any:
-    """The integer type a timestamp/date/time/duration is stored as (else None)."""
-    pa = pyarrow_module()
-    if pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_date64(t):
-        return pa.int64()
-    if pa.types.is_time64(t):
-        return pa.int64()
-    if pa.types.is_date32(t) or pa.types.is_time32(t):
-        return pa.int32()
-    return None
-
-
 def is_list(t: Any) -> bool:
     pa = pyarrow_module()
     return bool(
@@ -173,7 +161,7 @@ def _classify(t: Any, name: str, label: str) -> _Kind:
     dtype = _numeric_dtype(t)
     if dtype is not None:
         return _Kind("tensor", dtype)
-    storage = _temporal_storage(t)
+    storage = temporal_storage(t)
     if storage is not None:
         return _Kind("tensor", np.dtype(storage.to_pandas_dtype()))
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
@@ -261,8 +249,8 @@ def _normalize(arr: Any) -> Any:
             np.cumsum(lengths.to_numpy(zero_copy_only=False), out=offsets[1:])
             mask = arr.is_null() if arr.null_count else None
             arr = pa.LargeListArray.from_arrays(pa.array(offsets), arr.flatten(), mask=mask)
-        elif _temporal_storage(t) is not None:
-            arr = arr.view(_temporal_storage(t))
+        elif temporal_storage(t) is not None:
+            arr = arr.view(temporal_storage(t))
         else:
             return arr
 

@@ -45,7 +45,8 @@ def _pa() -> Any:
     return pyarrow
 
 
-def _temporal(t: Any) -> Any:
+def temporal_storage(t: Any) -> Any:
+    """The integer type a timestamp/date/time/duration is stored as (else None)."""
     pa = _pa()
     if pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_date64(t):
         return pa.int64()
@@ -94,7 +95,7 @@ def level_of(t: Any) -> Level:
         return level_of(t.value_type)
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
         return Level("num", np.dtype(t.to_pandas_dtype()).name)
-    storage = _temporal(t)
+    storage = temporal_storage(t)
     if storage is not None:
         return Level("num", np.dtype(storage.to_pandas_dtype()).name)
     if _is_text(t):
@@ -206,7 +207,7 @@ def parts(arr: Any, tree: Level, fill: Any, where: str, name: str) -> Parts:
             )
         else:  # num
             dtype = np.dtype(level.dtype)
-            storage = _temporal(arr.type)
+            storage = temporal_storage(arr.type)
             if storage is not None:
                 arr = arr.view(storage)
             if arr.null_count:
