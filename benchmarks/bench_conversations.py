@@ -15,7 +15,7 @@ processes together, net of what a worker without data takes (``duplication``;
 the target is <= 1.1 for shareddata), with the data's size taken as the shareddata
 copy's ``nbytes`` for every method so the figures compare.
 
-Run: python benchmarks/bench_conversations.py [--rows N] [--workers W]
+Run: python benchmarks/bench_conversations.py [--rows N] [--workers W] [--json PATH]
 (under ``flock /tmp/shareddata-heavy.lock`` on a shared machine).
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import tempfile
 import time
@@ -116,6 +117,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--skip", nargs="*", default=[], help="methods to leave out")
+    parser.add_argument("--json", help="write the results (and the load average) here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "conversations.parquet")
@@ -155,6 +157,10 @@ def main() -> None:
                 )
             )
     base = results[0]
+    if args.json:
+        with open(args.json, "w") as f:
+            info = {"rows": args.rows, "workers": args.workers, "loadavg": os.getloadavg()}
+            json.dump({**info, "results": results}, f, indent=2)
     for r in results[1:]:
         print(
             f"shareddata vs {r['method']}: load {base['load_s'] / r['load_s']:.2f}x the time, "
