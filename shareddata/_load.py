@@ -184,6 +184,10 @@ class Allocator:
             self._segments.append(arrays[0].segment)
         return arrays
 
+    def adopt(self, segment: Any) -> None:
+        """Free ``segment`` with the others if the load fails (a producer made it itself)."""
+        self._segments.append(segment)
+
     def finish(self) -> None:
         """Wait for background page allocation to end (it may raise SharedMemoryFullError)."""
         for segment in self._segments:

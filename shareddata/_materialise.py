@@ -7,10 +7,12 @@ Each item is split into leaves along a schema inferred from the first item
   numbers) go into one segment sized up front, written block by block from a
   background thread (Note [Writing rows in the background] in ``_writer.py``);
 * variable-length leaves (``str``, ``bytes``, lists of numbers, arrays whose shape
-  varies, anything else pickled) are collected privately and copied into a second
-  segment at the end.
+  varies, anything else pickled) are written to a growing shared file each as they
+  come, which becomes the column's segment at the end (Note [Variable-length values
+  go to shared memory as they come] in ``_writer.py``); their offsets are copied into
+  a last, small segment.
 
-Both segments come from the loader (``_load.build``), which frees them if anything
+The segments are the loader's (``_load.build``) (``_load.build``), which frees them if anything
 fails and shares them across the local ranks of a node.
 """
 
@@ -45,7 +47,7 @@ from ._items import (
 )
 from ._load import Allocator, Part, progress_bar
 from ._storage import SharedArray
-from ._writer import BlockWriter, VarBuffer, Writer, chunk_rows
+from ._writer import BlockWriter, VarStore, Writer, chunk_rows
 from .errors import (
     InvalidArgumentError,
     ItemMismatchError,
@@ -58,7 +60,6 @@ __all__ = [
     "DatasetProducer",
     "ItemMismatchError",
     "ItemValueError",
-    "VarBuffer",
     "build_columns",
     "rebuild",
     "restore",
@@ -66,6 +67,8 @@ __all__ = [
 
 
 # -- the builder ------------------------------------------------------------------------------
+
+_VAR_CHUNK_BYTES = 16 << 20  # variable-length bytes of the items held until a flush
 
 
 class _Builder:
@@ -91,25 +94,44 @@ class _Builder:
         )
         self.fixed: dict[int, SharedArray] = dict(zip(fixed, arrays))
         self.segment = arrays[0].segment if arrays else None
-        self.var = {
-            n: VarBuffer(leaf.dtype) for n, leaf in enumerate(self.leaves) if n not in fixed
-        }
+        self.var = {n: self._store(n, leaf.dtype) for n, leaf in enumerate(self.leaves)}
+        for n in fixed:
+            del self.var[n]
         self.sinks: list[list[Any]] = [[] for _ in self.leaves]
         self.start = 0  # the row of the first value in the sinks
-        self.chunk = chunk_rows(rows, sum(a.nbytes for a in arrays) // rows)
+        row_bytes = sum(a.nbytes for a in arrays) // rows + self._var_bytes(first)
+        self.chunk = chunk_rows(rows, row_bytes)
         self.writer: Writer | None = None  # started at the first block (not before a fork)
         self.fast = compile_fast_path(self.schema, self.leaves, self.sinks)
         self.orphans: dict[int, SharedArray] = {}  # fixed leaves made ragged (their old rows)
 
+    def _store(self, n: int, dtype: Any) -> VarStore:
+        what = f"SharedDataset's field {field_name(self.leaves[n].path)}"
+        return VarStore(dtype, self.storage_dir, what)
+
+    def _var_bytes(self, first: Any) -> int:
+        """About how many bytes item ``first``'s variable-length values take."""
+        values: list[Any] = []
+        flatten(first, self.schema, values, 0)
+        total = 0
+        for leaf, value in zip(self.leaves, values):
+            if leaf.kind in FIXED:
+                continue
+            size = getattr(value, "nbytes", None)
+            if size is None:
+                size = 8 * len(value) if isinstance(value, (str, bytes, list)) else 64
+            total += int(size)
+        return total
+
     def run(self, items: Iterable[tuple[int, Any]], update: Callable[[int], None]) -> None:
         """Add every item (indices 0, 1, ... in order), checking each against the schema."""
-        fast, chunk, pending = self.fast, self.chunk, 0
+        fast, pending = self.fast, 0
         for index, item in items:
             if not fast(item):
                 self._add_checked(index, item)
                 fast = self.fast
             pending += 1
-            if pending == chunk:
+            if pending >= self.chunk:  # the chunk shrinks for big var values: _flush
                 self._flush(pending)
                 update(pending)
                 pending = 0
@@ -157,6 +179,8 @@ class _Builder:
             self.writer = None
         if self.segment is not None:
             self.segment.discard()
+        for store in self.var.values():
+            store.discard()
 
     def _close_writer(self) -> None:
         if self.writer is not None:
@@ -209,32 +233,36 @@ class _Builder:
         return value, changed
 
     def _only_empty_lists(self, n: int) -> bool:
-        return not self.var[n].values and not any(self.sinks[n])
+        return not self.var[n].nbytes and not any(self.sinks[n])
 
     def _to_ragged(self, n: int, leaf: Leaf) -> None:
         """The shape of leaf ``n`` varies: keep its values + shapes instead of fixed rows."""
         if self.writer is not None:
             self.writer.wait()  # rows [0, start) are in the segment: read them back
         self.orphans[n] = self.fixed.pop(n)
-        done = np.ascontiguousarray(self.orphans[n].numpy()[: self.start])
-        buffer = VarBuffer(leaf.dtype)
-        buffer.extend(done.tobytes(), [math.prod(leaf.shape)] * self.start)
+        done = self.orphans[n].numpy()[: self.start]  # a view of the shared rows
+        buffer = self._store(n, leaf.dtype)
+        buffer.extend(done.reshape(-1).view(np.uint8), [math.prod(leaf.shape)] * self.start)
         buffer.shapes = [leaf.shape] * self.start
         leaf.ragged = True
         self.var[n] = buffer  # rows still in the sink are added to it when flushed
 
     def _to_pickle(self, n: int, leaf: Leaf) -> None:
         """Leaf ``n`` stops being a list of numbers: keep every list pickled instead."""
-        old = self.var[n]
-        values = np.frombuffer(old.values, old.dtype)
-        blobs = [
-            pickle.dumps(values[a:b].tolist(), protocol=pickle.HIGHEST_PROTOCOL)
-            for a, b in zip(old.offsets[:-1], old.offsets[1:])
-        ]
-        buffer = VarBuffer(np.uint8)
-        buffer.extend(b"".join(blobs), map(len, blobs))
+        old, buffer = self.var[n], self._store(n, np.uint8)
+        self.var[n] = buffer  # freed by discard() from now on
+        offsets, step = old.offsets, 4096
+        for first in range(0, len(offsets) - 1, step):  # a block of rows at a time
+            bounds = offsets[first : first + step + 1]
+            values = old.read(bounds[0], bounds[-1])
+            base = bounds[0]
+            blobs = [
+                pickle.dumps(values[a - base : b - base].tolist(), pickle.HIGHEST_PROTOCOL)
+                for a, b in zip(bounds[:-1], bounds[1:])
+            ]
+            buffer.extend(b"".join(blobs), map(len, blobs))
+        old.discard()
         leaf.kind, leaf.dtype = "pickle", np.dtype(np.uint8)
-        self.var[n] = buffer
 
     def _add_block(self, block: _Block, snapshot: list[tuple[str, bool]]) -> None:
         """Add the rows a worker read (Note [Materialising with workers])."""
@@ -273,12 +301,14 @@ class _Builder:
 
         ``written``: a worker wrote the fixed-size rows; the writer only maps them.
         """
-        blocks = []
+        blocks, var_bytes = [], 0
         for n, (leaf, sink) in enumerate(zip(self.leaves, self.sinks)):
             if n in self.fixed:
                 blocks.append((self.fixed[n], leaf, None if written else sink.copy()))
             else:
+                before = self.var[n].nbytes
                 self._put_var(n, leaf, sink)
+                var_bytes += self.var[n].nbytes - before
             sink.clear()
         if blocks:
             if self.writer is None:
@@ -286,13 +316,16 @@ class _Builder:
                 self.writer = Writer(self.segment, self.chunk, self.storage_dir, self.what)
             self.writer.submit(self.start, rows, blocks)
         self.start += rows
+        if var_bytes > _VAR_CHUNK_BYTES:  # the items held until a flush stay bounded
+            self.chunk = max(1, min(self.chunk, rows * _VAR_CHUNK_BYTES // var_bytes))
 
     def _put_var(self, n: int, leaf: Leaf, values: list[Any]) -> None:
         buffer = self.var[n]
         if leaf.ragged:
             for value in values:
                 data = value.cpu().numpy() if isinstance(value, torch.Tensor) else value
-                buffer.add(np.ascontiguousarray(data).tobytes(), data.shape)
+                data = np.ascontiguousarray(data)
+                buffer.add(data.reshape(-1).view(np.uint8), data.shape)
         elif leaf.kind == "str":
             self._put_text(buffer, leaf, values)
         elif leaf.kind == "bytes":
@@ -324,7 +357,7 @@ class _Builder:
                     ) from e
             buffer.extend(b"".join(blobs), map(len, blobs))
 
-    def _put_text(self, buffer: VarBuffer, leaf: Leaf, values: list[str]) -> None:
+    def _put_text(self, buffer: VarStore, leaf: Leaf, values: list[str]) -> None:
         text = "".join(values)
         try:
             data = text.encode("utf-8")
@@ -345,15 +378,23 @@ class _Builder:
         buffer.extend(data, lengths)
 
     def finish(self) -> tuple[list[Part], list[str]]:
-        """Copy the variable-length leaves into one shared segment; list every column."""
+        """Hand each variable-length file over as its column's values; list every column.
+
+        The values' files become segments as they are; the offsets (and shapes) are
+        copied into one small segment (Note [Variable-length values go to shared
+        memory as they come] in ``_writer.py``).
+        """
         layouts: list[tuple[tuple[int, ...], Any]] = []
+        values: dict[int, SharedArray] = {}
         for n in sorted(self.var):  # leaf order: the order the columns are built in below
             buffer = self.var[n]
+            segment, count = buffer.finish()
+            self.alloc.adopt(segment)
+            values[n] = SharedArray(segment, 0, (count,), buffer.dtype)
             layouts.append(((len(buffer.offsets),), np.int64))
-            layouts.append(((len(buffer.values) // buffer.dtype.itemsize,), buffer.dtype))
             if self.leaves[n].ragged:
                 layouts.append(((self.rows, len(self.leaves[n].shape)), np.int64))
-        what = "SharedDataset's variable-length fields"
+        what = "SharedDataset's variable-length offsets"
         shared = iter(self.alloc(layouts, what) if layouts else [])
         parts: list[Part] = []
         kinds: list[str] = []
@@ -364,13 +405,12 @@ class _Builder:
                 parts.append((TensorColumn, spec, {"data": self.fixed[n]}))
             else:
                 buffer = self.var.pop(n)
-                offsets, values = next(shared), next(shared)
+                offsets = next(shared)
                 offsets.numpy()[:] = np.frombuffer(buffer.offsets, np.int64)
-                values.numpy()[:] = np.frombuffer(buffer.values, buffer.dtype)
                 kind = {"str": "str", "bytes": "bytes", "pickle": "bytes"}.get(leaf.kind, "ragged")
-                spec = ColumnSpec(name, self.rows, buffer.dtype, (), kind, len(values))
+                spec = ColumnSpec(name, self.rows, buffer.dtype, (), kind, len(values[n]))
                 cls = {"str": StringColumn, "bytes": BytesColumn, "ragged": RaggedColumn}[kind]
-                parts.append((cls, spec, {"offsets": offsets, "values": values}))
+                parts.append((cls, spec, {"offsets": offsets, "values": values[n]}))
                 if leaf.ragged:
                     shapes = next(shared)
                     shapes.numpy()[:] = np.asarray(buffer.shapes, np.int64).reshape(shapes.shape)
@@ -378,7 +418,7 @@ class _Builder:
                         name + ".shape", self.rows, np.dtype(np.int64), (len(leaf.shape),)
                     )
                     parts.append((TensorColumn, spec, {"data": shapes}))
-                del buffer  # free the private copy now
+                del buffer  # free the private offsets now
             kinds.append(leaf.kind + ("+ragged" if leaf.ragged else ""))
         return parts, kinds
 

@@ -1,7 +1,8 @@
-"""Where materialised rows go: private buffers, and a writer thread for fixed-size rows.
+"""Where materialised rows go: growing shared files, and a writer thread for fixed-size rows.
 
-Variable-length leaves collect in :class:`VarBuffer` until their size is known; blocks
-of fixed-size rows are ``pwrite``-n into their shared segment by :class:`Writer`.
+Variable-length leaves are written to a shared file each (:class:`VarStore`) as they
+come; blocks of fixed-size rows are ``pwrite``-n into their shared segment by
+:class:`Writer`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import errno
 import functools
 import os
 import queue
+import secrets
 import threading
 from array import array
 from collections.abc import Iterable
@@ -20,40 +22,200 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._capacity import available_memory, resolve_storage_dir
+from ._capacity import available_memory, full_error, resolve_storage_dir
+from ._handoff import file_size
 from ._items import Leaf
-from ._linux import address_of
+from ._linux import address_of, open_tmpfile
 from ._storage import Segment, SharedArray
 from ._text import format_bytes
 from .errors import (
     SharedMemoryFullError,
 )
 
-__all__ = ["BlockWriter", "VarBuffer", "Writer", "chunk_rows"]
+__all__ = ["BlockWriter", "VarStore", "Writer", "chunk_rows"]
 
 
 # -- variable-length leaves ----------------------------------------------------------------
 
 
-class VarBuffer:
-    """Growable private offsets + values for one variable-length leaf, copied out at the end."""
+# Note [Variable-length values go to shared memory as they come]
+# ===============================================================
+# The size of a variable-length leaf (str, bytes, lists of numbers, arrays whose
+# shape varies, pickled objects) is known only once every item is read. Its values
+# are not collected privately: each leaf has a :class:`VarStore`, an anonymous file
+# of its own (a memfd, or ``O_TMPFILE`` in ``storage_dir``) that grows as values are
+# ``pwrite``-n (``pwritev``) to its end, from a private buffer of at most
+# ``_VAR_BUFFER_BYTES`` (4 MiB) of pending values (views of the items' own buffers,
+# not copies). So private memory stays bounded whatever the dataset's size:
+#
+# * Room is checked as the file grows, ``_VAR_STEP_BYTES`` (64 MiB) at a time: when
+#   the next step does not fit in what ``available_memory`` says is free (RAM and the
+#   memory cgroup, or the file system of ``storage_dir``), SharedMemoryFullError
+#   names the field, the bytes already stored, the step and what is free, and the
+#   fix, before the step is written. A full memory during a ``pwrite`` (something
+#   else took it meanwhile) is ENOSPC/ENOMEM, raised as SharedMemoryFullError too;
+#   nothing is written through a mapping, so no SIGBUS is possible.
+# * At the end the file becomes the column's segment as it is: it is cut to the
+#   data plus the acknowledgement slots of ``_handoff.file_size`` (``ftruncate``),
+#   mapped, and its pages mapped here (``MADV_POPULATE_READ``), as the fixed-size
+#   writer does. No copy.
+# * The offsets (8 bytes per row) and, for ragged arrays, the shapes (8 bytes per
+#   dimension per row) stay private until the end, then are copied into one small
+#   segment: they grow with the number of rows, not with the size of the values.
+# * On a failure the files are closed (``discard``): nothing is left behind.
+# * The builder hands values over every ``chunk`` rows; the chunk shrinks when the
+#   variable-length values of a chunk pass ``_BLOCK_BYTES``, so the items held in
+#   the sinks stay bounded too (``_Builder._flush``).
 
-    def __init__(self, dtype: Any) -> None:
+_VAR_BUFFER_BYTES = 4 << 20  # pending variable-length bytes before a pwritev
+_VAR_STEP_BYTES = 64 << 20  # a store's capacity is checked this much at a time
+_IOV_MAX = 1024  # buffers per pwritev
+
+
+class VarStore:
+    """The values of one variable-length leaf, written to a growing shared file as they come.
+
+    Note [Variable-length values go to shared memory as they come].
+    """
+
+    def __init__(self, dtype: Any, storage_dir: Any, what: str) -> None:
         self.dtype = np.dtype(dtype)
-        self.values = bytearray()
-        self.offsets = array("q", [0])
+        self.directory = resolve_storage_dir(storage_dir)
+        self.what = what
+        self.offsets = array("q", [0])  # private: 8 bytes per row
         self.shapes: list[tuple[int, ...]] = []
+        self.fd = -1
+        self.written = 0  # bytes in the file
+        self.checked = 0  # bytes the capacity was checked for
+        self._pending: list[memoryview] = []
+        self._pending_bytes = 0
 
-    def add(self, data: bytes, shape: tuple[int, ...] = ()) -> None:
-        """Append one row (``data`` holds its values' bytes)."""
-        self.values += data
-        self.offsets.append(len(self.values) // self.dtype.itemsize)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values added so far (written or pending)."""
+        return self.written + self._pending_bytes
+
+    def add(self, data: Any, shape: tuple[int, ...] = ()) -> None:
+        """Append one row: ``data`` is a C-contiguous buffer of its values."""
+        self._queue(data)
+        self.offsets.append(self.nbytes // self.dtype.itemsize)
         self.shapes.append(shape)
 
-    def extend(self, data: bytes, lengths: Iterable[int]) -> None:
+    def extend(self, data: Any, lengths: Iterable[int]) -> None:
         """Append rows whose values, concatenated, are ``data``; ``lengths`` in elements."""
-        self.values += data
+        self._queue(data)
         self.offsets.extend(islice(accumulate(lengths, initial=self.offsets[-1]), 1, None))
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of the values, read back into a private array."""
+        self.flush()
+        size = self.dtype.itemsize
+        data = os.pread(self.fd, (stop - start) * size, start * size) if stop > start else b""
+        return np.frombuffer(data, self.dtype)
+
+    def _queue(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        if view.nbytes:
+            self._pending.append(view)
+            self._pending_bytes += view.nbytes
+        if self._pending_bytes >= _VAR_BUFFER_BYTES or len(self._pending) >= _IOV_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the pending values into the file (growing it, capacity checked)."""
+        if self.fd < 0:
+            self._open()
+        if not self._pending:
+            return
+        end = self.written + self._pending_bytes
+        if end > self.checked:
+            self._grow(end)
+        views, self._pending, self._pending_bytes = self._pending, [], 0
+        try:
+            done = os.pwritev(self.fd, views, self.written)
+        except OSError as e:
+            if e.errno not in _FULL_ERRNOS:
+                raise
+            done = 0
+        offset = self.written + done
+        for view in views:  # a short write (or a full memory): the rest, one by one
+            if done >= view.nbytes:
+                done -= view.nbytes
+                continue
+            _pwrite_all(self.fd, view[done:], offset, end, self.directory, self.what)
+            offset += view.nbytes - done
+            done = 0
+        self.written = end
+
+    def _open(self) -> None:
+        if self.directory is None:
+            self.fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
+        else:
+            self.fd = open_tmpfile(self.directory)
+
+    def _grow(self, end: int) -> None:
+        """Check room for the file to grow to ``end`` bytes (and a step more)."""
+        step = max(_VAR_STEP_BYTES, end - self.checked)
+        free = available_memory(self.directory)
+        if step > free:
+            what = (
+                f"{self.what} (already {format_bytes(self.written)} in shared memory after "
+                f"{len(self.offsets) - 1} items, growing by)"
+            )
+            raise full_error(step, free, self.directory, what)
+        self.checked += step
+
+    def finish(self) -> tuple[Segment, int]:
+        """Hand the file over as a segment (no copy): ``(segment, elements)``.
+
+        The tail left by growth is trimmed; the acknowledgement slots of
+        ``_handoff.file_size`` follow the data. The caller owns the segment from now on.
+        """
+        self.flush()
+        size = max(self.written, 1)
+        os.ftruncate(self.fd, file_size(size))
+        segment = Segment(self.fd, size, secrets.token_hex(8))  # closes fd when dropped
+        segment.created_here = True
+        self.fd = -1
+        _map_here(address_of(segment.mmap), self.written)
+        return segment, self.written // self.dtype.itemsize
+
+    def discard(self) -> None:
+        """Free the file now (a failed load)."""
+        self._pending, self._pending_bytes = [], 0
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _map_here(address: int, nbytes: int) -> None:
+    """Map written pages into this process (``MADV_POPULATE_READ``), as the writer does."""
+    if nbytes:
+        start = address // _PAGE * _PAGE
+        _madvise()(start, address + nbytes - start, _MADV_POPULATE_READ)
+
+
+def _pwrite_all(
+    fd: int, view: memoryview, offset: int, size: int, directory: str | None, what: str
+) -> None:
+    """``pwrite`` all of ``view`` at ``offset``; a full memory is SharedMemoryFullError."""
+    while view:
+        try:
+            written = os.pwrite(fd, view, offset)
+        except OSError as e:
+            if e.errno not in _FULL_ERRNOS:
+                raise
+            where = f"storage_dir={directory!r}" if directory else "RAM"
+            raise SharedMemoryFullError(
+                f"{what} ran out of room in {where} at byte {offset} of {size} "
+                f"({os.strerror(e.errno)}; {format_bytes(available_memory(directory))} "
+                "free now): "
+                "something else took the memory while the dataset was read. Nothing is "
+                "kept. Fix: free memory or disk space, or pass storage_dir='/path' on a "
+                "local disk."
+            ) from e
+        view = view[written:]
+        offset += written
 
 
 # -- fixed-size leaves: written from a background thread ------------------------------------
@@ -151,24 +313,9 @@ class BlockWriter:
 
     def _pwrite(self, data: np.ndarray, offset: int) -> None:
         view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-        while view:
-            try:
-                written = os.pwrite(self.fd, view, offset)
-            except OSError as e:
-                if e.errno not in _FULL_ERRNOS:
-                    raise
-                directory = resolve_storage_dir(self.storage_dir)
-                where = f"storage_dir={directory!r}" if directory else "RAM"
-                raise SharedMemoryFullError(
-                    f"{self.what} ran out of room in {where} at byte {offset} of {self.size} "
-                    f"({os.strerror(e.errno)}; {format_bytes(available_memory(directory))} "
-                    "free now): "
-                    "something else took the memory while the dataset was read. Nothing is "
-                    "kept. Fix: free memory or disk space, or pass storage_dir='/path' on a "
-                    "local disk."
-                ) from e
-            view = view[written:]
-            offset += written
+        _pwrite_all(
+            self.fd, view, offset, self.size, resolve_storage_dir(self.storage_dir), self.what
+        )
 
 
 class Writer:

@@ -391,3 +391,118 @@ def test_a_failure_mid_way_stops_the_writer_and_frees_everything(failure, monkey
     gc.collect()
     assert open_fds() == fds
     assert not any(t.name == "shareddata-writer" for t in threading.enumerate())
+
+
+# -- bounded private memory for variable-length values (Note [Variable-length values go
+# to shared memory as they come] in _writer.py) ------------------------------------------
+
+_RAGGED_SCRIPT = """
+import os, shutil, sys, time, threading
+import torch, shareddata as sd
+from torch.utils.data import Dataset
+
+def anon():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+
+peak = [0]
+def watch():
+    while True:
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.005)
+
+ROWS, TOTAL = 4096, int(sys.argv[1]) << 20
+class Ragged(Dataset):  # items made on demand: the test's data is never held privately
+    def __len__(self):
+        return ROWS
+    def size(self, i):  # 0.5x .. 1.5x the mean, int64 elements; item 0 small (the
+        # fixed-size column sized from it stays small until the shape varies)
+        return 1 if i == 0 else (TOTAL // ROWS // 8) * (50 + (i * 37) % 101) // 100
+    def __getitem__(self, i):
+        return {"x": torch.full((self.size(i),), i, dtype=torch.int64), "label": i}
+
+class Blobs:  # SharedList items: variable-size bytes, made on demand
+    def __len__(self):
+        return ROWS
+    def __iter__(self):
+        for i in range(ROWS):
+            yield bytes([i % 251]) * (Ragged().size(i) * 8)
+
+mode, store = sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None
+fds = len(os.listdir("/proc/self/fd"))
+torch.full((10,), 1)  # torch's own first allocations before the start
+start = anon()
+threading.Thread(target=watch, daemon=True).start()
+t0 = time.perf_counter()
+try:
+    if mode == "dataset":
+        ds = sd.SharedDataset(Ragged(), storage_dir=store, progress=False)
+        for i in (0, 1, 777, ROWS - 1):
+            item = ds[i]
+            assert item["label"] == i and item["x"].shape == (Ragged().size(i),), i
+            assert bool((item["x"] == i).all()), i
+    else:
+        items = sd.SharedList(Blobs(), storage_dir=store, progress=False)
+        for i in (0, 5, ROWS - 1):
+            assert items[i] == bytes([i % 251]) * (Ragged().size(i) * 8), i
+    print("@@OK", flush=True)
+except sd.SharedMemoryFullError as e:
+    print("@@FULL", str(e).replace(chr(10), " "), flush=True)
+    print("@@STORE_USED", shutil.disk_usage(store).used if store else 0, flush=True)
+print("@@FDS", len(os.listdir("/proc/self/fd")) - fds, flush=True)
+def link(f):
+    try:
+        return os.readlink(f"/proc/self/fd/{f}")
+    except OSError:
+        return None
+print("@@FDLIST", [link(f) for f in os.listdir("/proc/self/fd")])
+print("@@PEAK", peak[0] - start, "@@SECONDS", round(time.perf_counter() - t0, 1), flush=True)
+"""
+
+
+def _ragged_run(mode: str, mib: int, store_mib: int = 0) -> dict[str, str]:
+    from conftest import can_unshare, run_isolated
+
+    extra = ""
+    args = f"{mib} {mode}"
+    if store_mib:
+        if not can_unshare():
+            pytest.skip("a small tmpfs for storage_dir needs root (unshare -m)")
+        extra = (
+            f"mkdir -p /mnt/sd-small && mount -t tmpfs -o size={store_mib}m tmpfs /mnt/sd-small &&"
+        )
+        args += " /mnt/sd-small"
+    script = f"import sys; sys.argv = ['x'] + {args.split()!r}\n" + _RAGGED_SCRIPT
+    run = run_isolated(script, timeout=120, extra_mounts=extra)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("@@"):
+            key, _, rest = line.partition(" ")
+            out[key] = rest
+    print(run.stdout)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["dataset", "list"])
+def test_ragged_items_use_bounded_private_memory(mode):
+    """~1 GiB of variable-size items: private memory grows < 200 MiB; rows checked."""
+    out = _ragged_run(mode, 1024)
+    assert "@@OK" in out, out
+    peak = int(out["@@PEAK"].split()[0])
+    assert peak < 200 << 20, f"private memory grew by {peak >> 20} MiB"
+
+
+@pytest.mark.parametrize("mode", ["dataset", "list"])
+def test_ragged_items_in_a_too_small_store_fail_early_and_leave_nothing(mode):
+    """A 128 MiB storage_dir for ~1 GiB: SharedMemoryFullError, memory bounded, store empty."""
+    out = _ragged_run(mode, 1024, store_mib=128)
+    assert "@@FULL" in out, out
+    message = out["@@FULL"]
+    assert "storage_dir=" in message and "Fix:" in message, message
+    assert ("field 'x'" in message) if mode == "dataset" else ("SharedList" in message)
+    assert int(out["@@STORE_USED"]) < 1 << 20  # the file is gone
+    assert "shareddata" not in out["@@FDLIST"] and "sd-small" not in out["@@FDLIST"]
+    assert int(out["@@PEAK"].split()[0]) < 200 << 20
