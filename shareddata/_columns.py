@@ -41,6 +41,7 @@ __all__ = [
     "RaggedColumn",
     "StringColumn",
     "TensorColumn",
+    "gather_rows",
     "shared_empty",
 ]
 
@@ -113,6 +114,19 @@ class Column(ABC):
     @abstractmethod
     def split(self, batch: Any) -> list[Any]:
         """Per-row values of a batch returned by :meth:`gather`."""
+
+    def batch_parts(self, indices: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The buffers (shape, dtype) that :meth:`gather_into` fills for rows ``indices``.
+
+        A worker allocates the parts of every column of a batch in ONE memfd (Note
+        [How a batch leaves a worker] in ``_transport.py``). Empty: the column's rows
+        are Python objects (text, bytes), which cross by value.
+        """
+        return []
+
+    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
+        """:meth:`gather` into the buffers of :meth:`batch_parts` (same order)."""
+        return self.gather(indices, shared=True)
 
     @property
     def name(self) -> str:
@@ -219,6 +233,14 @@ class TensorColumn(Column):
         """The shape of a batch of ``n`` rows."""
         return (n, *self.spec.shape)
 
+    def batch_parts(self, indices: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One buffer: the stacked batch."""
+        return [(self.batch_shape(len(indices)), self._data.dtype)]
+
+    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`gather` into ``outs[0]``."""
+        return self.gather(indices, out=outs[0])
+
     def split(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """Views of each row of the batch."""
         return list(batch.unbind(0))
@@ -302,22 +324,46 @@ class RaggedColumn(_VarColumn):
         """
         if not shared:
             return super().gather(indices)
+        return self.gather_into(indices, [worker_empty(*self.batch_parts(indices)[0])])
+
+    def batch_parts(self, indices: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One buffer: the rows' values side by side."""
         idx = indices.numpy()
-        starts = self._offsets[idx]
-        lengths = self._offsets[idx + 1] - starts
-        dtype = torch.from_numpy(self._values[:0]).dtype
-        out = worker_empty((int(lengths.sum()),), dtype).as_subclass(torch.Tensor)
-        flat, values, at = out.numpy(), self._values, 0
-        for start, length in zip(starts.tolist(), lengths.tolist()):
-            flat[at : at + length] = values[start : start + length]
-            at += length
-        return list(out.split(lengths.tolist()))
+        total = int((self._offsets[idx + 1] - self._offsets[idx]).sum())
+        return [((total,), torch.from_numpy(self._values[:0]).dtype)]
+
+    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The rows ``indices``, copied side by side into ``outs[0]``: views of it."""
+        idx = indices.numpy()
+        return gather_rows(self._values, self._offsets[idx], self._offsets[idx + 1], outs[0])
 
     @classmethod
     def from_lists(cls, name: str, rows: list[Any], dtype: Any) -> RaggedColumn:
         """A column holding ``rows`` (for tests and small data)."""
         parts = [np.asarray(r, dtype=dtype).reshape(-1) for r in rows]
         return cls.from_parts(name, parts, np.dtype(dtype))
+
+
+def gather_rows(
+    values: np.ndarray, starts: np.ndarray, stops: np.ndarray, out: torch.Tensor
+) -> list[torch.Tensor]:
+    """Rows ``values[starts[k]:stops[k]]`` copied side by side into ``out``; views of it.
+
+    ``out`` holds at least ``sum(stops - starts)`` elements of ``values``' dtype (a
+    part of a worker's batch: its rows then leave the worker in that one memfd).
+
+    Example:
+        >>> values, out = np.arange(10, dtype=np.int32), torch.empty(3, dtype=torch.int32)
+        >>> gather_rows(values, np.array([6, 0]), np.array([8, 1]), out)
+        [tensor([6, 7], dtype=torch.int32), tensor([0], dtype=torch.int32)]
+    """
+    plain = out.as_subclass(torch.Tensor)
+    flat, at = plain.numpy(), 0
+    lengths = (stops - starts).tolist()
+    for start, length in zip(starts.tolist(), lengths):
+        flat[at : at + length] = values[start : start + length]
+        at += length
+    return list(plain[:at].split(lengths))
 
 
 class StringColumn(_VarColumn):

@@ -226,18 +226,11 @@ class ColumnDataset(Dataset):
         columns = list(self._columns.values())
         if not shared:
             return [c.gather(idx) for c in columns]
-        # Leaving a worker: every fixed-shape column of the batch in one memfd (Note
-        # [How a batch leaves a worker] in _transport.py).
-        fixed = [c for c in columns if isinstance(c, TensorColumn)]
-        outs = worker_buffers([(c.batch_shape(len(idx)), c._data.dtype) for c in fixed])
-        out_of = dict(zip(map(id, fixed), outs))
-        batches = []
-        for c in columns:
-            if isinstance(c, TensorColumn):
-                batches.append(c.gather(idx, out=out_of[id(c)]))
-            else:
-                batches.append(c.gather(idx, shared=True))
-        return batches
+        # Leaving a worker: every numeric column of the batch (fixed-shape and ragged)
+        # in one memfd (Note [How a batch leaves a worker] in _transport.py).
+        parts = [c.batch_parts(idx) for c in columns]
+        outs = iter(worker_buffers([p for ps in parts for p in ps]))
+        return [c.gather_into(idx, [next(outs) for _ in ps]) for c, ps in zip(columns, parts)]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples ``indices``, gathering each column once (what the DataLoader calls).

@@ -87,7 +87,7 @@ from ._linux import MADV_POPULATE_WRITE, PROT_READ_WRITE, libc_mmap, madvise
 from ._reduce import MAP_FAILED, guard_worker_sends, munmap, reduce_tensor, register_memory
 from .errors import AttachError
 
-__all__ = ["MAX_UNACKNOWLEDGED", "WorkerBatch", "worker_buffers", "worker_empty"]
+__all__ = ["MAX_UNACKNOWLEDGED", "WorkerBatch", "into_one_batch", "worker_buffers", "worker_empty"]
 
 MAX_UNACKNOWLEDGED = 64
 POOL = 4
@@ -311,6 +311,68 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
 def worker_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """One empty batch tensor in its own memfd (:func:`worker_buffers` with one part)."""
     return worker_buffers([(shape, dtype)])[0]
+
+
+def into_one_batch(items: list[Any]) -> list[Any]:
+    """``items`` with every plain tensor in them moved into one batch memfd of this worker.
+
+    For values that are made afresh per row (``SharedList`` unpickles each item):
+    left alone, each tensor would leave the worker as a shared segment of its own
+    (torch's path), one or more per row. Tensors inside dicts, lists and tuples
+    (named ones too) are copied side by side into one memfd and replaced by views
+    of it, so the batch crosses as one handle however many rows and tensors it has.
+    Other objects, and tensors torch must send itself (``requires_grad``, sparse, a
+    subclass, not on the CPU), are kept as they are.
+
+    Example:
+        >>> rows = [{"a": torch.arange(3), "b": (torch.ones(2), "x")}, [torch.zeros(1)]]
+        >>> out = into_one_batch(rows)  # outside a worker there is one memfd too
+        >>> out[0]["b"], len({t.untyped_storage().data_ptr() for t in (out[0]["a"], out[1][0])})
+        ((tensor([1., 1.]), 'x'), 1)
+    """
+    found: list[torch.Tensor] = []
+    _collect(items, found)
+    if not found:
+        return items
+    outs = iter(worker_buffers([(tuple(t.shape), t.dtype) for t in found]))
+    return _replace(items, lambda t: next(outs).as_subclass(torch.Tensor).copy_(t))
+
+
+def _movable(obj: Any) -> bool:
+    return (
+        type(obj) is torch.Tensor
+        and obj.layout is torch.strided
+        and obj.device.type == "cpu"
+        and not obj.requires_grad
+        and not obj.is_quantized
+        and obj.numel() > 0
+    )
+
+
+def _collect(obj: Any, found: list[torch.Tensor]) -> None:
+    if _movable(obj):
+        found.append(obj)
+    elif type(obj) is dict:
+        for value in obj.values():
+            _collect(value, found)
+    elif type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+        for value in obj:
+            _collect(value, found)
+
+
+def _replace(obj: Any, move: Any) -> Any:
+    # the same traversal order as _collect
+    if _movable(obj):
+        return move(obj)
+    if type(obj) is dict:
+        return {key: _replace(value, move) for key, value in obj.items()}
+    if type(obj) is list:
+        return [_replace(value, move) for value in obj]
+    if type(obj) is tuple:
+        return tuple(_replace(value, move) for value in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_replace(value, move) for value in obj))
+    return obj
 
 
 def _owns(address: int, nbytes: int) -> bool:

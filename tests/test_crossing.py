@@ -168,17 +168,110 @@ def test_every_shape_under_forkserver_and_the_file_system_strategy(datasets):
     _no_new_shm(before)
 
 
-def test_ragged_rows_of_a_batch_leave_a_worker_as_one_memfd(tmp_path):
-    # every kind with a ragged column (SharedList stores whole pickled items instead)
-    for kind in ("parquet", "hdf5", "arrow", "shared_dataset"):
-        ds, expected = make(kind, tmp_path / kind, rows=ROWS, ragged=True)
-        loader = DataLoader(ds, batch_size=BATCH, num_workers=1, collate_fn=list, timeout=30)
-        for k, samples in enumerate(loader):
-            for sample, want in zip(samples, expected[k * BATCH :]):
-                assert_item(sample, want, kind)
-            rows = [s["r"] for s in samples if s["r"].numel()]
-            assert len({r.untyped_storage().data_ptr() for r in rows}) == 1, kind
-            assert _mapped_from(rows[0]) == "memfd:shareddata-batch", kind
+class RaggedKinds(Dataset):
+    """Batch ``indices`` of every kind with ragged rows, per kind, as a DataLoader fetches."""
+
+    def __init__(self, datasets):
+        self.datasets = datasets
+
+    def __len__(self):
+        return ROWS
+
+    def __getitems__(self, indices):
+        return {name: _getitems(ds, indices) for name, ds in self.datasets.items()}
+
+
+def identity_and_zip(per_kind):
+    """``lambda b: b`` and torchvision's ``lambda b: tuple(zip(*b))``, for each kind."""
+    out = {}
+    for name, samples in per_kind.items():
+        rows = [tuple(s.values()) if isinstance(s, dict) else s for s in samples]
+        out[name] = {"identity": samples, "zip": samples and tuple(zip(*rows))}
+    return out
+
+
+RECEIVED = {}
+
+
+def _counting(module, name):
+    """``module.name`` that counts its calls in RECEIVED (unpickling looks it up by name)."""
+    original = getattr(module, name)
+
+    def counted(*args):
+        RECEIVED[name] = RECEIVED.get(name, 0) + 1
+        return original(*args)
+
+    counted.__name__ = counted.__qualname__ = name
+    counted.__module__ = module.__name__
+    return counted
+
+
+def _files_of(obj):
+    """The (inode, name) of every file that a tensor in ``obj`` is mapped from."""
+    tensors = []
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            tensors.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    with open("/proc/self/maps") as f:
+        maps = [line.split() for line in f]
+    files = set()
+    for t in (t for t in tensors if t.numel()):
+        for fields in maps:
+            start, stop = (int(x, 16) for x in fields[0].split("-"))
+            if start <= t.data_ptr() < stop:
+                files.add((fields[4], fields[5] if len(fields) > 5 else "(private)"))
+                break
+    return files
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_batch_of_ragged_rows_leaves_a_worker_as_one_memfd_for_every_kind(
+    tmp_path, monkeypatch, method
+):
+    # numpy has no ragged column: its fixed rows are checked the same way
+    made = {kind: make(kind, tmp_path / kind, rows=ROWS, ragged=kind != "numpy") for kind in KINDS}
+    from torch.multiprocessing import reductions
+
+    from shareddata import _reduce, _transport
+
+    for module, name in [
+        (reductions, "rebuild_storage_fd"),  # a torch segment, sent as a descriptor
+        (reductions, "rebuild_storage_filename"),  # a torch segment, sent by name
+        (_transport, "_receive"),  # a worker's batch memfd
+        (_reduce, "_rebuild_segment_storage"),  # a dataset's segment
+    ]:
+        monkeypatch.setattr(module, name, _counting(module, name))
+    RECEIVED.clear()
+    loader = DataLoader(
+        RaggedKinds({kind: ds for kind, (ds, _) in made.items()}),
+        batch_size=BATCH, num_workers=1, collate_fn=identity_and_zip,
+        multiprocessing_context=method, timeout=30,
+    )  # fmt: skip
+    batches = 0
+    for k, out in enumerate(loader):
+        for kind, got in out.items():
+            want = made[kind][1][k * BATCH : (k + 1) * BATCH]
+            for sample, w in zip(got["identity"], want):
+                assert_item(sample, w, kind)
+            xs = torch.from_numpy(np.stack([w["x"] for w in want]))
+            assert torch.equal(torch.stack(list(got["zip"][0])), xs), kind  # column x
+            files = _files_of(got)
+            assert len(files) == 1, f"{kind} ({method}): a batch crossed in {sorted(files)}"
+            assert next(iter(files))[1].endswith("memfd:shareddata-batch"), (kind, files)
+        batches += 1
+    assert batches == ROWS // BATCH
+    # one descriptor per kind per batch, none of torch's
+    assert {"_receive": len(KINDS) * batches} == RECEIVED, RECEIVED
+    del loader, out
 
 
 def _mapped_from(tensor):
