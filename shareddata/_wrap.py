@@ -21,10 +21,12 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 
 from ._columns import BytesColumn, Column, ColumnSpec
 from ._dataset import ColumnDataset, is_int
-from ._load import Buffer, Shard, Share, build
-from ._materialise import DatasetProducer, VarBuffer, rebuild, restore
+from ._load import Allocator, Part, Shard, Share, build, progress_bar
+from ._materialise import DatasetProducer, rebuild, restore
+from ._storage import SharedArray
 from ._text import format_bytes
 from ._transport import into_one_batch
+from ._writer import VarStore
 from .distributed import NodeShard
 from .errors import (
     ArgumentTypeError,
@@ -285,15 +287,19 @@ def _rebuild_list(column: BytesColumn, node_shard: NodeShard | None = None) -> S
 
 
 class _Items:
-    """``SharedList``'s source: its items, pickled privately, then copied into one buffer."""
+    """``SharedList``'s producer: its items, pickled and written to shared memory as they come.
+
+    The pickles go to a growing shared file (Note [Variable-length values go to shared
+    memory as they come] in ``_writer.py``): private memory holds the offsets (8 bytes
+    per item) and one block of pickles, whatever the items weigh.
+    """
 
     label = "SharedList"
-    _CHUNK = 64 << 20
 
     def __init__(self, items: Iterable[Any]) -> None:
         self.items = items
         self.start, self.stop = 0, cast("int | None", None)
-        self.buffer: VarBuffer | None = None
+        self.store: VarStore | None = None
 
     def total_rows(self) -> int:
         """Items in all (sharding needs a length)."""
@@ -310,39 +316,41 @@ class _Items:
         """Keep only items ``[start, stop)``."""
         self.start, self.stop = start, stop
 
-    def specs(self) -> list[ColumnSpec]:
-        """Pickle the items (privately) and size the one bytes column."""
-        buffer = VarBuffer(np.uint8)
+    def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
+        """Pickle the items into a shared file; the one bytes column over it."""
+        store = self.store = VarStore(np.uint8, alloc.storage_dir, "SharedList's items")
         it = islice(iter(self.items), self.start, self.stop)
         dumps, protocol, index = pickle.dumps, pickle.HIGHEST_PROTOCOL, self.start
-        while chunk := list(islice(it, 4096)):
-            try:
-                blobs = [dumps(item, protocol) for item in chunk]
-            except Exception:
-                blobs = [_pickle_item(item, index + j) for j, item in enumerate(chunk)]
-            buffer.extend(b"".join(blobs), map(len, blobs))
-            index += len(chunk)
-        del blobs
-        self.buffer = buffer
-        rows, values = len(buffer.offsets) - 1, len(buffer.values)
-        return [ColumnSpec("items", rows, np.dtype(np.uint8), (), "bytes", values)]
-
-    def read(
-        self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
-    ) -> None:
-        """Copy the pickled items into the column's buffers."""
-        assert self.buffer is not None
-        offsets = np.frombuffer(self.buffer.offsets, np.int64)
-        buffers["offsets"].rows(0, len(offsets))[:] = offsets
-        values = np.frombuffer(self.buffer.values, np.uint8)
-        for start in range(0, len(values), self._CHUNK):
-            stop = min(start + self._CHUNK, len(values))
-            buffers["values"].rows(start, stop)[:] = values[start:stop]
-            progress(stop - start)
+        total = (self.stop or 0) - self.start if self.stop is not None else 0
+        if not total and isinstance(self.items, Sized):
+            total = len(self.items) - self.start
+        with progress_bar(total, "pickling SharedList", progress, unit="it") as update:
+            step = 16  # items pickled at once: up to 256, fewer when they are big
+            while chunk := list(islice(it, step)):
+                try:
+                    blobs = [dumps(item, protocol) for item in chunk]
+                except Exception:
+                    blobs = [_pickle_item(item, index + j) for j, item in enumerate(chunk)]
+                for blob in blobs:  # one at a time: a block of big pickles is not joined
+                    store.add(blob)
+                index += len(chunk)
+                update(len(chunk))
+                size = sum(map(len, blobs))
+                step = max(1, min(256, step * (4 << 20) // max(size, 1)))
+                del blobs, chunk
+        segment, count = store.finish()
+        alloc.adopt(segment)
+        values = SharedArray(segment, 0, (count,), np.uint8)
+        (offsets,) = alloc([((len(store.offsets),), np.int64)], "SharedList's offsets")
+        offsets.numpy()[:] = np.frombuffer(store.offsets, np.int64)
+        spec = ColumnSpec("items", len(store.offsets) - 1, np.dtype(np.uint8), (), "bytes", count)
+        return [(BytesColumn, spec, {"offsets": offsets, "values": values})], None
 
     def close(self) -> None:
-        """Drop the private copy."""
-        self.buffer = None
+        """Free the file if the items never made it into a column (an error)."""
+        if self.store is not None:
+            self.store.discard()
+            self.store = None
 
 
 def _pickle_item(item: Any, index: int) -> bytes:
