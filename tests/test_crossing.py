@@ -168,19 +168,6 @@ def test_every_shape_under_forkserver_and_the_file_system_strategy(datasets):
     _no_new_shm(before)
 
 
-class RaggedKinds(Dataset):
-    """Batch ``indices`` of every kind with ragged rows, per kind, as a DataLoader fetches."""
-
-    def __init__(self, datasets):
-        self.datasets = datasets
-
-    def __len__(self):
-        return ROWS
-
-    def __getitems__(self, indices):
-        return {name: _getitems(ds, indices) for name, ds in self.datasets.items()}
-
-
 def identity_and_zip(per_kind):
     """``lambda b: b`` and torchvision's ``lambda b: tuple(zip(*b))``, for each kind."""
     out = {}
@@ -252,7 +239,7 @@ def test_a_batch_of_ragged_rows_leaves_a_worker_as_one_memfd_for_every_kind(
         monkeypatch.setattr(module, name, _counting(module, name))
     RECEIVED.clear()
     loader = DataLoader(
-        RaggedKinds({kind: ds for kind, (ds, _) in made.items()}),
+        EveryKind({kind: ds for kind, (ds, _) in made.items()}),
         batch_size=BATCH, num_workers=1, collate_fn=identity_and_zip,
         multiprocessing_context=method, timeout=30,
     )  # fmt: skip
