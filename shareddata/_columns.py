@@ -32,6 +32,7 @@ import torch
 
 from ._storage import SharedArray, to_numpy_dtype
 from ._transport import worker_empty
+from .errors import AttachError
 
 __all__ = [
     "COLUMN_KINDS",
@@ -145,7 +146,37 @@ class Column(ABC):
         return {"spec": self.spec, "arrays": self.arrays}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["spec"], state["arrays"])  # type: ignore[misc]
+        """Rebuild over the received arrays; never raises (Note [A column that cannot be attached]).
+
+        Note [A column that cannot be attached]
+        ---------------------------------------
+        A dataset received from a process that no longer holds its segments (a pool
+        worker that built it and exited, a SIGKILLed sender) cannot be mapped. Its
+        arrays unpickle anyway (``_storage._rebuild`` never raises) and raise
+        :class:`~shareddata.AttachError` where they are used, and a column is unpickled
+        the same way: unpickling may run in a ``multiprocessing.Pool``'s result-handler
+        thread, which an exception kills silently, leaving ``pool.map`` waiting forever
+        (issue 14). So the column records the failure; its spec (length, dtype) stays
+        readable, and the first access to its data raises the ``AttachError`` in the
+        caller's thread (``__getattr__`` below: the attributes over the data were
+        never set). Every dataset made of columns (``NumpyDataset`` and the other
+        file kinds, ``ArrowDataset``, ``SharedDataset``, ``SharedList``) arrives this way.
+        """
+        try:
+            self.__init__(state["spec"], state["arrays"])  # type: ignore[misc]
+        except AttachError as e:
+            self.spec, self.arrays = state["spec"], state["arrays"]
+            self._unattached = AttachError(
+                f"column {self.spec.name!r} of a dataset received from another process "
+                f"cannot be read: {e}"
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        # only for attributes not set: those over the data of an unattached column
+        error = self.__dict__.get("_unattached")
+        if error is not None and not name.startswith("__"):
+            raise AttachError(str(error))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.spec.describe()}, rows={len(self)})"

@@ -20,7 +20,8 @@ inside
 * a segment of ``_storage`` (a dataset's columns, a ``SharedArray``): it crosses
   as the segment's handle (with a ticket: a pool worker may return a view of its
   ``SharedArray`` and exit, Note [Handing a segment over] in ``_handoff.py``) plus
-  the byte range, **no copy at all**; the receiver
+  the byte range, **no copy at all**; a view keeps its segment alive (through its
+  numpy base), so it crosses this way even after its ``SharedArray`` is dropped; the receiver
   maps the segment once (``_storage.attach``) -- copy-on-write for a dataset's
   read-only segments, even in the process that loaded it, so a receiver writing
   to a sample never changes the data; shared for a writable ``SharedArray``;

@@ -746,7 +746,13 @@ class SharedArray:
                 f"array of shape {self.shape} and dtype {self.dtype} at offset {offset} "
                 f"does not fit in a segment of {segment.size} bytes"
             )
-        array = np.frombuffer(segment.mmap, self.dtype, count, self.offset).reshape(self.shape)
+        raw = np.frombuffer(segment.mmap, self.dtype, count, self.offset)
+        # Every view of this array (a numpy slice, a torch tensor over it) has ``raw`` as
+        # its base: the segment lives as long as any of them, so a view still crosses by
+        # handle after the array itself is dropped (a pool worker returning a slice of
+        # its own SharedArray; Note [Tensors over our memory cross by handle] in _reduce).
+        weakref.finalize(raw, _hold, segment).atexit = False
+        array = raw.reshape(self.shape)
         if not writable:
             array.flags.writeable = False
         self._array: np.ndarray | None = array
@@ -874,6 +880,10 @@ class SharedArray:
         flag = "" if self.writable else ", read-only"
         flag += "" if self._error is None else ", not attached"
         return f"SharedArray(shape={self.shape}, dtype={self.dtype}{flag})"
+
+
+def _hold(segment: Segment) -> None:
+    """Nothing: a finalizer's arguments live until the object it watches is gone."""
 
 
 def seal(arrays: Sequence[SharedArray]) -> list[SharedArray]:

@@ -12,9 +12,14 @@ per 256 KiB batch and ~2 ms per 4 MiB one, with no data read at all
 
 A batch that shareddata gathers in a worker goes instead into a memfd
 (``memfd_create`` + ``ftruncate``: no page is touched until the gather writes it):
-every fixed-shape column of the batch in one memfd, as :class:`WorkerBatch`
-tensors over one storage (a variable-length column's rows are views of one more
-memfd). ``ForkingPickler`` pickles any tensor over that storage -- the batch
+every numeric column of the batch in ONE memfd, as :class:`WorkerBatch` tensors
+over one storage -- fixed-shape columns stacked, a variable-length column's rows
+side by side, each row a view (``Column.batch_parts``/``gather_into``); a
+``SharedList`` batch's items, unpickled afresh per row, have their tensors copied
+into one memfd the same way (:func:`into_one_batch`). However many rows are ragged,
+a batch leaves the worker as one descriptor, never one torch ``/dev/shm`` segment
+per row (``tests/test_crossing.py`` counts them for every dataset kind).
+``ForkingPickler`` pickles any tensor over that storage -- the batch
 itself, a sample, a slice, a non-contiguous view -- as the memfd's handle
 ``(pid, fd, device, inode, ...)`` plus the byte range and the tensor's layout
 (Note [Tensors over our memory cross by handle] in ``_reduce.py``); the storage is

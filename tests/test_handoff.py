@@ -8,16 +8,19 @@ exits right after the task.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
 import pickle
 import re
+import signal
 import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
+import torch
 import torch.multiprocessing as tmp
 from conftest import holders, run_isolated
 
@@ -166,6 +169,109 @@ def test_a_failed_attach_is_raised_in_the_caller_not_in_the_pool(kind):
     assert isinstance(info.value, OSError) and isinstance(info.value, sd.SharedDataError)
     with pytest.raises(sd.AttachError):
         got[1].torch()
+
+
+class _UnheldArray:
+    """Pickles as ``array`` would, but under a descriptor its sender does not hold."""
+
+    def __init__(self, array: sd.SharedArray) -> None:
+        self.reduced = array.__reduce__()
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        rebuild, (handle, *rest) = self.reduced
+        return rebuild, ((handle[0], 1 << 20, *handle[2:]), *rest)
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        return torch.full((2,), i * i), f"#{i}"
+
+
+def _unheld_dataset(kind: str):  # type: ignore[no-untyped-def]
+    """Worker: a dataset of ``kind`` whose segments its receiver cannot attach."""
+    if kind == "numpy":
+        ds = sd.NumpyDataset(np.arange(40, dtype=np.float32).reshape(10, 4))
+    elif kind == "shared_dataset":
+        ds = sd.SharedDataset(_Squares(), progress=False)
+    else:
+        ds = sd.SharedList([{"i": i} for i in range(10)], progress=False)
+    columns = [ds._column] if kind == "shared_list" else ds._columns.values()
+    for column in columns:
+        column.arrays = {name: _UnheldArray(a) for name, a in column.arrays.items()}
+    return ds
+
+
+@pytest.fixture
+def hard_timeout():
+    """Fail with every thread's stack after 90 s instead of hanging."""
+
+    def expired(signum, frame):  # type: ignore[no-untyped-def]
+        faulthandler.dump_traceback(all_threads=True)
+        raise TimeoutError("the test hung for 90 s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(90)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_dataset_that_fails_to_attach_is_an_error_in_the_caller(method, hard_timeout):
+    # unpickling runs in the pool's result-handler thread: an error there would kill
+    # it and pool.map would wait forever (Note [A column that cannot be attached])
+    kinds = ["numpy", "shared_dataset", "shared_list"]
+    with mp.get_context(method).Pool(1) as pool:
+        got = pool.map_async(_unheld_dataset, kinds).get(timeout=60)  # returns: no hang
+    for kind, ds in zip(kinds, got):
+        assert len(ds) == (8 if kind == "shared_dataset" else 10), kind  # the spec is there
+        with pytest.raises(sd.AttachError, match="no longer holds it") as info:
+            ds[0]
+        assert isinstance(info.value, OSError) and isinstance(info.value, sd.SharedDataError)
+        assert "cannot be read" in str(info.value), kind
+        with pytest.raises(sd.AttachError):
+            next(iter(torch.utils.data.DataLoader(ds, batch_size=2)))
+
+
+def _views_of_a_dropped_array(k: int):  # type: ignore[no-untyped-def]
+    """Worker: a torch view and a numpy slice of a new array, which it drops at once."""
+    array = sd.SharedArray.from_array(np.full((1000, 4), k, np.float32))
+    st = os.fstat(array.segment.fd)
+    return array.torch()[10:20:3], array.numpy()[5:7], (st.st_dev, st.st_ino)
+
+
+def _mapped_inode(tensor: torch.Tensor) -> tuple[str, int]:
+    """The file name and inode that ``tensor``'s memory is mapped from (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            start, stop = (int(x, 16) for x in fields[0].split("-"))
+            if start <= tensor.data_ptr() < stop:
+                return (fields[5] if len(fields) > 5 else ""), int(fields[4])
+    raise AssertionError("not mapped")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_view_of_an_array_the_worker_dropped_arrives_by_handle(method, hard_timeout):
+    # the view keeps the segment (through its numpy base), so it crosses as the
+    # segment's handle with a ticket even though the SharedArray itself is gone; it
+    # hung pool.map under maxtasksperchild=1 (torch's copy could not be fetched from
+    # the exited worker, in the result-handler thread)
+    with mp.get_context(method).Pool(2, maxtasksperchild=1) as pool:
+        got = pool.map_async(_views_of_a_dropped_array, range(4)).get(timeout=60)
+    segments = set()
+    for k, (view, sliced, segment) in enumerate(got):
+        assert view.shape == (4, 4) and bool((view == k).all())
+        assert sliced.shape == (2, 4) and bool((sliced == k).all())  # numpy: by value
+        name, inode = _mapped_inode(view)
+        assert name == "/memfd:shareddata" and inode == segment[1], (name, inode)  # no copy
+        segments.add(segment)
+    del got, view, sliced
+    gc.collect()
+    assert _gone(segments)
 
 
 def _send_and_exit(conn) -> None:  # type: ignore[no-untyped-def]
