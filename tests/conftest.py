@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
@@ -16,6 +19,26 @@ START_METHODS = ["fork", "spawn", "forkserver"]
 # Scripts that tests run as programs (torchrun, fault scenarios): not doctest modules.
 collect_ignore_glob = ["dist_scripts/*"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def hard_timeout(seconds: int, what: str = "the test"):
+    """Raise TimeoutError (after dumping every thread's stack) if the block runs too long.
+
+    For tests that start processes: a hang fails instead of stalling the suite.
+    """
+
+    def expired(signum, frame):
+        faulthandler.dump_traceback(all_threads=True)
+        raise TimeoutError(f"{what} hung for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def shm_names() -> set[str]:

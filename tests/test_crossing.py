@@ -9,16 +9,15 @@ Note [Tensors over our memory cross by handle] in ``shareddata/_reduce.py``.
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import os
-import signal
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from conftest import hard_timeout as deadline
 from conftest import shm_names
 from kinds import KINDS, assert_batch, assert_item, make
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -33,16 +32,8 @@ BATCH = 8
 @pytest.fixture(autouse=True)
 def hard_timeout():
     """Fail (with every thread's stack) instead of hanging: a loader must never hang."""
-
-    def expired(signum, frame):
-        faulthandler.dump_traceback(all_threads=True)
-        raise TimeoutError("test_crossing: the test hung for 60 s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    with deadline(60, "test_crossing: the test"):
+        yield
 
 
 class EveryKind(Dataset):

@@ -8,13 +8,11 @@ exits right after the task.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import faulthandler
 import gc
 import multiprocessing as mp
 import os
 import pickle
 import re
-import signal
 import time
 from multiprocessing.reduction import ForkingPickler
 
@@ -22,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as tmp
+from conftest import hard_timeout as deadline
 from conftest import holders, run_isolated
 
 import shareddata as sd
@@ -207,16 +206,8 @@ def _unheld_dataset(kind: str):  # type: ignore[no-untyped-def]
 @pytest.fixture
 def hard_timeout():
     """Fail with every thread's stack after 90 s instead of hanging."""
-
-    def expired(signum, frame):  # type: ignore[no-untyped-def]
-        faulthandler.dump_traceback(all_threads=True)
-        raise TimeoutError("the test hung for 90 s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(90)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    with deadline(90):
+        yield
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
