@@ -213,11 +213,13 @@ def reduce_storage(storage: torch.UntypedStorage) -> Any:
     return found
 
 
-def reduce_tensor(tensor: torch.Tensor) -> Any:
+def reduce_tensor(tensor: torch.Tensor, ours: bool = False) -> Any:
     """``ForkingPickler``'s reducer of tensors: a view of our memory keeps its layout.
 
     Anything else (other storages, ``requires_grad``, sparse, quantized, a
-    ``Parameter``) goes to torch's ``reduce_tensor``.
+    ``Parameter``) goes to torch's ``reduce_tensor``. ``ours``: the tensor's type
+    says that its storage is ours (a worker's batch), so it is not looked up here;
+    :func:`reduce_storage` still sends a storage that is not ours the way torch does.
     """
     plain = tensor.as_subclass(torch.Tensor) if type(tensor) is not torch.Tensor else tensor
     if (
@@ -229,7 +231,7 @@ def reduce_tensor(tensor: torch.Tensor) -> Any:
         and not plain.is_neg()
     ):
         storage = plain.untyped_storage()
-        if _owned(storage):
+        if ours or _owned(storage):
             shape, stride = tuple(plain.shape), plain.stride()
             return (_rebuild_tensor, (storage, plain.dtype, plain.storage_offset(), shape, stride))
     return _torch_reduce_tensor(plain)

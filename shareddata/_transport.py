@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import math
 import os
 import threading
@@ -113,7 +114,7 @@ class WorkerBatch(torch.Tensor):
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
 
-ForkingPickler.register(WorkerBatch, reduce_tensor)
+ForkingPickler.register(WorkerBatch, functools.partial(reduce_tensor, ours=True))
 
 
 class _Batch:
@@ -140,7 +141,7 @@ class _Batch:
         self.data = data  # bytes of data
         self.counter_at = data
         self.address = storage.data_ptr()  # this worker's mapping of ``length`` bytes
-        self.length = length
+        self.length = length  # >= total: the mapping covers the counter too
         self.ref = StorageWeakRef(storage)
         self.sends = 0
 
@@ -148,8 +149,8 @@ class _Batch:
         """Whether every mapping of this batch in a receiver is gone."""
         if self.sends == 0:
             return True
-        assert self.fd is not None
-        return int.from_bytes(os.pread(self.fd, 4, self.counter_at), "little") >= self.sends
+        # read through this worker's mapping (it lives while the batch is pending)
+        return ctypes.c_uint32.from_address(self.address + self.counter_at).value >= self.sends
 
 
 class _Outbox:
@@ -263,7 +264,7 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
     layout = []
     offset = 0
     for shape, dtype in parts:
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         layout.append((offset, nbytes))
         offset += -(-nbytes // _ALIGN) * _ALIGN
     data = -(-offset // _PAGE) * _PAGE  # the counter on its own page
@@ -286,18 +287,20 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
                 os.ftruncate(fd, total)
                 st = os.fstat(fd)
                 ident = (st.st_dev, st.st_ino)
-            else:
-                os.pwrite(fd, bytes(_COUNTER), data)
-            if address and length < data:
+            if address and length < total:
                 munmap(address, length)
                 address = 0
             if not address:  # (a pooled memfd still mapped here needs no system call)
-                address, length = _map_fd(fd, data), data
+                address, length = _map_fd(fd, total), total
                 if pooled is not None:  # its pages exist: map them all in one call
-                    madvise(address, data, MADV_POPULATE_WRITE)
-            mapped = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
-            base = torch.from_numpy(mapped)
-            batch = _Batch(fd, size, ident, total, data, length, base.untyped_storage())
+                    madvise(address, total, MADV_POPULATE_WRITE)
+            # the counter of this use of the memfd starts at zero (a pooled one was counted)
+            ctypes.c_uint64.from_address(address + data).value = 0
+            # the storage covers this batch's data exactly (a pooled mapping may be longer):
+            # _find recognises a storage inside [address, address + data)
+            mapped = np.ctypeslib.as_array((ctypes.c_uint8 * data).from_address(address))
+            storage = torch.from_numpy(mapped).untyped_storage()
+            batch = _Batch(fd, size, ident, total, data, length, storage)
         except BaseException:
             if address:
                 munmap(address, length)
@@ -306,7 +309,9 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
         box.pending.append(batch)
         box.by_address[batch.address] = batch
     return [
-        base[start : start + nbytes].view(dtype).view(shape).as_subclass(WorkerBatch)
+        torch.empty(0, dtype=dtype)
+        .set_(storage, start // dtype.itemsize, shape)  # type: ignore[call-overload]
+        .as_subclass(WorkerBatch)
         if nbytes
         else torch.empty(shape, dtype=dtype)
         for (shape, dtype), (start, nbytes) in zip(parts, layout)

@@ -366,3 +366,24 @@ def test_a_view_returned_by_a_pool_worker_that_exits_arrives():
     for i, view in enumerate(got):
         assert view.shape == (4, 4) and bool((view == i).all())
         assert _mapped_from(view).startswith("memfd:shareddata")  # no copy
+
+
+def test_a_smaller_batch_gathered_into_a_reused_memfd_still_crosses_by_handle():
+    # a pooled memfd may be larger than the batch reusing it (ragged batches, the last
+    # batch of an epoch): the batch crossed as a torch copy when its storage covered
+    # the whole mapping instead of the batch's own bytes
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from shareddata import _transport
+
+    first = _transport.worker_empty((1000, 256), torch.float32)
+    inode = _inode(first)
+    received = pickle.loads(ForkingPickler.dumps(first))
+    del first, received
+    gc.collect()
+    smaller = _transport.worker_empty((500, 256), torch.float32).fill_(3)
+    assert _inode(smaller) == inode  # the pooled memfd, reused
+    got = pickle.loads(ForkingPickler.dumps(smaller))
+    assert _mapped_from(got) == "memfd:shareddata-batch" and _inode(got) == inode
+    assert got.shape == (500, 256) and bool((got == 3).all())
