@@ -152,7 +152,7 @@ class Column(ABC):
         ---------------------------------------
         A dataset received from a process that no longer holds its segments (a pool
         worker that built it and exited, a SIGKILLed sender) cannot be mapped. Its
-        arrays unpickle anyway (``_storage._rebuild`` never raises) and raise
+        arrays unpickle anyway (``_storage/_array.py``'s ``_rebuild`` never raises) and raise
         :class:`~shareddata.AttachError` where they are used, and a column is unpickled
         the same way: unpickling may run in a ``multiprocessing.Pool``'s result-handler
         thread, which an exception kills silently, leaving ``pool.map`` waiting forever

@@ -129,7 +129,7 @@ def open_tmpfile(directory: str) -> int:
 def replace_with_anonymous(mapped: mmap.mmap, size: int, ident: tuple[int, int]) -> bool:
     """Swap ``mapped``'s pages for anonymous zeros and let go of the file.
 
-    Note [Freeing a failed load] in ``_storage.py``: the mapping is replaced in place
+    Note [Freeing a failed load] in ``_storage/_segment.py``: the mapping is replaced in place
     (``MAP_FIXED``), and every descriptor of this process on the file ``ident``
     (device, inode) is pointed at ``/dev/null`` (``dup2``), so the ``mmap`` object's
     own duplicate stays valid and is closed by it later.

@@ -64,7 +64,7 @@ class Buffer(np.ndarray):
     :meth:`rows` is the sink: it returns a plain writable view once the pages under
     it are allocated (the loader allocates them in background threads while the
     source fills the first ones: Note [Filling while the pages are allocated] in
-    ``_storage.py``).
+    ``_storage/_pages.py``).
 
     Example:
         >>> buf = np.zeros((4, 2), np.int64).view(Buffer)
@@ -194,7 +194,7 @@ class Allocator:
             segment.finish_population()
 
     def discard(self) -> None:
-        """Free every segment now (Note [Freeing a failed load] in ``_storage.py``)."""
+        """Free every segment now (Note [Freeing a failed load] in ``_storage/_segment.py``)."""
         for segment in self._segments:
             segment.stop_population()
             segment.discard()
@@ -307,12 +307,12 @@ def _load_here(
         alloc.finish()
     except BaseException:
         # Free the segments now, although the traceback still refers to the
-        # buffers: Note [Freeing a failed load] in _storage.py.
+        # buffers: Note [Freeing a failed load] in _storage/_segment.py.
         alloc.discard()
         raise
     finally:
         source.close()
-    # fork children map it copy-on-write: Note [Sealed segments] in _storage.py
+    # fork children map it copy-on-write: Note [Sealed segments] in _storage/_segment.py
     sealed = iter(seal([a for _, _, arrays in parts for a in arrays.values()]))
     columns = Columns(
         {spec.name: cls(spec, {k: next(sealed) for k in arrays}) for cls, spec, arrays in parts}
@@ -347,7 +347,7 @@ def _fill(source: Source, alloc: Allocator, progress: bool) -> list[Part]:
     layouts = [(spec, COLUMN_KINDS[spec.kind].layout(spec)) for spec in specs]
     flat = [shape_dtype for _, layout in layouts for shape_dtype in layout.values()]
     # pages are allocated while the source fills the first ones: Note [Filling
-    # while the pages are allocated] in _storage.py
+    # while the pages are allocated] in _storage/_pages.py
     arrays = iter(alloc(flat, source.label, ahead=True))
     parts: list[Part] = [
         (COLUMN_KINDS[spec.kind], spec, {k: next(arrays) for k in layout})

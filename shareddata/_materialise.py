@@ -172,7 +172,7 @@ class _Builder:
     def discard(self) -> None:
         """After a failure: stop the writer, then free the fixed-size segment at once.
 
-        Note [Freeing a failed load] in ``_storage.py``.
+        Note [Freeing a failed load] in ``_storage/_segment.py``.
         """
         if self.writer is not None:
             self.writer.abort()
@@ -464,7 +464,7 @@ def build_columns(
         parts, kinds = builder.finish()
     except BaseException:
         # Free the columns now, although the traceback still refers to them:
-        # Note [Freeing a failed load] in _storage.py.
+        # Note [Freeing a failed load] in _storage/_segment.py.
         if builder is not None:
             builder.discard()
         raise

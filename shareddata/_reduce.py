@@ -77,7 +77,7 @@ import torch
 from torch.multiprocessing import reductions as _torch
 
 from . import _storage
-from ._linux import PROT_READ_WRITE, libc_mmap
+from ._linux import PROT_READ_WRITE, address_of, libc_mmap
 from .errors import BatchSendError
 
 __all__ = ["guard_worker_sends", "reduce_storage", "reduce_tensor", "register_memory"]
@@ -109,11 +109,11 @@ _ADDRESSES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 def _segment_at(address: int, nbytes: int) -> tuple[Any, int] | None:
     """The registered segment holding ``[address, address + nbytes)``, and the offset."""
-    for segment in list(_storage._ATTACHED.values()):
+    for segment in _storage.attached_segments():
         start = _ADDRESSES.get(segment)
         if start is None:
             try:
-                start = _storage.address_of(segment.mmap)
+                start = address_of(segment.mmap)
             except (ValueError, TypeError):  # closed meanwhile
                 continue
             _ADDRESSES[segment] = start
@@ -138,7 +138,7 @@ def _find(storage: torch.UntypedStorage) -> Any:
         return None
     segment, offset = located
     # a dataset's (sealed or read-only) segment crosses copy-on-write; a SharedArray shared
-    writable = segment.writable and segment not in _storage._SEALED
+    writable = segment.writable and not segment.sealed
     # a ticket: the sender keeps the file until the receiver has it, even if the
     # sender drops the tensor or exits right after (Note [Handing a segment over])
     handle = segment.handle(ticket=True)

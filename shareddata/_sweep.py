@@ -2,7 +2,7 @@
 
 Note [What can be left behind, and the sweeper]
 ================================================
-shareddata's own segments have no name (Note in ``_storage.py``), so they cannot
+shareddata's own segments have no name (Note in ``_storage/_segment.py``), so they cannot
 be left behind. The batches that DataLoader workers send to the main process do
 pass through named files: torch's ``file_descriptor`` sharing strategy (the
 default) creates ``/dev/shm/torch_<pid>_<random>_<n>``, reserves its pages and

@@ -318,7 +318,7 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     # Note [Filling while the pages are allocated]: threads allocate and map the
     # segment in address order while the file is read into its first pages; a read
     # waits until the pages it fills are in
-    from shareddata import _storage
+    from shareddata._storage import _pages
     from shareddata.sources import _io
 
     nbytes = 160 << 20
@@ -327,10 +327,10 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     reads, real_preadv = [], os.preadv
 
     def preadv(fd, buffers, offset):
-        (population,) = _storage._POPULATIONS
+        (population,) = _pages._POPULATIONS
         address = np.frombuffer(buffers[0], np.uint8).ctypes.data
         end = address + len(buffers[0]) - population.base
-        reads.append((end, population._ready * _storage._POPULATE_STEP))
+        reads.append((end, population._ready * _pages._POPULATE_STEP))
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
@@ -338,7 +338,7 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     assert len(reads) == 10
     assert all(end <= populated for end, populated in reads)  # never ahead of the pages
     assert any(populated < nbytes for _, populated in reads)  # reads did not wait for all
-    assert not _storage._POPULATIONS
+    assert not _pages._POPULATIONS
     assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
     segment = ds._columns["x"].arrays["data"].segment
     assert os.fstat(segment.fd).st_blocks * 512 >= nbytes  # every page allocated
@@ -346,31 +346,31 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
 
 
 def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkeypatch):
-    from shareddata import _storage
+    from shareddata._storage import _pages
 
     np.save(tmp_path / "x.npy", np.ones((128 << 20) // 4, np.float32))
-    real = _storage._madvise
+    real = _pages.madvise
 
     def madvise(address, length, advice):  # memory runs out at the fourth step
-        populations = _storage._POPULATIONS
+        populations = _pages._POPULATIONS
         step = address - populations[-1].base if populations else 0
-        if advice == _storage._MADV_POPULATE_WRITE and step >= 3 * _storage._POPULATE_STEP:
+        if advice == _pages.MADV_POPULATE_WRITE and step >= 3 * _pages._POPULATE_STEP:
             return errno.ENOMEM
         return real(address, length, advice)
 
-    monkeypatch.setattr(_storage, "_madvise", madvise)
+    monkeypatch.setattr(_pages, "madvise", madvise)
     gc.collect()
     fds = open_fds()
     with pytest.raises(sd.SharedMemoryFullError, match=r"x\.npy needs 128\.0 MiB"):
         sd.NumpyDataset(tmp_path / "x.npy")
     gc.collect()
     assert open_fds() == fds  # the segment is gone
-    assert not _storage._POPULATIONS
+    assert not _pages._POPULATIONS
     assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
 
 
 def test_populating_stops_every_thread_at_the_first_error(monkeypatch):
-    from shareddata import _storage
+    from shareddata._storage import _pages
 
     calls = []
 
@@ -379,24 +379,24 @@ def test_populating_stops_every_thread_at_the_first_error(monkeypatch):
         time.sleep(0.01)
         return errno.ENOMEM
 
-    monkeypatch.setattr(_storage, "_madvise", failing)
+    monkeypatch.setattr(_pages, "madvise", failing)
     before = threading.active_count()
-    assert _storage.populate(1 << 30, 16 * _storage._POPULATE_STEP, threads=4) == errno.ENOMEM
+    assert _pages.populate(1 << 30, 16 * _pages._POPULATE_STEP, threads=4) == errno.ENOMEM
     assert threading.active_count() == before  # every helper has ended
     assert len(calls) <= 4  # each thread stopped after its first step
 
 
 def test_a_segment_dropped_while_its_pages_are_allocated_stops_the_threads():
-    from shareddata import _storage
+    from shareddata._storage import Segment, _pages
 
-    segment = _storage.Segment.create(256 << 20, ahead=True)
-    assert len(_storage._POPULATIONS) == 1
+    segment = Segment.create(256 << 20, ahead=True)
+    assert len(_pages._POPULATIONS) == 1
     del segment
     gc.collect()
-    assert not _storage._POPULATIONS
+    assert not _pages._POPULATIONS
     assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
     small = sd.SharedArray.empty(16, np.uint8)  # new mappings are not mistaken for it
-    _storage.ready(small.numpy())
+    _pages.ready(small.numpy())
 
 
 def test_an_empty_selection_names_what_exists(tmp_path):

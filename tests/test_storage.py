@@ -10,7 +10,8 @@ import torch
 from conftest import START_METHODS, holders, open_fds, run_isolated
 
 import shareddata as sd
-from shareddata._storage import Segment, available_memory
+from shareddata._capacity import available_memory
+from shareddata._storage import Segment
 
 
 def _fill(arr, start, stop, value):

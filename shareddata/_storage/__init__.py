@@ -1,0 +1,37 @@
+"""Shared memory: segments, their pages, and the arrays laid over them.
+
+Modules, one job each (lower ones never import higher ones):
+
+- ``_pages``: every page of a segment allocated before it is written, by threads,
+  optionally ahead of the writer (:func:`populate`, :func:`ready`;
+  Note [Allocating shared pages], Note [Filling while the pages are allocated]);
+- ``_segment``: :class:`Segment`, one anonymous shared file: created, pickled as a
+  handle, attached in another process, sealed against ``fork`` children, freed
+  (Note [How shared segments are made, shared and freed], Note [Sealed segments],
+  Note [Freeing a failed load]);
+- ``_array``: :class:`SharedArray` over a segment, :func:`allocate` of several arrays
+  in one segment, :func:`seal` of a filled dataset's arrays.
+
+Handing a segment to a process that has not opened it yet is ``_handoff.py``; the
+room left and the errors for a full memory are ``_capacity.py``; the libc calls are
+``_linux.py``.
+"""
+
+from ._array import SharedArray, aligned, allocate, copy_chunked, seal, to_numpy_dtype
+from ._pages import populate, population_threads, ready
+from ._segment import Segment, attach, attached_segments
+
+__all__ = [
+    "Segment",
+    "SharedArray",
+    "aligned",
+    "allocate",
+    "attach",
+    "attached_segments",
+    "copy_chunked",
+    "populate",
+    "population_threads",
+    "ready",
+    "seal",
+    "to_numpy_dtype",
+]

@@ -1,0 +1,345 @@
+"""SharedArray: an n-dimensional array over a segment, pickled by handle, never by value.
+
+Also the helpers that lay arrays out in one segment (:func:`allocate`,
+:func:`aligned`), fill them (:func:`copy_chunked`) and hand them out read-only
+(:func:`seal`), and the dtype mapping every column uses (:func:`to_numpy_dtype`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import weakref
+from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import AttachError, UnsupportedDtypeError
+from ._pages import ready
+from ._segment import Segment, attach
+
+__all__ = ["SharedArray", "aligned", "allocate", "copy_chunked", "seal", "to_numpy_dtype"]
+
+_ALIGN = 64  # bytes; every array in a segment starts on a cache line
+
+_TORCH_TO_NUMPY = {
+    torch.bool: np.bool_,
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _TORCH_TO_NUMPY[getattr(torch, _name)] = getattr(np, _name)
+
+
+def to_numpy_dtype(dtype: Any) -> np.dtype:
+    """Normalise a numpy or torch dtype (or anything ``np.dtype`` takes) to ``np.dtype``.
+
+    Example:
+        >>> to_numpy_dtype(torch.int32), to_numpy_dtype("float32")
+        (dtype('int32'), dtype('float32'))
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_TO_NUMPY:
+            raise UnsupportedDtypeError(
+                f"torch dtype {dtype} has no numpy equivalent and cannot be stored; "
+                "convert it first (e.g. bfloat16 -> float32 or view it as int16)."
+            )
+        return np.dtype(_TORCH_TO_NUMPY[dtype])
+    return np.dtype(dtype)
+
+
+def aligned(offset: int) -> int:
+    """Round ``offset`` up to the alignment of arrays inside a segment."""
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class SharedArray:
+    """An n-dimensional array in shared memory, pickled by handle, never by value.
+
+    Every process that unpickles it maps the same pages, under ``fork``,
+    ``spawn`` and ``forkserver`` alike, including DataLoader workers and
+    ``multiprocessing`` pools, and back: an array a pool worker creates and
+    returns reaches the parent by handle, even if the worker exits right after
+    (Note [Handing a segment over]); if it cannot be attached, its first use raises
+    :class:`~shareddata.AttachError`. It is writable, so processes can build
+    results in place; concurrent writes are the caller's to coordinate (a
+    ``multiprocessing.Lock``, disjoint slices per process, or accepted races for
+    statistics that tolerate them).
+
+    Args:
+        segment: the segment holding the data.
+        offset: byte offset of the first element in the segment.
+        shape: the array's shape.
+        dtype: numpy dtype.
+        writable: ``False`` for read-only views (dataset columns).
+
+    Example:
+        >>> a = SharedArray.empty((2, 3), "float32")
+        >>> a.numpy()[:] = 1.5
+        >>> a.torch().sum().item()
+        9.0
+        >>> b = SharedArray.from_array(np.arange(4))
+        >>> b.shape, b.dtype, b.nbytes
+        ((4,), dtype('int64'), 32)
+    """
+
+    __slots__ = ("_array", "_error", "_tensor", "dtype", "offset", "segment", "shape", "writable")
+
+    def __init__(
+        self,
+        segment: Segment,
+        offset: int,
+        shape: Sequence[int],
+        dtype: Any,
+        writable: bool = True,
+    ) -> None:
+        self.segment = segment
+        self.offset = int(offset)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = to_numpy_dtype(dtype)
+        self.writable = writable
+        count = math.prod(self.shape)
+        if self.offset + count * self.dtype.itemsize > segment.size:
+            raise ValueError(
+                f"array of shape {self.shape} and dtype {self.dtype} at offset {offset} "
+                f"does not fit in a segment of {segment.size} bytes"
+            )
+        raw = np.frombuffer(segment.mmap, self.dtype, count, self.offset)
+        # Every view of this array (a numpy slice, a torch tensor over it) has ``raw`` as
+        # its base: the segment lives as long as any of them, so a view still crosses by
+        # handle after the array itself is dropped (a pool worker returning a slice of
+        # its own SharedArray; Note [Tensors over our memory cross by handle] in _reduce).
+        weakref.finalize(raw, _hold, segment).atexit = False
+        array = raw.reshape(self.shape)
+        if not writable:
+            array.flags.writeable = False
+        self._array: np.ndarray | None = array
+        self._tensor: torch.Tensor | None = None
+        self._error: str | None = None
+
+    @classmethod
+    def _unattached(
+        cls, error: AttachError, shape: Sequence[int], dtype: Any, writable: bool
+    ) -> SharedArray:
+        """An array whose segment could not be attached: raises ``error`` on first use."""
+        self = cls.__new__(cls)
+        self.segment = None  # type: ignore[assignment]
+        self.offset, self.shape = 0, tuple(int(s) for s in shape)
+        self.dtype, self.writable = to_numpy_dtype(dtype), writable
+        self._array, self._tensor, self._error = None, None, str(error)
+        return self
+
+    def _data(self) -> np.ndarray:
+        if self._array is None:
+            raise AttachError(str(self._error))
+        return self._array
+
+    @classmethod
+    def empty(
+        cls,
+        shape: int | Sequence[int],
+        dtype: Any,
+        *,
+        storage_dir: str | os.PathLike[str] | None = None,
+    ) -> SharedArray:
+        """Allocate an uninitialised (zero-filled) shared array.
+
+        Args:
+            shape: the shape.
+            dtype: a numpy or torch dtype.
+            storage_dir: ``None`` for RAM; a directory for a file-backed array.
+
+        Raises:
+            SharedMemoryFullError: when there is no room, before anything is written.
+        """
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        dtype = to_numpy_dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        segment = Segment.create(nbytes, storage_dir, what=f"SharedArray{shape} {dtype}")
+        return cls(segment, 0, shape, dtype)
+
+    @classmethod
+    def from_array(
+        cls, array: Any, *, storage_dir: str | os.PathLike[str] | None = None
+    ) -> SharedArray:
+        """Copy a numpy array or CPU tensor into a new shared array.
+
+        Args:
+            array: anything ``np.asarray`` takes, or a ``torch.Tensor``.
+            storage_dir: ``None`` for RAM; a directory for a file-backed array.
+        """
+        if isinstance(array, torch.Tensor):
+            array = array.detach().cpu().numpy()
+        array = np.asarray(array)
+        if array.dtype.hasobject:
+            raise UnsupportedDtypeError(
+                "SharedArray.from_array got an object array; shared memory holds fixed-size "
+                "numeric data. Convert it to a numeric dtype (or use a SharedList)."
+            )
+        out = cls.empty(array.shape, array.dtype.newbyteorder("="), storage_dir=storage_dir)
+        copy_chunked(out.numpy(), array)
+        return out
+
+    def numpy(self) -> np.ndarray:
+        """A zero-copy numpy view (read-only if the array is).
+
+        Raises:
+            AttachError: the array was received from a process that no longer held it.
+        """
+        return self._data()
+
+    def torch(self) -> torch.Tensor:
+        """A zero-copy ``torch.Tensor`` view (do not write to it if the array is read-only)."""
+        if self._tensor is None:
+            if self.writable:
+                self._tensor = torch.from_numpy(self._data())
+            else:
+                import warnings
+
+                with warnings.catch_warnings():  # torch warns that the buffer is read-only
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._tensor = torch.from_numpy(self._data())
+        return self._tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d SharedArray")
+        return self.shape[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self._data()
+        return array if dtype is None else array.astype(dtype)
+
+    def readonly(self) -> SharedArray:
+        """A read-only view of the same memory (what datasets hand to workers)."""
+        self._data()
+        return SharedArray(self.segment, self.offset, self.shape, self.dtype, writable=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self._reduce(ticket=False)
+
+    def _reduce(self, ticket: bool) -> tuple[Any, ...]:
+        # Receivers of read-only arrays map copy-on-write: Note [How shared segments ...].
+        self._data()
+        handle = (*self.segment.handle(ticket), self.writable)
+        return (_rebuild, (handle, self.offset, self.shape, self.dtype.str, self.writable))
+
+    def __repr__(self) -> str:
+        flag = "" if self.writable else ", read-only"
+        flag += "" if self._error is None else ", not attached"
+        return f"SharedArray(shape={self.shape}, dtype={self.dtype}{flag})"
+
+
+def _hold(segment: Segment) -> None:
+    """Nothing: a finalizer's arguments live until the object it watches is gone."""
+
+
+def seal(arrays: Sequence[SharedArray]) -> list[SharedArray]:
+    """Read-only views of ``arrays``, whose segment ``fork`` children map copy-on-write.
+
+    What a loader hands out once it has filled ``arrays``: no process, ``fork``
+    children included, can change what the others read (Note [Sealed segments]).
+
+    Example:
+        >>> a, b = allocate([((3,), "int64"), ((2,), "float32")])
+        >>> a.numpy()[:] = 7
+        >>> ro, _ = seal([a, b])
+        >>> ro.numpy().tolist(), ro.writable
+        ([7, 7, 7], False)
+    """
+    for segment in {id(a.segment): a.segment for a in arrays}.values():
+        segment.seal()
+    return [a.readonly() for a in arrays]
+
+
+def _rebuild(
+    handle: tuple[Any, ...], offset: int, shape: tuple[int, ...], dtype: str, writable: bool
+) -> SharedArray:
+    # never raises: unpickling may run in a pool's result thread, whose death hangs the
+    # pool; the error is raised where the array is used (Note [Handing a segment over])
+    try:
+        segment = attach(*handle)
+    except AttachError as e:
+        return SharedArray._unattached(e, shape, dtype, writable)
+    return SharedArray(segment, offset, shape, dtype, writable)
+
+
+# multiprocessing's pickler (every queue, pipe, pool and process argument, torch's and
+# the DataLoader's included) draws a ticket: Note [Handing a segment over].
+ForkingPickler.register(SharedArray, functools.partial(SharedArray._reduce, ticket=True))
+
+
+def allocate(
+    layouts: Sequence[tuple[Sequence[int], Any]],
+    storage_dir: str | os.PathLike[str] | None = None,
+    what: str = "this dataset",
+    reserve: bool = True,
+    ahead: bool = False,
+) -> list[SharedArray]:
+    """Allocate several arrays in ONE segment (one descriptor, one capacity check).
+
+    Args:
+        layouts: ``(shape, dtype)`` of each array.
+        storage_dir: ``None`` for RAM; a directory for file-backed arrays.
+        what: how to name the allocation in errors.
+        reserve: see :meth:`Segment.create`.
+        ahead: see :meth:`Segment.create`: write only after :func:`ready`.
+
+    Returns:
+        The arrays, writable, in the order given.
+    """
+    offsets, end = [], 0
+    norm = []
+    for shape, dtype in layouts:
+        shape, dtype = tuple(int(s) for s in shape), to_numpy_dtype(dtype)
+        end = aligned(end)
+        offsets.append(end)
+        end += math.prod(shape) * dtype.itemsize
+        norm.append((shape, dtype))
+    ahead = ahead and end > 0  # nothing to fill: nothing to wait for
+    segment = Segment.create(end, storage_dir, what=what, reserve=reserve, ahead=ahead)
+    return [SharedArray(segment, o, s, d) for o, (s, d) in zip(offsets, norm)]
+
+
+_CHUNK = 64 << 20
+
+
+def copy_chunked(dest: np.ndarray, src: np.ndarray, progress: Any = None) -> None:
+    """Copy ``src`` into ``dest`` row block by row block (no full temporary)."""
+    if dest.shape != src.shape:
+        raise ValueError(f"shape mismatch: {src.shape} into {dest.shape}")
+    if dest.ndim == 0 or dest.shape[0] == 0:
+        ready(dest)
+        dest[...] = src
+        return
+    row_bytes = max(1, dest.nbytes // dest.shape[0])
+    step = max(1, _CHUNK // row_bytes)
+    for start in range(0, dest.shape[0], step):
+        stop = min(start + step, dest.shape[0])
+        ready(dest[:stop])  # a segment still being allocated: Note [Filling while ...]
+        dest[start:stop] = src[start:stop]
+        if progress is not None:
+            progress((stop - start) * row_bytes)

@@ -1,0 +1,391 @@
+"""Segments: anonymous shared files, mapped here, pickled as handles, attached, sealed, freed.
+
+Note [How shared segments are made, shared and freed]
+=====================================================
+A segment is an *anonymous* file: ``memfd_create`` (RAM) or ``O_TMPFILE`` in
+``storage_dir`` (a disk, mapped shared so every process reads one copy through
+the page cache). Neither ever has a name in ``/dev/shm`` or in the directory, so
+nothing can be left behind whatever kills which process: the kernel frees the
+pages when the last descriptor and the last mapping are gone
+(``docs/internals.md#memfd``; why not named ``/dev/shm`` files or torch's
+handles: ``docs/how-it-works.md`` and ``docs/internals.md#resource-tracker``).
+
+A memfd is not counted against ``/dev/shm``; its limit is RAM and the memory
+cgroup, which ``check_capacity`` reads before allocating. Every page is then
+allocated and mapped up front (Note [Allocating shared pages]): a full memory is
+raised at once, never as a SIGBUS later (``docs/internals.md#sigbus``).
+
+Sharing: a segment pickles as a *handle* ``(pid, fd, dev, inode, size)`` plus a
+ticket. The receiving process opens ``/proc/<pid>/fd/<fd>``, which gives it its
+own descriptor of the same file (checked by device and inode), and maps it. This
+works for ``fork``, ``spawn`` and ``forkserver`` children and for unrelated
+processes of the same user (another ``torchrun`` rank). A process that attached
+hands out its own ``(pid, fd)`` in turn, so attaching never depends on the
+creator staying alive, only on the *sender* holding the file until the receiver
+has opened it, which the ticket ensures (Note [Handing a segment over] in
+``_handoff.py``). Within one process a segment is mapped once, however many
+arrays refer to it (:func:`attached_segments`).
+
+Read-only handles (the datasets' columns) are mapped copy-on-write
+(``MAP_PRIVATE``) by the receiver: reads map the same physical pages, and a write
+forced through can never reach another process. ``fork`` children of the loading
+process map a dataset's segment copy-on-write too (Note [Sealed segments]).
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from .. import _handoff
+from .._capacity import (
+    FULL_ERRNOS,
+    available_memory,
+    check_capacity,
+    fallocate,
+    full_error,
+    resolve_storage_dir,
+)
+from .._linux import (
+    MADV_HUGEPAGE,
+    MAP_PRIVATE_FIXED,
+    PROT_READ_WRITE,
+    address_of,
+    is_tmpfs,
+    libc_mmap,
+    madvise,
+    open_tmpfile,
+    replace_with_anonymous,
+)
+from ..errors import AttachError
+from ._pages import Population, populate, population_failed
+
+__all__ = ["Segment", "attach", "attached_segments"]
+
+_ATTACHED: weakref.WeakValueDictionary[tuple[str, bool], Segment] = weakref.WeakValueDictionary()
+_ATTACH_LOCK = threading.Lock()
+
+
+class Segment:
+    """One anonymous shared file, mapped into this process.
+
+    Use :meth:`create` or unpickle a handle; do not call the constructor directly.
+    The segment is freed by the kernel when every process has dropped it.
+    """
+
+    def __init__(self, fd: int, size: int, token: str, writable: bool = True) -> None:
+        self.fd = fd
+        self.size = size
+        self.token = token
+        self.writable = writable
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY
+        self.mmap = mmap.mmap(fd, size, access=access)
+        st = os.fstat(fd)
+        self._ident = (st.st_dev, st.st_ino)
+        # closes fd, or holds it while a receiver has yet to open it (_handoff.release)
+        self._finalizer = weakref.finalize(self, _handoff.release, fd)
+        self.created_here = False  # set by create(): only the creator may discard()
+
+    @classmethod
+    def create(
+        cls,
+        nbytes: int,
+        storage_dir: str | os.PathLike[str] | None = None,
+        what: str = "this allocation",
+        reserve: bool = True,
+        ahead: bool = False,
+    ) -> Segment:
+        """Allocate a segment of ``nbytes``, reserving every page before returning.
+
+        Args:
+            nbytes: size in bytes (0 is allowed and takes one page).
+            storage_dir: ``None`` for RAM; a directory for a file-backed segment.
+                Defaults to the ``SHAREDDATA_STORAGE_DIR`` environment variable.
+            what: how to name the allocation in errors.
+            reserve: ``False`` only sizes the file (capacity still checked): for a
+                writer that fills it with ``os.pwrite`` on :attr:`fd`, which reports a
+                full memory as an error, never through the mapping (a SIGBUS then).
+            ahead: with ``reserve``, for RAM with room to spare, return at once while
+                threads allocate the pages in address order; the caller fills the
+                first ones meanwhile, calling :func:`ready` before writing any range,
+                and ends with :meth:`finish_population` (:meth:`stop_population` on an
+                error). Note [Filling while the pages are allocated].
+
+        Raises:
+            SharedMemoryFullError: before anything is written, when there is no room.
+        """
+        directory = resolve_storage_dir(storage_dir)
+        size = max(int(nbytes), 1)
+        check_capacity(size, directory, what)
+        if directory is None:
+            fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
+        else:
+            fd = open_tmpfile(directory)
+        # Shared memory (a memfd, or a file on tmpfs) is reserved by populating it:
+        # Note [Allocating shared pages]
+        by_faults = reserve and (directory is None or is_tmpfs(fd))
+        try:
+            # a disk file is reserved with fallocate; where it cannot be, sized only
+            # (its capacity was checked above)
+            if reserve and not by_faults:
+                fallocate(fd, size, directory, what)
+            try:  # the data, then the slots of Note [Handing a segment over] (sparse)
+                os.ftruncate(fd, _handoff.file_size(size))
+            except OSError as e:
+                if e.errno in FULL_ERRNOS:
+                    raise full_error(size, available_memory(directory), directory, what) from e
+                raise
+            segment = cls(fd, size, secrets.token_hex(8))
+        except BaseException:
+            os.close(fd)
+            raise
+        segment.created_here = True
+        if reserve:
+            try:
+                if ahead and directory is None and available_memory(None) >= 2 * size:
+                    segment._population = Population(segment, directory, what)
+                else:
+                    segment._reserve(by_faults, directory, what)
+            except BaseException:
+                segment.close()
+                raise
+        return segment._register()
+
+    _population: Population | None = None
+
+    def _reserve(self, by_faults: bool, directory: str | None, what: str) -> None:
+        """Allocate (``by_faults``) and map every page: Note [Allocating shared pages]."""
+        if by_faults:
+            madvise(address_of(self.mmap), self.size, MADV_HUGEPAGE)  # a hint; may do nothing
+        error = populate(address_of(self.mmap), self.size)
+        if by_faults and error:
+            population_failed(error, self.fd, self.size, directory, what)
+
+    def finish_population(self) -> None:
+        """Wait until the pages that ``create(ahead=True)`` allocates are all in.
+
+        Raises:
+            SharedMemoryFullError: a page could not be allocated.
+        """
+        if self._population is not None:
+            self._population.finish()
+            self._population = None
+
+    def stop_population(self) -> None:
+        """Stop allocating the pages of ``create(ahead=True)`` and wait for the threads."""
+        if self._population is not None:
+            self._population.stop()
+            self._population = None
+
+    def handle(self, ticket: bool = False) -> tuple[Any, ...]:
+        """What pickling sends: enough for another process to open and map this file.
+
+        Args:
+            ticket: draw a ticket, so that this process keeps the file until the
+                receiver has opened it even if the segment is dropped meanwhile
+                (Note [Handing a segment over] in ``_handoff.py``). Pickles made by
+                ``multiprocessing`` (queues, pipes, pools, process arguments) draw one.
+        """
+        slot, nonce = _handoff.ticket(self.fd, self.size, self.created_here) if ticket else (0, 0)
+        return (os.getpid(), self.fd, self._ident, self.size, self.token, slot, nonce)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self._reduce(ticket=False)
+
+    def _reduce(self, ticket: bool) -> tuple[Any, ...]:
+        return (attach, (*self.handle(ticket), self.writable))
+
+    def _register(self) -> Segment:
+        with _ATTACH_LOCK:
+            _ATTACHED[(self.token, self.writable)] = self
+        return self
+
+    def close(self) -> None:
+        """Unmap and close now (arrays over the segment must be gone)."""
+        _ATTACHED.pop((self.token, self.writable), None)
+        try:
+            self.mmap.close()
+        except BufferError:  # views still exist: they keep the mapping alive
+            return
+        self._finalizer()
+
+    def seal(self) -> None:
+        """Make ``fork`` children map this segment copy-on-write (Note [Sealed segments]).
+
+        For a dataset's segment once it is filled: nothing writes to it any more,
+        and no forked DataLoader worker can write through to the others.
+        """
+        libc_mmap()  # looked up here: a fork child must not dlopen (the loader's lock)
+        with _ATTACH_LOCK:
+            _SEALED.add(self)
+
+    @property
+    def sealed(self) -> bool:
+        """Whether :meth:`seal` was called: ``fork`` children map it copy-on-write."""
+        return self in _SEALED
+
+    def discard(self) -> None:
+        """Free the segment now, even while arrays over it are still referenced.
+
+        For a load that failed: see Note [Freeing a failed load]. Arrays that
+        survive read zeros from then on; nothing else may use the segment. Only
+        the process that created the segment may discard it (its mapping is the
+        only one in this process).
+        """
+        if not self.created_here:
+            raise RuntimeError("only the process that created a segment may discard it")
+        _handoff.forget(self.fd)  # freed on purpose: no receiver is waited for
+        _ATTACHED.pop((self.token, self.writable), None)
+        _SEALED.discard(self)
+        try:
+            self.mmap.close()
+        except BufferError:  # views are alive: swap the pages out from under them
+            if not replace_with_anonymous(self.mmap, self.size, self._ident):
+                return  # could not: the views keep it until they are gone
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return f"Segment(size={self.size}, fd={self.fd}, token={self.token!r})"
+
+
+# Note [Freeing a failed load]
+# ============================
+# When a load fails halfway (a corrupt chunk, Ctrl-C, a full disk), the error's
+# traceback often still refers to the half-filled arrays: through the frames of the
+# reader, the ``__cause__`` of a library's exception, a closure. A notebook keeps the
+# last exception (``sys.last_value``) until the next one, so a failed 100 GiB load
+# would stay in RAM and make the retry fail for lack of room. The loader therefore
+# discards the segment at once, whatever still refers to it:
+#
+# * the mapping is replaced in place by anonymous zero pages (``mmap`` with
+#   ``MAP_FIXED`` at the same address), so a leftover array stays valid memory and
+#   reads zeros instead of crashing; Python's ``mmap`` object unmaps that range
+#   when it is collected, as it would have;
+# * Python's ``mmap`` keeps a duplicate of the descriptor (for ``size()``): that
+#   descriptor number is pointed at ``/dev/null`` with ``dup2`` (so it stays owned
+#   by the ``mmap`` object, which closes it later) and our own descriptor is closed.
+#
+# The kernel then frees the pages at once. Nothing in ``shareddata`` touches a
+# discarded segment again.
+
+
+# Note [Sealed segments]
+# ======================
+# A ``fork`` child inherits its parent's mappings as they are. The loading process
+# maps a dataset's segment shared and writable (it filled it), so a forked
+# DataLoader worker that forced a write (numpy's ``writeable`` flag set back, a raw
+# pointer) would change what every process reads. Right after ``fork``, the child
+# therefore maps every *sealed* segment again, at the same address, copy-on-write
+# (``MAP_PRIVATE | MAP_FIXED`` over the same descriptor, ``os.register_at_fork``):
+# reads share the same pages, a write copies the page into the writer. The parent
+# keeps its mapping (with its page tables, so the data shows in its PSS); writable
+# ``SharedArray``\ s are never sealed, so writes to them still reach every process.
+
+_SEALED: weakref.WeakSet[Segment] = weakref.WeakSet()
+
+
+def _remap_sealed_in_child() -> None:
+    if not _SEALED:
+        return
+    mmap_at = libc_mmap()
+    for segment in list(_SEALED):
+        try:
+            address = address_of(segment.mmap)
+        except (ValueError, TypeError):  # closed meanwhile
+            continue
+        mmap_at(address, segment.size, PROT_READ_WRITE, MAP_PRIVATE_FIXED, segment.fd, 0)
+
+
+os.register_at_fork(after_in_child=_remap_sealed_in_child)
+
+
+def attach(
+    pid: int,
+    fd: int,
+    ident: tuple[int, int],
+    size: int,
+    token: str,
+    slot: int = 0,
+    nonce: int = 0,
+    writable: bool = True,
+) -> Segment:
+    """Map the segment that process ``pid`` holds as descriptor ``fd`` (unpickling).
+
+    Acknowledges the ticket ``(slot, nonce)`` once the file is held here, so the
+    sender may let go of it (Note [Handing a segment over] in ``_handoff.py``).
+
+    Raises:
+        AttachError: the sender no longer holds the file, or may not be read.
+    """
+    with _ATTACH_LOCK:
+        # A writable mapping serves read-only arrays too; a copy-on-write one never
+        # serves writable arrays (their writes must reach the other processes).
+        existing = _ATTACHED.get((token, True)) or (
+            None if writable else _ATTACHED.get((token, False))
+        )
+        if existing is not None:
+            _handoff.acknowledge(existing.fd, size, slot, nonce)
+            return existing
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            new_fd = _open_for_attach(path, writable)
+        except FileNotFoundError as e:
+            holder = "this process" if pid == os.getpid() else f"process {pid}, which sent it,"
+            raise AttachError(
+                f"cannot attach shared segment {token}: {holder} no longer holds it "
+                f"({path} is gone: the sender exited or was killed before this process "
+                f"received it, or {_handoff.HOLD:.0f} s passed). Keep the dataset or "
+                "SharedArray alive in the sending process until every receiver has "
+                "unpickled it."
+            ) from e
+        except PermissionError as e:
+            raise AttachError(
+                f"cannot attach shared segment {token}: opening {path} was refused ({e}). "
+                f"Attaching needs the same user as process {pid} and read access to its /proc "
+                "entry (ptrace read); a hardened /proc (hidepid) or a setuid/non-dumpable "
+                "sender prevents it."
+            ) from e
+        try:
+            st = os.fstat(new_fd)
+            if (st.st_dev, st.st_ino) != tuple(ident):
+                raise AttachError(
+                    f"cannot attach shared segment {token}: {path} now refers to another "
+                    "file (the sender closed the segment and reused the descriptor)."
+                )
+            _handoff.acknowledge(new_fd, size, slot, nonce)
+            segment = Segment(new_fd, size, token, writable=writable)
+        except BaseException:
+            os.close(new_fd)
+            raise
+        _ATTACHED[(token, writable)] = segment
+        return segment
+
+
+def attached_segments() -> list[Segment]:
+    """Every segment mapped in this process (each once, however many arrays use it)."""
+    return list(_ATTACHED.values())  # no lock: called while pickling, maybe inside attach()
+
+
+def _open_for_attach(path: str, writable: bool) -> int:
+    """Our own descriptor of the file at ``path``; read-write where allowed, to acknowledge.
+
+    A read-only segment is still mapped copy-on-write; the descriptor is writable
+    only so that the receiver can write its acknowledgement past the data.
+    """
+    try:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except PermissionError:
+        if writable:
+            raise
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+# multiprocessing's pickler (every queue, pipe, pool and process argument, torch's and
+# the DataLoader's included) draws a ticket: Note [Handing a segment over].
+ForkingPickler.register(Segment, functools.partial(Segment._reduce, ticket=True))
