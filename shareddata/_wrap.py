@@ -3,7 +3,7 @@
 ``SharedDataset`` reads every item of the wrapped dataset once, infers a schema
 from the first item (a tree of tuples, lists and dicts whose leaves are tensors,
 arrays, numbers, strings, bytes or anything picklable), writes each leaf into a
-shared column (``_materialise.py``), and from then on rebuilds items from shared
+shared column (``_materialise/``), and from then on rebuilds items from shared
 memory with the same structure and types the original returned.
 """
 
@@ -21,8 +21,9 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 
 from ._columns import BytesColumn, Column, ColumnSpec
 from ._dataset import ColumnDataset, is_int
+from ._items import rebuild, restore
 from ._load import Allocator, Part, Shard, Share, build, progress_bar
-from ._materialise import DatasetProducer, rebuild, restore
+from ._materialise import DatasetProducer
 from ._storage import SharedArray
 from ._text import format_bytes
 from ._transport import into_one_batch

@@ -68,7 +68,7 @@ __all__ = ["BlockWriter", "VarStore", "Writer", "chunk_rows"]
 #   0.38 s against 0.75 s before (medians of 3 alternated runs): the copy at the end is gone.
 # * The builder hands values over every ``chunk`` rows; the chunk shrinks when the
 #   variable-length values of a chunk pass ``_BLOCK_BYTES``, so the items held in
-#   the sinks stay bounded too (``_Builder._flush``).
+#   the sinks stay bounded too (``Builder._flush`` in ``_materialise/_builder.py``).
 
 _VAR_BUFFER_BYTES = 4 << 20  # pending variable-length bytes before a pwritev
 _VAR_STEP_BYTES = 64 << 20  # a store's capacity is checked this much at a time

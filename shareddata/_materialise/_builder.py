@@ -1,36 +1,25 @@
-"""Materialising any map-style dataset into shared columns (what ``SharedDataset`` runs).
+"""The builder: items checked against the schema, adapted where they differ, written into columns.
 
-Each item is split into leaves along a schema inferred from the first item
-(``_items.py``); each leaf becomes one column:
-
-* fixed-size leaves (tensors and arrays of one shape and dtype, Python and numpy
-  numbers) go into one segment sized up front, written block by block from a
-  background thread (Note [Writing rows in the background] in ``_writer.py``);
-* variable-length leaves (``str``, ``bytes``, lists of numbers, arrays whose shape
-  varies, anything else pickled) are written to a growing shared file each as they
-  come, which becomes the column's segment at the end (Note [Variable-length values
-  go to shared memory as they come] in ``_writer.py``); their offsets are copied into
-  a last, small segment.
-
-The segments are the loader's (``_load.build``) (``_load.build``), which frees them if anything
-fails and shares them across the local ranks of a node.
+The schema comes from the first item (``_items.py``); a later item that does not fit
+is explained (:class:`~shareddata.ItemMismatchError`, :class:`~shareddata.ItemValueError`)
+or adapts the columns (a fixed-size leaf turns ragged, a list turns pickled).
+Fixed-size rows go through a background writer (Note [Writing rows in the
+background] in ``_writer.py``), variable-length values to growing shared files.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pickle
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from ._columns import BytesColumn, ColumnSpec, RaggedColumn, StringColumn, TensorColumn
-from ._items import (
+from .._columns import BytesColumn, ColumnSpec, RaggedColumn, StringColumn, TensorColumn
+from .._items import (
     FIXED,
     INT64_MAX,
     INT64_MIN,
@@ -42,36 +31,19 @@ from ._items import (
     flatten,
     infer_schema,
     numeric_list,
-    rebuild,
-    restore,
 )
-from ._load import Allocator, Part, progress_bar
-from ._storage import SharedArray
-from ._writer import BlockWriter, VarStore, Writer, chunk_rows
-from .errors import (
-    InvalidArgumentError,
-    ItemMismatchError,
-    ItemValueError,
-    SharedDataError,
-    UnpicklableItemError,
-)
+from .._load import Allocator, Part
+from .._storage import SharedArray
+from .._writer import VarStore, Writer, chunk_rows
+from ..errors import ItemMismatchError, ItemValueError, UnpicklableItemError
+from ._blocks import Block, BlockReader, identity, unbox
 
-__all__ = [
-    "DatasetProducer",
-    "ItemMismatchError",
-    "ItemValueError",
-    "build_columns",
-    "rebuild",
-    "restore",
-]
-
-
-# -- the builder ------------------------------------------------------------------------------
+__all__ = ["Builder"]
 
 _VAR_CHUNK_BYTES = 16 << 20  # variable-length bytes of the items held until a flush
 
 
-class _Builder:
+class Builder:
     """Collects the items of a dataset into shared columns, in index order."""
 
     def __init__(self, first: Any, rows: int, alloc: Allocator) -> None:
@@ -150,10 +122,10 @@ class _Builder:
         from torch.utils.data import DataLoader, Dataset
 
         snapshot = [(leaf.kind, leaf.ragged) for leaf in self.leaves]
-        reader = _BlockReader(dataset, self.schema, self.leaves, self.fixed, self.chunk, self)
+        reader = BlockReader(dataset, self.schema, self.leaves, self.fixed, self.chunk, self)
         reader.offset = offset
         loader: DataLoader[Any] = DataLoader(
-            cast("Dataset[Any]", reader), batch_size=None, num_workers=workers, collate_fn=_identity
+            cast("Dataset[Any]", reader), batch_size=None, num_workers=workers, collate_fn=identity
         )
         blocks = iter(loader)
         try:
@@ -264,13 +236,13 @@ class _Builder:
         old.discard()
         leaf.kind, leaf.dtype = "pickle", np.dtype(np.uint8)
 
-    def _add_block(self, block: _Block, snapshot: list[tuple[str, bool]]) -> None:
+    def _add_block(self, block: Block, snapshot: list[tuple[str, bool]]) -> None:
         """Add the rows a worker read (Note [Materialising with workers])."""
         rows = block.stop - block.start
         if block.items is not None:  # not every item fitted the columns: add them one by one
             fast = self.fast
             for index, boxed in enumerate(block.items, block.start):
-                item = _unbox(boxed)
+                item = unbox(boxed)
                 if not fast(item):
                     self._add_checked(index, item)
                     fast = self.fast
@@ -421,228 +393,3 @@ class _Builder:
                 del buffer  # free the private offsets now
             kinds.append(leaf.kind + ("+ragged" if leaf.ragged else ""))
         return parts, kinds
-
-
-def build_columns(
-    dataset: Any,
-    rows: int,
-    alloc: Allocator,
-    update: Callable[[int], None],
-    workers: int = 0,
-    offset: int = 0,
-) -> tuple[list[Part], list[str], Any]:
-    """Materialise items ``offset .. offset + rows - 1`` of ``dataset`` into shared columns.
-
-    Args:
-        dataset: a map-style dataset.
-        rows: how many items (``>= 1``).
-        alloc: where the segments come from (the load frees them on failure).
-        update: called with the number of items added, as they are.
-        workers: read the items with a DataLoader of this many workers (0: here).
-        offset: the index of the first item (a node's shard starts there).
-
-    Returns:
-        The columns' parts (by name, in leaf order), each leaf's kind (for
-        :func:`restore`; ``"+ragged"`` when a ``.shape`` column follows), and the
-        schema (for :func:`rebuild`).
-
-    Raises:
-        ItemMismatchError: an item whose structure or types differ from item 0's.
-        ItemValueError: a value its column cannot hold.
-
-    If anything fails, the writer is stopped and the segments freed before the
-    error propagates.
-    """
-    builder: _Builder | None = None
-    try:
-        builder = _Builder(_fetch(dataset, offset), rows, alloc)
-        if workers > 0:
-            builder.run_workers(dataset, workers, update, offset)
-        else:
-            items = ((i, _fetch(dataset, i)) for i in range(offset, offset + rows))
-            builder.run(items, update)
-        parts, kinds = builder.finish()
-    except BaseException:
-        # Free the columns now, although the traceback still refers to them:
-        # Note [Freeing a failed load] in _storage/_segment.py.
-        if builder is not None:
-            builder.discard()
-        raise
-    return parts, kinds, builder.schema
-
-
-class DatasetProducer:
-    """What ``SharedDataset`` hands the loader: the items of a map-style dataset.
-
-    A :class:`~shareddata._load.Producer`: the sizes of variable-length fields are
-    known only once every item is read, so it asks the loader for segments as it goes.
-    """
-
-    def __init__(self, dataset: Any, num_workers: int) -> None:
-        self.dataset = dataset
-        self.num_workers = num_workers
-        self.label = type(dataset).__name__
-        self.start, self.stop = 0, len(dataset)
-
-    def total_rows(self) -> int:
-        """Items of the whole dataset."""
-        return len(self.dataset)
-
-    def select_rows(self, start: int, stop: int) -> None:
-        """Materialise only items ``[start, stop)`` (``shard="node"``)."""
-        self.start, self.stop = start, stop
-
-    def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
-        """The columns' parts and ``(kinds, schema)``, the metadata ``SharedDataset`` needs."""
-        rows = self.stop - self.start
-        if rows == 0:
-            raise InvalidArgumentError(
-                f"this node's share of {self.label} (items {self.start}-{self.stop} of "
-                f"{self.total_rows()}) is empty: there is nothing to share. Use shard=None, or "
-                "fewer nodes than items."
-            )
-        with progress_bar(rows, f"materialising {self.label}", progress, unit="it") as update:
-            parts, kinds, schema = build_columns(
-                self.dataset, rows, alloc, update, self.num_workers, self.start
-            )
-        return parts, (kinds, schema)
-
-    def close(self) -> None:
-        """Nothing to release: the dataset belongs to the caller."""
-
-
-def _fetch(dataset: Any, index: int) -> Any:
-    try:
-        return dataset[index]
-    except Exception as e:
-        note = f"while SharedDataset read item {index} of {type(dataset).__name__}"
-        if hasattr(e, "add_note"):  # Python >= 3.11: keep the original exception type
-            e.add_note(note)
-            raise
-        raise SharedDataError(f"{type(e).__name__}: {e} ({note})") from e
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
-# -- materialising with DataLoader workers --------------------------------------------------
-
-# Note [Materialising with workers]
-# =================================
-# ``SharedDataset(ds, num_workers=N)`` reads item 0 here (it fixes the schema and
-# sizes the fixed-size segment), then hands blocks of ``chunk`` consecutive rows to
-# a DataLoader of N workers (``_BlockReader``). A worker reads its block's items and
-# runs the fast path compiled for the schema as it stood when the workers started.
-# When every item fits, the worker writes the block's fixed-size rows straight into
-# the shared segment (``pwrite``, as the writer thread would) and sends back only
-# the variable-length values (text, lists, pickled objects): no tensor crosses a
-# process boundary, and the pages are allocated by the workers, in parallel. Here
-# the rows are then mapped (``MADV_POPULATE_READ``, for the PSS accounting) and the
-# variable-length values added.
-#
-# When an item of a block does not fit (a shape that varies, a list that changes
-# kind, a mismatch to report), the worker writes nothing and sends the block's
-# items back (tensors as numpy arrays, which pickle by value, not through one
-# shared-memory file each); they take the usual path here, in order, which names the
-# index and field of an error or adapts the columns. A leaf that became ragged
-# after the workers started keeps receiving fixed rows from them (they still see
-# the old schema): those rows are read back from its old array (``orphans``).
-
-
-@dataclass
-class _Block:
-    """What a worker sends back for rows ``[start, stop)``."""
-
-    start: int
-    stop: int
-    var: dict[int, list[Any]] | None = None  # every item fitted: the var leaves' values
-    items: list[Any] | None = None  # otherwise: the items (tensors boxed)
-
-
-class _Box:
-    """A tensor carried as a numpy array (pickled by value, not as a shared file)."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
-
-
-def _box(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.dtype in _BOXABLE:
-        return _Box(value.detach().cpu().numpy())
-    if type(value) in (tuple, list):
-        return type(value)(_box(v) for v in value)
-    if type(value) is dict:
-        return {k: _box(v) for k, v in value.items()}
-    return value
-
-
-def _unbox(value: Any) -> Any:
-    if type(value) is _Box:
-        return torch.from_numpy(value.array)
-    if type(value) in (tuple, list):
-        return type(value)(_unbox(v) for v in value)
-    if type(value) is dict:
-        return {k: _unbox(v) for k, v in value.items()}
-    return value
-
-
-_BOXABLE = {
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-}  # fmt: skip
-
-
-class _BlockReader:
-    """The dataset the materialising DataLoader's workers read: one block per index."""
-
-    def __init__(
-        self,
-        dataset: Any,
-        schema: Any,
-        leaves: list[Leaf],
-        fixed: dict[int, SharedArray],
-        chunk: int,
-        builder: _Builder,
-    ) -> None:
-        self.dataset = dataset
-        self.schema = schema
-        self.leaves = [dataclasses.replace(leaf) for leaf in leaves]  # as they are now
-        self.fixed = dict(fixed)
-        self.chunk = chunk
-        self.rows = builder.rows
-        self.storage_dir = builder.storage_dir
-        self.what = builder.what
-        self.offset = 0  # index in ``dataset`` of row 0
-        self._fast: Callable[[Any], bool] | None = None
-        self._sinks: list[list[Any]] = []
-        self._writer: BlockWriter | None = None
-
-    def __len__(self) -> int:
-        return -(-self.rows // self.chunk)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_fast": None, "_sinks": [], "_writer": None}
-
-    def __getitem__(self, block: int) -> _Block:
-        start = block * self.chunk
-        stop = min(start + self.chunk, self.rows)
-        base = self.offset
-        items = [_fetch(self.dataset, base + index) for index in range(start, stop)]
-        if self._fast is None:
-            self._sinks = [[] for _ in self.leaves]
-            self._fast = compile_fast_path(self.schema, self.leaves, self._sinks)
-        if not all(map(self._fast, items)):
-            for sink in self._sinks:
-                sink.clear()
-            return _Block(start, stop, items=[_box(item) for item in items])
-        with torch.no_grad():
-            for n, target in self.fixed.items():
-                if self._writer is None:
-                    segment, chunk = target.segment, self.chunk
-                    self._writer = BlockWriter(segment, chunk, self.storage_dir, self.what)
-                self._writer.write(start, stop - start, target, self.leaves[n], self._sinks[n])
-        var = {n: self._sinks[n].copy() for n in range(len(self.leaves)) if n not in self.fixed}
-        for sink in self._sinks:
-            sink.clear()
-        return _Block(start, stop, var=var)
