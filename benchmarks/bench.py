@@ -1,16 +1,21 @@
-"""The one command: runs benchmark topics side by side and writes their reports.
+"""The one benchmark command: runs harness topics side by side and writes their reports.
 
-    python benchmarks/bench.py                      # docs/benchmarks.md, docs/img/,
-                                                          # benchmarks/results/suite.json
-    python benchmarks/bench.py --quick --out-dir /tmp/suite   # smoke run
-    python benchmarks/bench.py --topics wrap,handoff          # results/<topic>.md/.json
+    python benchmarks/bench_suite.py                  # the suite (this, under its documented
+                                                      # name): docs/benchmarks.md, docs/img/,
+                                                      # benchmarks/results/suite.json
+    python benchmarks/bench.py --quick --out-dir /tmp/suite   # smoke run of the suite
+    python benchmarks/bench.py --only throughput memory      # part of the suite (its page
+                                                             # goes to results/partial/)
+    python benchmarks/bench.py --topics wrap,handoff         # results/<topic>.md/.json
 
-Without ``--topics`` it runs the topics of the benchmarks page (``topics.SUITE``)
-and writes the page; with ``--topics`` each topic writes its own report to
-``benchmarks/results/<topic>.{md,json}`` (``--quick``: ``results/quick/``). The
-measurements are the topics' (``benchmarks/harness/topics/``): this file only
-parses options, calls each topic's ``run()`` and ``render()`` and writes files.
-See ``benchmarks/README.md``.
+Without ``--topics`` it runs the topics of the benchmarks page (``topics.SUITE``,
+or those ``--only`` names) and writes the page; with ``--topics`` each topic writes
+its own report to ``benchmarks/results/<topic>.{md,json}`` (``--quick``:
+``results/quick/``). The measurements are the topics' (``benchmarks/harness/topics/``):
+this file only parses options, calls each topic's ``run()`` and ``render()`` and
+writes files. Sections of ``docs/benchmarks.md`` that other scripts write
+(``EXTERNAL``) are kept as they are when the page is rewritten. See
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from harness.runner import Runner  # noqa: E402
 from harness.topics import SUITE, TOPICS  # noqa: E402
 
 QUICK_NOTE = ", QUICK smoke run: sizes too small for the figures to mean anything"
+# A/B scripts that write their own section of docs/benchmarks.md: kept when it is rewritten
+EXTERNAL = ("bench_ipc.py", "bench_conversations.py", "bench_compare.py")
+ALIASES = {"build": "load"}  # bench_suite's old section name: the load topic builds too
 
 
 def size(text: str) -> int:
@@ -52,8 +60,19 @@ def topic(name: str) -> Any:
     return importlib.import_module(f"harness.topics.{name}")
 
 
-def page(results: dict[str, Any], quick: bool) -> str:
-    """The benchmarks page: the machine, every target, every topic's tables, the plots."""
+def external(path: str) -> list[str]:
+    """The ``##`` sections of the page at ``path`` that name a script of ``EXTERNAL``."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    parts = re.split(r"(?m)^(?=## )", text)[1:]
+    return [p.rstrip() + "\n" for p in parts if any(name in p for name in EXTERNAL)]
+
+
+def page(results: dict[str, Any], quick: bool, kept: Sequence[str] = ()) -> str:
+    """The benchmarks page: the machine, every target, every topic's tables, ``kept``, plots."""
     info, head = results["machine"], results
     rows = [
         ["cores", f"{info['cores']} ({info['cores_usable']} usable), {info['cpu']}"],
@@ -85,6 +104,7 @@ def page(results: dict[str, Any], quick: bool) -> str:
         header = ["target", "measured", "goal", "verdict", "limit / context"]
         lines += ["## Targets", "", table(header, goals), ""]
     lines += [topic(n).render(results[n]) for n in done]
+    lines += list(kept)
     if results.get("plots"):
         lines += ["## Plots", ""]
         lines += [f"![{t}](img/{os.path.basename(p)})" for t, p in results["plots"].items()]
@@ -92,12 +112,12 @@ def page(results: dict[str, Any], quick: bool) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "benchmarks/bench.py") -> int:
     """Parse options, run the topics, write the page (or each topic's report)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes: checks that it runs")
     p.add_argument("--topics", help=f"comma-separated, or 'all': {','.join(TOPICS)}")
-    p.add_argument("--only", nargs="+", help=argparse.SUPPRESS)  # the old spelling
+    p.add_argument("--only", nargs="+", help="the suite's page with only these topics")
     p.add_argument("--reps", "--repeats", type=int, help="repetitions (3; 1 with --quick)")
     p.add_argument("--size", type=size, help="data size of the topic (e.g. 256MiB, 1GiB)")
     p.add_argument("--mib", type=int, help="the same in MiB")
@@ -111,26 +131,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="S", help="wait for idle")
     p.add_argument("--render", metavar="JSON", help="only rewrite the page from a suite.json")
     args = p.parse_args(argv)
-    names = (args.topics or "").split(",") if args.topics else args.only or []
+    if args.topics and args.only:
+        p.error("--topics (a report per topic) or --only (the suite's page), not both")
+    names = args.topics.split(",") if args.topics else [ALIASES.get(n, n) for n in args.only or []]
     names = TOPICS if names == ["all"] else names
     if any(n not in TOPICS for n in names):
         p.error(f"unknown topic in {names}; topics: {', '.join(TOPICS)}")
     if args.render:
         with open(args.render) as f:
             saved = json.load(f)
-        folder = args.out_dir or os.path.join(REPO, "docs")
-        with open(os.path.join(folder, "benchmarks.md"), "w") as f:
-            f.write(page(saved, saved["quick"]) + "\n")
+        md = os.path.join(args.out_dir or os.path.join(REPO, "docs"), "benchmarks.md")
+        text = page(saved, saved["quick"], external(md))
+        with open(md, "w") as f:
+            f.write(text + "\n")
         return 0
-    whole = not names
+    whole = not args.topics  # the suite's page (all of it, or the --only topics)
     names = [n for n in TOPICS if n in (names or SUITE)]
-    if whole and args.quick:
-        names.remove("analysis")  # needs real sizes
     args.reps = args.reps or (1 if args.quick else 3)
     args.size = args.size or (args.mib << 20 if args.mib else None)
     results: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%d %H:%M %z"),
-        "command": " ".join(["python benchmarks/bench.py", *sys.argv[1:]]),
+        "command": " ".join(["python", prog, *(sys.argv[1:] if argv is None else argv)]),
         "quick": args.quick,
         "reps": args.reps,
         "machine": machine.machine_info(),
@@ -138,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_start": machine.load_average(),
     }
     out = args.out_dir or (os.path.join(HERE, "results", "quick") if args.quick else None)
+    if whole and args.only and not out:  # a partial page never replaces the docs' page
+        out = os.path.join(HERE, "results", "partial")
     if whole:
         md = os.path.join(out or os.path.join(REPO, "docs"), "benchmarks.md")
         img = os.path.join(os.path.dirname(md), "img")
@@ -172,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names if not args.no_plots else []:
             if hasattr(topic(name), "plot_png"):
                 results["plots"].update(topic(name).plot_png(results[name], img))
-        text = page(results, args.quick)
+        text = page(results, args.quick, external(md) if out is None else ())
         os.makedirs(os.path.dirname(md), exist_ok=True)
         os.makedirs(os.path.dirname(js), exist_ok=True)
         with open(md, "w") as f:
@@ -181,6 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump(results, f, indent=1, default=str)
         print(text, f"\nwrote {md}, {js}", sep="\n")
     return 0
+
+
+def alias(name: str) -> int:
+    """The command of a script that became topic ``name``: its options go to :func:`main`."""
+    prog = os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
+    return main(["--topics", name, *sys.argv[1:]], prog=prog)
 
 
 if __name__ == "__main__":

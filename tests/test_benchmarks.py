@@ -1,95 +1,166 @@
-"""The benchmark suite runs end to end (`--quick`) and writes its page, plots and data.
+"""The benchmark harness runs end to end (`--quick`) and reports every section and case.
 
-Checks that every section runs and is reported, not the timings (too small to mean
-anything at these sizes).
+Checks that every topic of the suite runs and that its page and data hold every
+section and every case by name (a case renamed or dropped fails here), not the
+timings (too small to mean anything at these sizes). Plus the runner's failure and
+timeout paths.
 """
 
 import json
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO
 
+BENCH = os.path.join(REPO, "benchmarks")
+
 SECTIONS = [
     "## Targets",
     "## The machine's limits",
     "## Batch throughput",
+    "### 1 KiB samples",
     "## Memory against workers",
+    "### fork",
+    "### Strings: memory of spawn workers after an epoch",
     "## Spawn time to first batch",
-    "## Building a shareable dataset",
+    "## Loads into shared memory",
+    "MiB: each format against its fastest private read",
+    "MiB: building a shareable dataset",
+    "MiB: what each optimisation gains",
+    "MiB: HDF5 records (a compound dataset",
+    "## Where a batch's time goes (1 KiB rows, batch 256)",
+    "## Plots",
 ]
+TARGETS = [
+    "| memory, ",
+    "| fast path / raw gather, 1 KiB",
+    "| default collate / TensorDataset, 1 KiB, 0 workers",
+    "| default collate / TensorDataset, 1 KiB, 2 workers",
+    "| spawn time to first batch",
+    "| npy load / np.load",
+    "| parquet load / pq.read_table",
+]
+LIMITS = [
+    "memcpy (Tensor.copy_), 1 thread",
+    "memcpy (Tensor.copy_), torch's default threads",
+    "private numpy, huge pages",
+    "private numpy, 4 KiB pages",
+    "shared memfd, written by 1 thread",
+    "shared memfd, populated by 1 thread",
+    "shared memfd, populated by shareddata's threads",
+    "copy from page cache into touched pages",
+    "fill limit",
+]
+OURS = ["shareddata", "shareddata, no shortcut", "shareddata fast path"]
+PEERS = ["numpy array", "TensorDataset", "h5py lazy", "HF datasets"]
+PEERS += ["tensordict shared", "tensordict memmap"]
+MEMORY = ["shareddata", "numpy array", "TensorDataset", "share_memory_()", "h5py lazy"]
+MEMORY += ["HF datasets", "tensordict shared", "tensordict memmap"]
+FORMATS = ["npy", "hdf5 contiguous", "hdf5 chunked", "hdf5 gzip", "parquet"]
+BUILDS = ["shareddata", "naive share_memory_()", "tensordict shared", "tensordict memmap"]
+BUILDS += ["HF datasets from Parquet", "shareddata from Parquet"]
+STEPS = ["(a) default_collate", "(b) __getitems__ total", "(c) ds[index tensor]"]
+STEPS += ["raw index_select(out=)", "raw np.take(out=)"]
+PLOTS = ["bench-memory.png", "bench-throughput.png", "bench-ttfb.png", "bench-build.png"]
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("suite")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "benchmarks", "bench_suite.py"),
-            "--quick",
-            "--out-dir",
-            str(out),
-            "--tmp-dir",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    cmd = [sys.executable, os.path.join(BENCH, "bench_suite.py"), "--quick"]
+    cmd += ["--out-dir", str(out), "--tmp-dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc
-
-
-def test_quick_run_writes_every_section(quick_run):
-    out, proc = quick_run
     page = (out / "benchmarks.md").read_text()
-    for heading in SECTIONS:
+    return out, page, json.loads((out / "suite.json").read_text())
+
+
+def row(page: str, name: str) -> bool:
+    """Whether a table of the page has a row for ``name``."""
+    return any(line.startswith(f"| {name} ") for line in page.splitlines())
+
+
+def test_every_section_and_target(quick_run):
+    _, page, results = quick_run
+    for heading in SECTIONS + TARGETS:
         assert heading in page, heading
-    results = json.loads((out / "suite.json").read_text())
-    for section in ("limits", "throughput", "memory", "ttfb", "build"):
-        assert section in results, section
-    if "load" in results:  # quick runs it when bench_formats has a run() function
-        assert "## Format loads" in page
-    assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
-    # every throughput point of shareddata and of the raw gather was measured
-    by_size = results["throughput"]["by_size"]["1024"]["median"]
-    for case in ("raw index_select(out=)", "shareddata", "shareddata fast path", "TensorDataset"):
-        assert by_size.get(f"{case}|256/0", 0) > 0, case
-    assert results["memory"]["summary"]["shareddata"]["fork"]["1"]["duplication"] > 0
+    for topic in ("limits", "throughput", "memory", "ttfb", "load", "analysis"):
+        assert topic in results, topic
+    assert "FAILED" not in page and "Traceback" not in page
+    assert results["command"].startswith("python benchmarks/bench_suite.py --quick")
+
+
+def test_every_case_of_every_topic(quick_run):
+    _, page, r = quick_run
+    installed = {p: not s.startswith("not installed") for p, s in r["peers"].items()}
+    assert set(r["limits"]["ways"]) >= set(LIMITS)
+    points = r["throughput"]["by_size"]["1024"]["median"]
+    for case in ["raw index_select(out=)", *OURS, *PEERS]:
+        assert row(page, case), case
+        if not case.startswith(("tensordict", "h5py", "HF")):
+            assert points[f"{case}|256/0"] > 0 and points[f"{case}|256/2"] > 0, case
+    for ipc in ("IPC floor, torch /dev/shm", "IPC floor, shareddata memfd"):
+        assert points[f"{ipc}|256/2"] > 0, ipc
+    for case in MEMORY:
+        assert row(page, case), case
+    for case in MEMORY[:4]:
+        assert r["memory"]["summary"][case]["fork"]["1"]["duplication"] > 0, case
+    assert set(r["ttfb"]["by_case"]) == {"limit", "shareddata"}
+    loads = next(iter(r["load"]["by_size"].values()))["loads"]
+    for fmt in FORMATS:
+        assert row(page, fmt), fmt
+        assert loads[f"{fmt}|ours"]["s"] > 0 and loads[f"{fmt}|baseline"]["s"] > 0
+    for method in BUILDS:
+        assert row(page, method), method
+    for step in STEPS:
+        assert row(page, step), step
+    # a peer that is not installed still gets its row, saying so
+    for peer, case in (("tensordict", "tensordict shared"), ("datasets", "HF datasets")):
+        if not installed[peer]:
+            assert f"| {case}" in page and "not installed: pip install 'shareddata[bench]'" in page
 
 
 def test_quick_run_draws_the_plots(quick_run):
     pytest.importorskip("matplotlib")
-    out, _ = quick_run
-    for name in ("bench-memory.png", "bench-throughput.png", "bench-ttfb.png", "bench-build.png"):
-        png = out / "img" / name
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-        assert f"img/{name}" in (out / "benchmarks.md").read_text()
+    out, page, _ = quick_run
+    for name in PLOTS:
+        assert (out / "img" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"img/{name}" in page
 
 
-def test_every_peer_is_measured_or_reported_missing(quick_run):
-    out, _ = quick_run
-    results = json.loads((out / "suite.json").read_text())
-    page = (out / "benchmarks.md").read_text()
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+def test_a_rewritten_page_keeps_the_sections_of_other_scripts(tmp_path, quick_run):
+    out, _, results = quick_run
+    own = tmp_path / "benchmarks.md"
+    own.write_text("# old\n\n## Batch throughput\n\nold\n\n## IPC (bench_ipc.py)\n\nkept\n")
+    saved = tmp_path / "suite.json"
+    saved.write_text(json.dumps(results))
+    cmd = [sys.executable, os.path.join(BENCH, "bench.py"), "--render", str(saved)]
+    subprocess.run([*cmd, "--out-dir", str(tmp_path)], check=True, timeout=120, cwd=REPO)
+    page = own.read_text()
+    assert "## IPC (bench_ipc.py)\n\nkept" in page and "\nold\n" not in page
+    assert page.index("## IPC") < page.index("## Plots")
+
+
+def runner():
+    sys.path.insert(0, BENCH)
     try:
-        import bench_suite
+        from harness.runner import Runner
     finally:
-        sys.path.pop(0)
-    for peer, status in results["peers"].items():
-        assert status.startswith("not installed") or status[0].isdigit(), (peer, status)
-    for case in bench_suite.MEMORY_CASES:
-        needs = bench_suite.CASE[case].needs
-        if bench_suite.available(results["peers"], needs):
-            assert case in results["memory"]["summary"], case
-    # a peer that is not installed gets a row that says so
-    cfg = bench_suite.Config.quick_config()
-    missing = {**results["peers"], "datasets": "not installed (ImportError: hidden)"}
-    lines = "\n".join(bench_suite.render_throughput(results["throughput"], cfg, missing))
-    assert re.search(r"\| HF datasets +\| not installed: pip install 'shareddata\[bench\]'", lines)
-    assert "tensordict" in page
+        sys.path.remove(BENCH)
+    return Runner
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "interpreter"])
+def test_the_runner_reports_failures_and_timeouts(zygote):
+    Runner = runner()
+    with Runner(preload="json" if zygote else "") as r:
+        assert r.run("json", "loads", s='{"a": 1}') == {"a": 1}
+        with pytest.raises(RuntimeError, match="json.loads failed: JSONDecodeError"):
+            r.run("json", "loads", s="{")
+        with pytest.raises(TimeoutError):
+            r.run("subprocess", "call", timeout=0.5, args=["sleep", "5"])
+        # still usable after a timeout; jobs() turns a failure into an error entry
+        assert r.jobs("json", "loads", [{"id": "x"}], one_process=True)["x"]["error"]
+        assert r.run("json", "loads", s='{"b": 2}') == {"b": 2}

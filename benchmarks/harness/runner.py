@@ -137,6 +137,8 @@ class _Pipe:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 class Runner:
@@ -208,7 +210,8 @@ class Runner:
                     pipe.send("bye")
             except TimeoutError:
                 os.kill(pid, signal.SIGKILL)
-                pipe.expect("EXITED", 60)
+                if pipe is self.zygote:  # the zygote reaps its child and says so
+                    pipe.expect("EXITED", 60)
                 raise
             pipe.expect("EXITED", 120)
         finally:

@@ -243,7 +243,7 @@ def targets(r: dict[str, Any]) -> list[list[str]]:
                 v = top[0] / best[0]
                 rows.append(
                     [
-                        f"shareddata {top[1]} / best peer ({best[1]}), {kib}, {w} workers",
+                        f"{top[1]} / best peer ({best[1]}), {kib}, {w} workers",
                         fx(v),
                         ">= 1.0x",
                         verdict(v, 1.0, True),
