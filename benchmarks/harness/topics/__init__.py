@@ -1,7 +1,7 @@
 """One module per topic, each with ``run(quick, opts) -> results`` and ``render(results) -> str``.
 
 ``TOPICS`` lists them in the order the suite runs them; ``SUITE`` are the ones
-``docs/benchmarks.md`` shows (the default of ``bench_suite.py``).
+``docs/benchmarks.md`` shows (the default of ``bench_suite.py`` / ``bench.py``).
 """
 
 TOPICS = [

@@ -261,7 +261,7 @@ def _report(
         "# SharedDataset benchmark",
         "",
         "Items of (float32 tensor [3, 32, 32] (12 KiB), int label, str caption), computed per",
-        "item (`Generated` in `bench_wrap.py`). Machine: "
+        "item (`Generated` in `harness/topics/wrap.py`). Machine: "
         f"{info.get('cores', '?')} cores, {info.get('cpu', '?')}, "
         f"Python {info.get('python', '?')}, torch {info.get('torch', '?')}, "
         f"commit {info.get('commit', '?')}.",
