@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -164,3 +165,23 @@ def test_the_runner_reports_failures_and_timeouts(zygote):
         # still usable after a timeout; jobs() turns a failure into an error entry
         assert r.jobs("json", "loads", [{"id": "x"}], one_process=True)["x"]["error"]
         assert r.run("json", "loads", s='{"b": 2}') == {"b": 2}
+
+
+def test_every_topic_and_old_script_name_is_a_harness_topic():
+    sys.path.insert(0, BENCH)
+    try:
+        import importlib
+
+        from harness.topics import SUITE, TOPICS
+
+        for name in TOPICS:
+            module = importlib.import_module(f"harness.topics.{name}")
+            assert callable(module.run) and callable(module.render), name
+    finally:
+        sys.path.remove(BENCH)
+    assert set(SUITE) == {"limits", "throughput", "memory", "ttfb", "load", "analysis"}
+    assert {"wrap", "distributed", "handoff", "verify"} <= set(TOPICS)
+    for script, name in (("formats", "load"), ("first_touch", "limits"), ("verify", "verify")):
+        text = Path(BENCH, f"bench_{script}.py").read_text()
+        assert f'bench.alias("{name}")' in text, script
+    assert "bench.main(" in Path(BENCH, "bench_suite.py").read_text()
