@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 
+from ._text import format_bytes
 from .errors import MissingFileError, SharedMemoryFullError
 
 __all__ = [
@@ -20,27 +21,12 @@ __all__ = [
     "available_memory",
     "check_capacity",
     "fallocate",
-    "fmt_bytes",
     "full_error",
     "resolve_storage_dir",
 ]
 
 FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
 STORAGE_ENV = "SHAREDDATA_STORAGE_DIR"
-
-
-def fmt_bytes(nbytes: float) -> str:
-    """A byte count in binary units with one decimal (as ``_text.format_bytes``).
-
-    Example:
-        >>> fmt_bytes(512), fmt_bytes(3 << 20)
-        ('512 B', '3.0 MiB')
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} TiB"
 
 
 def _read_int(path: str) -> int | None:
@@ -145,8 +131,8 @@ def full_error(needed: int, free: int, storage_dir: str | None, what: str) -> Sh
         f"(or the {STORAGE_ENV} environment variable)"
     )
     return SharedMemoryFullError(
-        f"{what} needs {fmt_bytes(needed)} ({needed} bytes) of shared memory but only "
-        f"{fmt_bytes(free)} ({free} bytes) is free in {where}. Nothing was loaded. Fix: {fixes}."
+        f"{what} needs {format_bytes(needed)} ({needed} bytes) of shared memory but only "
+        f"{format_bytes(free)} ({free} bytes) is free in {where}. Nothing was loaded. Fix: {fixes}."
     )
 
 

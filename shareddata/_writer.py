@@ -63,9 +63,9 @@ __all__ = ["BlockWriter", "VarStore", "Writer", "chunk_rows"]
 #   dimension per row) stay private until the end, then are copied into one small
 #   segment: they grow with the number of rows, not with the size of the values.
 # * On a failure the files are closed (``discard``): nothing is left behind.
-# * Measured (benchmarks/results/wrap.md): ~1 GiB of ragged items grow this process's
-#   RssAnon by 21 MiB at the peak (was ~1 GiB); wrapping 512 MiB of ragged items takes
-#   0.38 s against 0.75 s before (medians of 3 alternated runs): the copy at the end is gone.
+# * Private memory is then the pending buffer plus the offsets, whatever the size of
+#   the values, and nothing is copied at the end (``tests/test_wrap.py`` bounds the
+#   growth; the figures are in ``benchmarks/results/wrap.md``).
 # * The builder hands values over every ``chunk`` rows; the chunk shrinks when the
 #   variable-length values of a chunk pass ``_BLOCK_BYTES``, so the items held in
 #   the sinks stay bounded too (``Builder._flush`` in ``_materialise/_builder.py``).
@@ -226,11 +226,11 @@ def _pwrite_all(
 # Note [Writing rows in the background]
 # =====================================
 # Filling new shared pages is kernel work: each 4 KiB page of a memfd is allocated
-# when it is first written (~2 us per page on the 2-core VM measured in
-# benchmarks/results/wrap.md: 0.1 s for 192 MiB, half the time it takes to iterate
-# that benchmark's dataset once). The
-# builder hides it behind the iteration: the main thread only checks each item and
-# collects its values; every ``chunk`` rows it hands the fixed-size values to a
+# when it is first written (``docs/internals.md#allocating-pages``; for a dataset of
+# images, a large part of the time it takes to iterate it once: the ``pages_only``
+# row of ``benchmarks/results/wrap.md``). The builder hides it behind the
+# iteration: the main thread only checks each item and collects its values; every
+# ``chunk`` rows it hands the fixed-size values to a
 # writer thread, which stacks them into a private staging block (``torch.stack``)
 # and ``pwrite``s the block into the segment's file. Both calls release the GIL, so
 # the writer runs on another core while the dataset's ``__getitem__`` runs here.

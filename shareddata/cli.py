@@ -313,16 +313,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text!r}")
-    return value
-
-
 class _Formatter(argparse.HelpFormatter):
     """Wraps descriptions, keeps the examples' line breaks, shows set defaults."""
 

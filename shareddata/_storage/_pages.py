@@ -140,7 +140,7 @@ def population_failed(error: int, fd: int, size: int, directory: str | None, wha
 # it is about to fill, which waits for the steps below its end. So a page is only
 # ever written once it is allocated, and a failed allocation is raised there as
 # SharedMemoryFullError (the loader then stops the threads and discards the
-# segment), never as a SIGBUS. ``load_columns`` ends the fill with
+# segment), never as a SIGBUS. The loader (``_load.build``) ends the fill with
 # ``finish_population`` (the pages no writer asked for, e.g. alignment gaps) or, on
 # any error, ``stop_population`` before ``discard``: no thread ever touches a
 # segment that is gone.

@@ -52,10 +52,9 @@ objects copied on write). That part can only be estimated, from its growth::
   on a probe ``DataLoader`` with the same start method, one worker and a two-item
   dataset whose pickle carries (by reference) the classes and functions the real
   workers import, once that worker has served its batches and is idle, as the real
-  ones are when they are measured. A ``spawn`` worker holds ~145 MiB of interpreter
-  and ``torch`` with no data at all (~8 MiB under ``fork``); without this
-  subtraction four workers over a 100 MiB dataset would read as ~7x even when the
-  data is perfectly shared;
+  ones are when they are measured. A ``spawn`` worker holds the interpreter and
+  ``torch`` with no data at all, often more than the dataset: without this
+  subtraction a perfectly shared dataset would read as several copies;
 - ``resolution`` (``_account.resolution``): what iterating adds to working memory
   without copying any data: 4 MiB per process (allocator arenas, caches, the
   loader's queues and threads), 3 batches per worker (items, the collated batch,
@@ -75,10 +74,9 @@ objects copied on write). That part can only be estimated, from its growth::
 Under ``fork`` the parent's heap is frozen (``gc.freeze()``) while the probe and the
 workers run, and unfrozen afterwards. A worker inherits every Python object of the
 parent, and its first full garbage collection writes to the header of each container
-among them, copying their pages, which a probe that never collects does not see: in
-a pytest session with h5py, pyarrow and pandas imported, 88 MiB of private memory
-per worker without the freeze, 35 MiB with it, over a 33 MiB dataset.
-It is the worker's working memory, not the dataset (the copies of a Python-object
+among them, copying their pages, which a probe that never collects does not see
+(figures in ``docs/internals.md#smaps``). It is the worker's working memory, not
+the dataset (the copies of a Python-object
 dataset that reading it makes, by writing reference counts, are still made and
 counted); ``gc.freeze()`` before starting fork workers avoids it in training too.
 
@@ -88,20 +86,18 @@ is anonymous memory, a shared tensor is shared memory, and a memory-mapped data 
 is one copy in the page cache however many processes map it. File pages are mostly
 ``libtorch`` and friends, also mapped by processes outside the loader (the
 forkserver, other ranks, other jobs), whose share of each page moves into the sum as
-workers map it: with another ``torch`` process running, 4 ``spawn`` workers over a
-128 MiB shared tensor read 1.26x on the full PSS and 1.0x without file pages. Where
+workers map it, and would read as duplication. Where
 the kernel does not report ``Pss_File`` (older kernels, or the ``psutil`` fallback),
 ``pss_file`` is 0 and the full PSS is used.
 
 Under ``forkserver`` the server process is measured too (a ``"forkserver"`` row,
 before and after): workers are forked from it and share its pages (``torch``, when
 preloaded), which would otherwise move from the uncounted server into the sum and
-read as ~0.8x of a 128 MiB dataset that is not there.
+read as a copy of a dataset that is not there.
 
 A dataset shared by every worker therefore reads as 1.0; one that is pickled into
-each of four ``spawn`` workers reads as ~5. Measured on 2 cores, an 18 MiB
-``SharedDataset`` of uint8 images with 2 workers reads 1.00x under fork and spawn
-(1.59x and 1.28x when its pages were part of the estimate). Torch's own shared
+each of four ``spawn`` workers reads as ~5 (measured cases:
+``docs/internals.md#smaps``). Torch's own shared
 memory (``share_memory_()`` tensors, ``/dev/shm/torch_*``) is not told apart from
 working memory: a dataset of shared tensors is judged by the estimate. Processes
 outside the loader that map the same shared data (other ``torchrun`` ranks) are not
