@@ -28,6 +28,7 @@ import re
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,13 +98,15 @@ def page(results: dict[str, Any], quick: bool, kept: Sequence[str] = ()) -> str:
         table(["machine", ""], rows),
         "",
     ]
-    done = [n for n in TOPICS if n in results]
+    failed = [n for n in TOPICS if "failed" in results.get(n, {})]
+    done = [n for n in TOPICS if n in results and n not in failed]
     scored = [n for n in done if hasattr(topic(n), "targets")]
     goals = [row for n in scored for row in topic(n).targets(results[n])]
     if goals:
         header = ["target", "measured", "goal", "verdict", "limit / context"]
         lines += ["## Targets", "", table(header, goals), ""]
     lines += [topic(n).render(results[n]) for n in done]
+    lines += [f"## {n}: FAILED\n\n    {results[n]['failed']}\n" for n in failed]
     lines += list(kept)
     if results.get("plots"):
         lines += ["## Plots", ""]
@@ -176,7 +179,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "benchmarks/bench.py") -
             if args.wait_idle:
                 machine.wait_idle(args.wait_idle)
             start = time.time()
-            results[name] = topic(name).run(args.quick, args)
+            try:
+                results[name] = topic(name).run(args.quick, args)
+            except Exception as e:  # the suite keeps the other topics' figures
+                if not whole:
+                    raise
+                traceback.print_exc()
+                results[name] = {"failed": f"{type(e).__name__}: {e}"[-2000:]}
             print(f"{name}: {time.time() - start:.0f} s", flush=True)
             if not whole:  # each topic its own report, as soon as it is done
                 folder = out or os.path.join(HERE, "results")
@@ -192,7 +201,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "benchmarks/bench.py") -
     results["duration_s"] = time.time() - t0
     if whole:
         results["plots"] = {}
-        for name in names if not args.no_plots else []:
+        done = [n for n in names if "failed" not in results[n]]
+        for name in done if not args.no_plots else []:
             if hasattr(topic(name), "plot_png"):
                 results["plots"].update(topic(name).plot_png(results[name], img))
         text = page(results, args.quick, external(md) if out is None else ())
