@@ -28,6 +28,9 @@ The result has the structure ``default_collate`` gives for plain samples: a
 ``dict`` {column: batch} for dict samples, a ``list`` of column batches for tuple
 samples; fixed-shape columns give one stacked tensor, string and bytes columns a
 list, variable-length columns whatever ``default_collate`` does with their rows.
+Nested samples (Note [Nested items] in ``_items.py``) are checked leaf by leaf (each
+dict still has exactly its keys, each leaf the same object), and the gathered
+columns are returned nested the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+from ._items import rebuild, unnest
 
 __all__ = ["Row", "RowTuple", "Samples", "collate_rows", "make_samples", "make_tuple_samples"]
 
@@ -64,20 +69,25 @@ class Samples(list):  # type: ignore[type-arg]
             collate would build by stacking the rows.
         values: per column, the row values placed in the samples (to detect a
             sample whose value was replaced).
+        nesting: for nested samples, their schema (Note [Nested items] in
+            ``_items.py``); None for flat ones.
     """
 
-    __slots__ = ("batched", "names", "stacked", "values", "rows")
+    __slots__ = ("batched", "names", "nesting", "stacked", "values", "rows")
 
     names: list[str]
     batched: list[Any]
     stacked: list[bool]
     values: Sequence[Sequence[Any]]
     rows: tuple[Any, ...]
+    nesting: Any  # the item schema of nested samples (Note [Nested items]), or None
 
     def intact(self) -> bool:
         """Whether this list still holds exactly the samples ``make_samples`` put in it."""
         if len(self) != len(self.rows) or not all(map(operator.is_, self, self.rows)):
             return False
+        if self.nesting is not None:
+            return self._intact_nested(self.nesting)
         width = len(self.names)
         if self.rows and isinstance(self.rows[0], Row):
             if not all(len(r) == width for r in self.rows):
@@ -92,6 +102,20 @@ class Samples(list):  # type: ignore[type-arg]
         # RowTuple samples are immutable: the identity check above covers them.
         return True
 
+    def _intact_nested(self, nesting: Any) -> bool:
+        """:meth:`intact` for nested samples (Note [Nested items] in ``_items.py``)."""
+        out: list[Any] = [None] * len(self.names)
+        _, body = nesting
+        for j, row in enumerate(self.rows):
+            if isinstance(row, Row):
+                ok = unnest(row, nesting, out)
+            else:  # a tuple of the top-level values, in order
+                ok = len(row) == len(body)
+                ok = ok and all(unnest(v, child, out) for v, (_, child) in zip(row, body))
+            if not ok or not all(o is v[j] for o, v in zip(out, self.values)):
+                return False
+        return True
+
 
 def make_samples(
     names: list[str],
@@ -99,6 +123,7 @@ def make_samples(
     stacked: list[bool],
     values: Sequence[Sequence[Any]],
     n: int,
+    nesting: Any = None,
 ) -> Samples:
     """The samples of a gathered batch, as ``Row`` dicts (one column or more).
 
@@ -108,6 +133,8 @@ def make_samples(
         stacked: per column, whether ``batched`` is a stacked tensor.
         values: per column, one value per row (views of ``batched`` for tensors).
         n: the number of rows (used when there are no columns).
+        nesting: the item schema of nested samples (Note [Nested items] in
+            ``_items.py``), or None for flat ones.
 
     Example:
         >>> import torch
@@ -119,14 +146,16 @@ def make_samples(
         >>> default_collate(s)["x"] is b
         True
     """
-    if len(names) == 1:
+    if nesting is not None:
+        rows = [Row(rebuild(nesting, r)) for r in zip(*values)]
+    elif len(names) == 1:
         name = names[0]
         rows = [Row({name: v}) for v in values[0]]
     elif names:
         rows = [Row(zip(names, r)) for r in zip(*values)]
     else:
         rows = [Row() for _ in range(n)]
-    return _wrap(rows, names, batched, stacked, values)
+    return _wrap(rows, names, batched, stacked, values, nesting)
 
 
 def make_tuple_samples(
@@ -135,10 +164,17 @@ def make_tuple_samples(
     stacked: list[bool],
     values: Sequence[Sequence[Any]],
     n: int,
+    nesting: Any = None,
 ) -> Samples:
-    """The samples of a gathered batch, as ``RowTuple`` tuples in column order."""
-    rows = list(map(RowTuple, zip(*values))) if names else [RowTuple() for _ in range(n)]
-    return _wrap(rows, names, batched, stacked, values)
+    """The samples of a gathered batch, as ``RowTuple`` tuples in column order.
+
+    Nested samples (``nesting``) are tuples of the item's top-level values.
+    """
+    if nesting is not None:
+        rows = [RowTuple(rebuild(nesting, r).values()) for r in zip(*values)]
+    else:
+        rows = list(map(RowTuple, zip(*values))) if names else [RowTuple() for _ in range(n)]
+    return _wrap(rows, names, batched, stacked, values, nesting)
 
 
 def _wrap(
@@ -147,8 +183,10 @@ def _wrap(
     batched: list[Any],
     stacked: list[bool],
     values: Sequence[Sequence[Any]],
+    nesting: Any,
 ) -> Samples:
     samples = Samples(rows)
+    samples.nesting = nesting
     samples.rows = tuple(rows)
     samples.names = names
     samples.batched = batched
@@ -171,6 +209,9 @@ def collate_rows(
             b if stacked else collate(list(b), collate_fn_map=collate_fn_map)
             for b, stacked in zip(batch.batched, batch.stacked)
         ]
+        if batch.nesting is not None:
+            nested = rebuild(batch.nesting, columns)
+            return nested if isinstance(batch.rows[0], Row) else list(nested.values())
         if isinstance(batch.rows[0], Row):
             return dict(zip(batch.names, columns))
         return columns

@@ -8,7 +8,7 @@ pickles into workers as handles (``_storage.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -17,6 +17,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ._batch import make_samples, make_tuple_samples
 from ._columns import Column, ColumnSpec, TensorColumn
+from ._items import nest_paths, rebuild
 from ._load import Source, check_lengths, load_columns
 from ._text import format_bytes
 from ._transport import worker_buffers
@@ -55,6 +56,10 @@ class ColumnDataset(Dataset):
         transform: applied to each sample, in the worker, after indexing.
         output: ``"dict"`` for ``{column: value}`` samples, ``"tuple"`` for values in
             column order (what ``TensorDataset`` users unpack as ``x, y``).
+        nested: give each column's value at its key path in ``paths`` (``{"s": {"a":
+            ...}}``) instead of under its flat name (Note [Nested items] in
+            ``_items.py``); with ``output="tuple"``, the top-level values in order.
+        paths: each column's key path (default: its name alone); used with ``nested``.
 
     Attributes:
         node_shard: with ``shard="node"``, the rows of the whole dataset held here
@@ -67,6 +72,8 @@ class ColumnDataset(Dataset):
         *,
         transform: Callable[[Any], Any] | None = None,
         output: Output = "dict",
+        nested: bool = False,
+        paths: Mapping[str, tuple[str, ...]] | None = None,
     ) -> None:
         if output not in ("dict", "tuple"):
             raise InvalidArgumentError(f"output must be 'dict' or 'tuple', got {output!r}")
@@ -78,6 +85,13 @@ class ColumnDataset(Dataset):
         self.node_shard = getattr(columns, "node_shard", None)  # distributed.ShardedColumns
         self.transform = transform
         self.output: Output = output
+        if not isinstance(nested, bool):
+            raise ArgumentTypeError(f"nested must be True or False, got {nested!r}")
+        self.nested = nested
+        self._paths = {n: tuple(paths[n]) if paths else (n,) for n in self._names}
+        self._nesting = (
+            nest_paths(self._names, [self._paths[n] for n in self._names]) if nested else None
+        )
         # index_select checks bounds itself (IndexError, negatives included): when it
         # gathers every column, _gather skips the separate check (Note in _gather).
         self._torch_bounds = bool(columns) and all(
@@ -122,6 +136,9 @@ class ColumnDataset(Dataset):
 
     # -- indexing ----------------------------------------------------------------------
     def _pack(self, values: Sequence[Any]) -> Any:
+        if self._nesting is not None:
+            item = rebuild(self._nesting, values)
+            return item if self.output == "dict" else tuple(item.values())
         return dict(zip(self._names, values)) if self.output == "dict" else tuple(values)
 
     def _check_index(self, index: Any) -> int:
@@ -248,7 +265,7 @@ class ColumnDataset(Dataset):
         if self.transform is None and type(self)._pack is ColumnDataset._pack:
             stacked = [isinstance(b, torch.Tensor) for b in batched]
             make = make_samples if self.output == "dict" else make_tuple_samples
-            return make(self._names, batched, stacked, values, len(idx))
+            return make(self._names, batched, stacked, values, len(idx), self._nesting)
         if values:
             samples = [self._pack(row) for row in zip(*values)]
         else:
@@ -263,9 +280,20 @@ class ColumnDataset(Dataset):
 
     # -- pickling: handles, never data -------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return {"columns": self._columns, "transform": self.transform, "output": self.output}
+        return {
+            "columns": self._columns,
+            "transform": self.transform,
+            "output": self.output,
+            "nested": self.nested,
+            "paths": self._paths,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         ColumnDataset.__init__(
-            self, state["columns"], transform=state["transform"], output=state["output"]
+            self,
+            state["columns"],
+            transform=state["transform"],
+            output=state["output"],
+            nested=state.get("nested", False),
+            paths=state.get("paths"),
         )

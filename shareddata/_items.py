@@ -31,6 +31,7 @@ import torch
 
 from ._storage import to_numpy_dtype
 from .errors import (
+    InvalidArgumentError,
     ItemMismatchError,
     UnsupportedDtypeError,
 )
@@ -47,9 +48,11 @@ __all__ = [
     "field_name",
     "flatten",
     "infer_schema",
+    "nest_paths",
     "numeric_list",
     "rebuild",
     "restore",
+    "unnest",
 ]
 
 
@@ -195,6 +198,75 @@ def rebuild(node: Any, values: Sequence[Any]) -> Any:
         return {k: rebuild(child, values) for k, child in body}
     built = [rebuild(child, values) for child in body]
     return tuple(built) if tag == "tuple" else built
+
+
+def nest_paths(names: Sequence[str], paths: Sequence[tuple[str, ...]]) -> Any:
+    """The schema (as :func:`infer_schema` gives) of items where column ``k`` is at ``paths[k]``.
+
+    Note [Nested items]
+    -------------------
+    With ``nested=True`` a column dataset (Arrow, Parquet, HDF5) gives each column's
+    value at its key path instead of under its flat name: Arrow's ``s.b.c`` (the
+    path of struct fields ``("s", "b", "c")``) and HDF5's ``rec/b/c`` both come back
+    as ``item["s"]["b"]["c"]``. The columns stay flat in shared memory and in the
+    gathered batch; only the item (or batch) is built from this schema by
+    :func:`rebuild`, dicts in the order of each key's first column. The default
+    collate's shortcut (``_batch.py``) recognises its own nested samples with
+    :func:`unnest`. Only the shape of items changes, so the option is not part of a
+    dataset's identity for node sharing.
+
+    Example:
+        >>> node = nest_paths(["s.a", "y", "s.b"], [("s", "a"), ("y",), ("s", "b")])
+        >>> rebuild(node, [1, 2, 3])
+        {'s': {'a': 1, 'b': 3}, 'y': 2}
+
+    Raises:
+        InvalidArgumentError: one column's path is a prefix of another's (a value and
+            a dict at the same key), or two columns have the same path.
+    """
+    root: dict[str, Any] = {}
+    owner: dict[tuple[str, ...], str] = {}
+    for k, (name, path) in enumerate(zip(names, paths)):
+        node = root
+        for depth in range(len(path)):
+            key, prefix = path[depth], tuple(path[: depth + 1])
+            last = depth == len(path) - 1
+            if prefix in owner or (last and key in node):
+                other = owner.get(prefix) or next(
+                    n for n, p in zip(names, paths) if tuple(p[: depth + 1]) == prefix
+                )
+                raise InvalidArgumentError(
+                    f"nested=True cannot place column {name!r}: column {other!r} is already "
+                    f"at {'/'.join(prefix)!r}. Select one of them, or use nested=False."
+                )
+            if last:
+                node[key] = k
+                owner[prefix] = name
+            else:
+                node = node.setdefault(key, {})
+
+    def schema(node: dict[str, Any]) -> Any:
+        return (
+            "dict",
+            [(k, ("leaf", v) if isinstance(v, int) else schema(v)) for k, v in node.items()],
+        )
+
+    return schema(root)
+
+
+def unnest(item: Any, node: Any, out: list[Any]) -> bool:
+    """Put each leaf value of ``item`` at its column's place in ``out`` (undoes :func:`rebuild`).
+
+    Returns False, leaving ``out`` partly filled, where ``item`` no longer has the
+    schema's structure (a key added, removed or replaced by a non-dict).
+    """
+    tag, body = node
+    if tag == "leaf":
+        out[body] = item
+        return True
+    if not isinstance(item, dict) or len(item) != len(body):
+        return False
+    return all(key in item and unnest(item[key], child, out) for key, child in body)
 
 
 def restore(kind: str, value: Any) -> Any:

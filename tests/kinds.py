@@ -242,3 +242,85 @@ def to_plain(obj: Any) -> Any:
             else [to_plain(v) for v in obj]
         )
     return obj
+
+
+# -- nested items: records and groups -------------------------------------------------------
+
+NESTED_KINDS = ["hdf5", "parquet", "arrow"]
+"""Kinds whose constructor takes ``nested=`` (records/structs and HDF5 groups nest)."""
+
+
+def nested_row(i: int) -> dict[str, Any]:
+    """Row ``i`` of :func:`make_nested`'s datasets as a nested item of plain values."""
+    r = row(i)
+    return {"meta": {"t": r["t"]}, "rec": {"x": r["x"], "y": r["y"]}}
+
+
+def make_nested(
+    kind: str, tmp_path: str | os.PathLike[str], rows: int = 64, **kwargs: Any
+) -> tuple[Any, list[dict[str, Any]]]:
+    """A dataset of ``kind`` (:data:`NESTED_KINDS`) whose columns are record fields.
+
+    ``t`` is ``meta/t`` (an HDF5 dataset in group ``meta``, the field of an Arrow
+    struct ``meta``); ``x`` and ``y`` are fields of a record ``rec`` (an HDF5 compound
+    dataset, an Arrow struct). Columns in that order (HDF5's visit order is by name);
+    with ``nested=True`` items are :func:`nested_row`.
+    """
+    path = os.fspath(tmp_path)
+    os.makedirs(path, exist_ok=True)
+    expected = [nested_row(i) for i in range(rows)]
+    a = _arrays(rows)
+    text = [f"row {i}" for i in range(rows)]
+    if kind == "hdf5":
+        import h5py
+
+        file = os.path.join(path, "records.h5")
+        records = np.zeros(rows, dtype=[("x", np.float32, (4,)), ("y", np.int64)])
+        records["x"], records["y"] = a["x"], a["y"]
+        with h5py.File(file, "w") as f:
+            f["rec"] = records
+            f.create_dataset("meta/t", data=text, dtype=h5py.string_dtype())
+        return sd.HDF5Dataset(file, **kwargs), expected
+    import pyarrow as pa
+
+    x = pa.FixedSizeListArray.from_arrays(pa.array(a["x"].reshape(-1)), 4)
+    table = pa.table(
+        {
+            "meta": pa.StructArray.from_arrays([pa.array(text)], ["t"]),
+            "rec": pa.StructArray.from_arrays([x, pa.array(a["y"])], ["x", "y"]),
+        }
+    )
+    if kind == "arrow":
+        return sd.ArrowDataset(table, **kwargs), expected
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        file = os.path.join(path, "records.parquet")
+        pq.write_table(table, file, row_group_size=max(1, rows // 3))
+        return sd.ParquetDataset(file, **kwargs), expected
+    raise ValueError(f"no nested dataset of kind {kind!r}; kinds are {NESTED_KINDS}")
+
+
+def assert_nested(got: Any, want: Any, where: str = "item") -> None:
+    """``got`` has exactly the nested structure of ``want`` (dicts, then leaves) and its values."""
+    if isinstance(want, Mapping):
+        assert isinstance(got, Mapping), f"{where}: {got!r} is not a dict"
+        assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
+        for key, value in want.items():
+            assert_nested(got[key], value, f"{where}[{key!r}]")
+    elif isinstance(want, list):
+        assert len(got) == len(want), f"{where}: {got!r} != {want!r}"
+        for k, (g, w) in enumerate(zip(got, want)):
+            assert_nested(g, w, f"{where}[{k}]")
+    else:
+        assert _same(got, want), f"{where}: {got!r} != {want!r}"
+
+
+def collated(rows: Sequence[Any]) -> Any:
+    """What the default collate gives for nested items of plain values (lists of strs)."""
+    first = rows[0]
+    if isinstance(first, Mapping):
+        return {k: collated([r[k] for r in rows]) for k in first}
+    if isinstance(first, str):
+        return list(rows)
+    return np.stack([np.asarray(r) for r in rows])

@@ -261,6 +261,52 @@ def test_nested_and_struct_columns_reach_workers_unchanged(tmp_path):
     assert ds.nbytes >= strings
 
 
+NESTED = pa.table({
+    "id": [1, 2, 3],
+    "meta": [{"lang": "en", "src": {"url": "u1", "n": 1}},
+             {"lang": "fr", "src": {"url": "", "n": 2}},
+             {"lang": "de", "src": {"url": "u3", "n": 3}}],
+    "conv": [{"turns": [{"role": "user", "content": "hi"}], "score": 0.5},
+             {"turns": [], "score": 1.0}, {"turns": [{"role": "bot", "content": "yo"}] * 2,
+             "score": 2.0}],
+})  # fmt: skip
+
+
+def test_nested_items_and_batches_are_what_to_pylist_gives(tmp_path):
+    path = tmp_path / "n.parquet"
+    pq.write_table(NESTED, path, row_group_size=2)
+    want = NESTED.to_pylist()
+    for make in (lambda **k: ArrowDataset(NESTED, **k), lambda **k: ParquetDataset(path, **k)):
+        ds = make(nested=True, progress=False)
+        assert ds.columns == ["id", "meta.lang", "meta.src.url", "meta.src.n", "conv.turns",
+                              "conv.score"]  # fmt: skip
+        assert rows_of(ds) == want
+        assert [plain(dict(s)) for s in ds.__getitems__([2, 0, 1])] == [want[2], want[0], want[1]]
+        assert _epoch(ds) == want  # from a worker
+        stackable = make(nested=True, columns=["meta", "conv.score"], progress=False)
+        batch = next(iter(DataLoader(stackable, batch_size=3)))  # the collate's shortcut
+        assert plain(batch) == {
+            "meta": {"lang": ["en", "fr", "de"], "src": {"url": ["u1", "", "u3"], "n": [1, 2, 3]}},
+            "conv": {"score": [0.5, 1.0, 2.0]},
+        }
+        assert plain(ds[[1, 2]]["meta"]) == {"lang": ["fr", "de"],
+                                             "src": {"url": ["", "u3"], "n": [2, 3]}}  # fmt: skip
+        picked = make(nested=True, columns=["meta.src", "id"], progress=False)
+        assert plain(picked[2]) == {"meta": {"src": {"url": "u3", "n": 3}}, "id": 3}
+        assert list(make(progress=False)[0]) == ds.columns  # flat by default
+        # the option is not part of what is loaded: same specs, same bytes
+        assert make(progress=False).specs == ds.specs
+
+
+def test_nested_paths_that_collide_are_refused():
+    from shareddata._items import nest_paths
+
+    with pytest.raises(sd.errors.InvalidArgumentError, match="'a/b'.*'a'"):
+        nest_paths(["a", "a/b"], [("a",), ("a", "b")])
+    with pytest.raises(ValueError, match="'a'.*'a/b'"):
+        nest_paths(["a/b", "a"], [("a", "b"), ("a",)])
+
+
 # -- many Parquet files ----------------------------------------------------------------------
 
 

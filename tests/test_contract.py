@@ -20,7 +20,20 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 from conftest import REPO, START_METHODS
-from kinds import COLUMN_KINDS, KINDS, AllKinds, as_dict, assert_batch, assert_item, make, to_plain
+from kinds import (
+    COLUMN_KINDS,
+    KINDS,
+    NESTED_KINDS,
+    AllKinds,
+    as_dict,
+    assert_batch,
+    assert_item,
+    assert_nested,
+    collated,
+    make,
+    make_nested,
+    to_plain,
+)
 from torch.utils.data import DataLoader
 
 import shareddata as sd
@@ -62,6 +75,53 @@ def test_tuple_output(kind, tmp_path):
     first = next(iter(DataLoader(ds, batch_size=4)))
     assert isinstance(first, (list, tuple))
     assert_batch(first, expected[:4], kind)
+
+
+@pytest.mark.parametrize("kind", NESTED_KINDS)
+def test_nested_items(kind, tmp_path):
+    """nested=True: records/structs (and HDF5 groups) come back nested on every path."""
+    ds, expected = make_nested(kind, tmp_path, rows=ROWS, nested=True)
+    assert ds.nested and len(ds.columns) == 3
+    for i in (0, 7, -1):
+        assert_nested(ds[i], expected[i])
+    order = [5, 0, 63, 17, 17, 2]
+    want = [expected[i] for i in order]
+    assert_nested(ds[order], collated(want))  # a batch by indexing
+    samples = ds.__getitems__(order)
+    for got, w in zip(samples, want):
+        assert_nested(got, w)
+    batched = next(iter(DataLoader(ds, batch_size=len(order), sampler=order)))
+    assert_nested(batched, collated(want))  # the default collate's shortcut
+    from torch.utils.data import default_collate
+
+    batch = default_collate(samples)
+    assert batch["rec"]["x"] is samples.batched[ds.columns.index(_name(kind, "rec", "x"))]
+    samples[1]["rec"]["y"] = torch.tensor(-1)  # replaced: collated the generic way
+    changed = default_collate(samples)
+    assert changed["rec"]["y"][1] == -1 and changed["rec"]["y"][0] == want[0]["rec"]["y"]
+    again = pickle.loads(pickle.dumps(ds))
+    assert_nested(again[3], expected[3])
+    flat, _ = make_nested(kind, tmp_path / "flat", rows=ROWS)
+    assert not flat.nested and list(flat[0]) == flat.columns  # the default: flat
+    tuples, _ = make_nested(kind, tmp_path / "tuple", rows=ROWS, nested=True, output="tuple")
+    meta, rec = tuples[4]
+    assert_nested({"meta": meta, "rec": rec}, expected[4])
+    meta, rec = next(iter(DataLoader(tuples, batch_size=len(order), sampler=order)))
+    assert_nested({"meta": meta, "rec": rec}, collated(want))
+
+
+def _name(kind, *path):
+    return ("/" if kind == "hdf5" else ".").join(path)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("kind", NESTED_KINDS)
+def test_nested_batches_from_workers(kind, method, tmp_path):
+    ds, expected = make_nested(kind, tmp_path, rows=32, nested=True)
+    loader = DataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context=method, timeout=60)
+    for k, batch in enumerate(loader):
+        assert_nested(batch, collated(expected[k * 8 : (k + 1) * 8]))
+    assert k == 3
 
 
 # -- pickling: handles, never data --------------------------------------------------------

@@ -973,3 +973,51 @@ def test_a_range_of_rows_for_shard_node(h5path, tmp_path):
                 _assert_same(column.get(i), full[37 + i][name])
     with HDF5Source(records) as source, pytest.raises(ValueError, match=r"\[0, 301\)"):
         source.select_rows(0, 301)
+
+
+def _h5py_value(value):
+    """h5py's reading of a record as a nested dict of plain values (what nested=True gives)."""
+    if isinstance(value, np.void) and value.dtype.names:
+        return {name: _h5py_value(value[name]) for name in value.dtype.names}
+    if isinstance(value, bytes):
+        return value  # fixed-length ascii loads as bytes
+    return np.asarray(value).tolist()
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def test_nested_items_are_records_and_groups_as_h5py_reads_them(tmp_path):
+    path = str(tmp_path / "nested.h5")
+    inner = np.dtype([("q", np.int16), ("v", np.float32, (2,))])
+    rec = np.zeros(20, dtype=[("x", np.float64), ("p", inner), ("tag", "S4")])
+    rec["x"] = np.arange(20) / 4
+    rec["p"]["q"] = np.arange(20) * 3
+    rec["p"]["v"] = np.arange(40).reshape(20, 2)
+    rec["tag"] = [b"t%d" % i for i in range(20)]
+    with h5py.File(path, "w") as f:
+        f["rec"] = rec
+        f["grp/label"] = np.arange(20, dtype=np.int32) - 5
+    ds = HDF5Dataset(path, nested=True, progress=False)
+    assert ds.columns == ["grp/label", "rec/x", "rec/p/q", "rec/p/v", "rec/tag"]
+    with h5py.File(path) as f:
+        want = [
+            {"grp": {"label": int(f["grp/label"][i])}, "rec": _h5py_value(f["rec"][i])}
+            for i in range(20)
+        ]
+    assert [_plain(ds[i]) for i in range(20)] == want
+    assert [_plain(s) for s in ds.__getitems__([7, 3])] == [want[7], want[3]]
+    loader = DataLoader(ds, batch_size=4, num_workers=1, timeout=60)
+    batch = next(iter(loader))  # from a worker, through the default collate's shortcut
+    assert batch["rec"]["p"]["v"].tolist() == [w["rec"]["p"]["v"] for w in want[:4]]
+    assert batch["rec"]["tag"] == [w["rec"]["tag"] for w in want[:4]]
+    assert batch["grp"]["label"].tolist() == [-5, -4, -3, -2]
+    assert list(HDF5Dataset(path, progress=False)[0]) == ds.columns  # flat by default
+    picked = HDF5Dataset(path, ["rec/p"], nested=True, output="tuple", progress=False)
+    (p,) = picked[1]
+    assert _plain(p) == {"p": want[1]["rec"]["p"]}

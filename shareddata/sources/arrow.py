@@ -151,7 +151,9 @@ class ArrowDataset(ColumnDataset):
     and an HF ``datasets.Dataset`` (its Arrow table, in its current row order).
 
     Struct columns load as one column per field, named as ``Table.flatten()`` names
-    them (``s.a``, nested ``s.b.c``); items are flat (``{"s.a": ..., "s.b.c": ...}``).
+    them (``s.a``, nested ``s.b.c``); items are flat (``{"s.a": ..., "s.b.c": ...}``),
+    or with ``nested=True`` nested as ``to_pylist()`` gives them (``{"s": {"a": ...,
+    "b": {"c": ...}}}``).
     Lists of strings, of lists and of structs (``messages: list<struct<role: string,
     content: string>>``) load as offsets and typed values in shared memory and come
     back per item as Python lists (of dicts, or with ``records=False`` a dict of
@@ -177,6 +179,10 @@ class ArrowDataset(ColumnDataset):
             refuses nulls with a ``NullValuesError``.
         records: a list of structs comes back per item as a list of dicts (default),
             or as a dict of lists (``False``).
+        nested: items give a struct's fields nested (``{"s": {"a": ..., "b": {"c":
+            ...}}}``, the shape ``to_pylist()`` gives) instead of flat (``{"s.a": ...,
+            "s.b.c": ...}``, the default); batches are nested the same way. With
+            ``output="tuple"``, the top-level values in order.
 
     Raises:
         KeyError: a requested column is missing (the message lists those that exist).
@@ -199,6 +205,8 @@ class ArrowDataset(ColumnDataset):
         ...                  "meta": [{"id": 7, "lang": "en"}, {"id": 8, "lang": "fr"}]})
         >>> sd.ArrowDataset(chat)[0]
         {'messages': [{'role': 'user', 'content': 'hi'}], 'meta.id': tensor(7), 'meta.lang': 'en'}
+        >>> sd.ArrowDataset(chat, columns=["meta"], nested=True)[1]
+        {'meta': {'id': tensor(8), 'lang': 'fr'}}
     """
 
     def __init__(
@@ -215,6 +223,7 @@ class ArrowDataset(ColumnDataset):
         timeout: float | None = None,
         fill_value: FillValue = None,
         records: bool = True,
+        nested: bool = False,
     ) -> None:
         source = ArrowSource(table, columns, fill_value=fill_value, records=records)
         loaded = load_columns(
@@ -226,7 +235,8 @@ class ArrowDataset(ColumnDataset):
             timeout=timeout,
             key=(*_table_key(source, fill_value), records),
         )
-        super().__init__(loaded, transform=transform, output=output)
+        paths = {c.name: c.path for c in source.columns}
+        super().__init__(loaded, transform=transform, output=output, nested=nested, paths=paths)
 
 
 def _table_key(source: ArrowSource, fill_value: FillValue) -> tuple[Any, ...]:

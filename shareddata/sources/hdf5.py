@@ -391,6 +391,11 @@ class HDF5Dataset(ColumnDataset):
         shard: ``"node"`` loads only this node's contiguous share of the rows.
         timeout: seconds to wait for another local rank (default
             ``$SHAREDDATA_TIMEOUT``, else 300).
+        nested: items give each column at its path, split at ``/`` (``{"points":
+            {"x": ..., "c": ...}}`` for a compound's fields, ``{"meta": {"label":
+            ...}}`` for a group's datasets, as h5py reaches them) instead of under its
+            flat name (``{"points/x": ...}``, the default); batches are nested the
+            same way. With ``output="tuple"``, the top-level values in order.
 
     Attributes:
         labels: for enum and pandas category columns, ``{column: {label: code}}``.
@@ -447,6 +452,7 @@ class HDF5Dataset(ColumnDataset):
         share: Literal["node", "process"] | None = None,
         shard: Literal["node"] | None = None,
         timeout: float | None = None,
+        nested: bool = False,
     ) -> None:
         source = HDF5Source(path, keys)
         self.labels = {p.name: dict(p.labels) for p in source.plans if p.labels is not None}
@@ -462,7 +468,8 @@ class HDF5Dataset(ColumnDataset):
         except BaseException:  # a bad argument is refused before the loader owns the file
             source.close()
             raise
-        super().__init__(loaded, transform=transform, output=output)
+        paths = {p.name: tuple(p.name.split("/")) for p in source.plans}
+        super().__init__(loaded, transform=transform, output=output, nested=nested, paths=paths)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "labels": self.labels}

@@ -552,7 +552,8 @@ class ParquetDataset(ColumnDataset):
     since the epoch, timestamps in UTC). Dtypes stay as stored (int32 stays int32).
 
     Struct columns load as one column per field, named as ``Table.flatten()`` names
-    them (``s.a``, nested ``s.b.c``; items are flat). Lists of strings, lists and
+    them (``s.a``, nested ``s.b.c``; items are flat, or nested with ``nested=True``).
+    Lists of strings, lists and
     structs (``messages: list<struct<role: string, content: string>>``) load as
     offsets and typed values in shared memory and come back per item as lists (of
     dicts; see ``records``). Details: :class:`~shareddata.ArrowDataset`.
@@ -586,6 +587,10 @@ class ParquetDataset(ColumnDataset):
             per column (columns not in it still refuse nulls).
         records: a list of structs comes back per item as a list of dicts (default),
             or as a dict of lists (``False``).
+        nested: items give a struct's fields nested (``{"s": {"a": ..., "b": {"c":
+            ...}}}``, the shape ``to_pylist()`` gives) instead of flat (``{"s.a": ...,
+            "s.b.c": ...}``, the default); batches are nested the same way. With
+            ``output="tuple"``, the top-level values in order.
 
     Raises:
         FileNotFoundError: a path does not exist, or a folder holds no ``.parquet``.
@@ -628,6 +633,7 @@ class ParquetDataset(ColumnDataset):
         timeout: float | None = None,
         fill_value: FillValue = None,
         records: bool = True,
+        nested: bool = False,
     ) -> None:
         source = ParquetSource(path, columns, fill_value=fill_value, records=records)
         loaded = load_columns(
@@ -638,4 +644,5 @@ class ParquetDataset(ColumnDataset):
             shard=shard,
             timeout=timeout,
         )
-        super().__init__(loaded, transform=transform, output=output)
+        paths = {c.name: c.path for c in source.columns}
+        super().__init__(loaded, transform=transform, output=output, nested=nested, paths=paths)
