@@ -18,20 +18,31 @@ that a list of numbers is a 1-D tensor (as in a ``"ragged"`` column): a
 ``list<struct<role: string, content: string>>`` row is a list of dicts
 ``[{"role": ..., "content": ...}, ...]``, or, with ``records=False`` in the spec, a
 dict of lists ``{"role": [...], "content": [...]}``.
+
+In a DataLoader worker the lists of numbers of a gathered batch are copied side by
+side into one buffer per level (:meth:`NestedColumn.batch_parts`), part of the
+worker's one memfd per batch, and the row tensors are views of it: the batch
+leaves the worker as that memfd, not as one shared segment per list.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._columns import COLUMN_KINDS, Column, ColumnSpec
+from ._columns import COLUMN_KINDS, Column, ColumnSpec, gather_rows
 from ._storage import SharedArray
+from ._transport import worker_empty
 
 __all__ = ["Level", "NestedColumn", "NestedSpec", "children"]
+
+Supply = dict[int, Iterator[torch.Tensor]] | None
+"""Per list-of-numbers level, its gathered tensors in visiting order (``gather_into``)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,18 @@ def children(tree: Level) -> list[tuple[Level, tuple[int, ...]]]:
     return out
 
 
+def _elements(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """The indices ``[starts[r], stops[r])`` of every ``r``, in order, in one array.
+
+    Example:
+        >>> _elements(np.array([5, 0, 2]), np.array([7, 0, 3])).tolist()
+        [5, 6, 2]
+    """
+    lengths = stops - starts
+    first = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return first + np.arange(int(lengths.sum()), dtype=first.dtype)  # type: ignore[no-any-return]
+
+
 def _arrow_friendly(tree: Level) -> bool:
     """Whether Arrow's ``to_pylist`` gives this tree's values as the Python path does."""
     for level in tree.levels():
@@ -152,6 +175,12 @@ class NestedColumn(Column):
         self._records = spec.records
         self._arrow: Any = None  # built on first use: Note [Gathering through Arrow]
         self._arrow_ok = spec.records and _arrow_friendly(spec.tree)
+        # (list level, its numbers' level) of every list of numbers (1-D tensors)
+        self._tensor_levels = [
+            (i, kids[0])
+            for i, (level, kids) in enumerate(self._tree)
+            if level.kind == "list" and self._tree[kids[0]][0].kind == "num"
+        ]
 
     @staticmethod
     def layout(spec: ColumnSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -159,13 +188,17 @@ class NestedColumn(Column):
         assert isinstance(spec, NestedSpec)
         return level_layout(spec.tree, spec.counts)
 
-    def _range(self, i: int, start: int, stop: int) -> Any:
-        """The values of elements ``[start, stop)`` of level ``i`` (a list, or a dict)."""
+    def _range(self, i: int, start: int, stop: int, supply: Supply = None) -> Any:
+        """The values of elements ``[start, stop)`` of level ``i`` (a list, or a dict).
+
+        ``supply``: per list-of-numbers level, its element tensors in visiting order,
+        already gathered (:meth:`gather_into`); None copies each one.
+        """
         level, kids = self._tree[i]
         if level.kind == "num":
             return self._np[f"{i}.data"][start:stop].tolist()
         if level.kind == "struct":
-            fields = [self._range(k, start, stop) for k in kids]
+            fields = [self._range(k, start, stop, supply) for k in kids]
             if self._records:
                 return [dict(zip(level.names, row)) for row in zip(*fields)]
             return dict(zip(level.names, fields))
@@ -180,13 +213,15 @@ class NestedColumn(Column):
         (k,) = kids
         child = self._tree[k][0]
         if child.kind == "num":  # a list of numbers: a 1-D tensor, as in a "ragged" column
+            if supply is not None:
+                return list(islice(supply[i], stop - start))
             data = self._np[f"{k}.data"]
             return [torch.from_numpy(data[a:b].copy()) for a, b in pairs]
         if child.kind == "struct" and not self._records:
-            return [self._range(k, a, b) for a, b in pairs]
+            return [self._range(k, a, b, supply) for a, b in pairs]
         if offsets[0] == offsets[-1]:
             return [[] for _ in range(len(offsets) - 1)]
-        flat = self._range(k, offsets[0], offsets[-1])
+        flat = self._range(k, offsets[0], offsets[-1], supply)
         base = offsets[0]
         return [flat[a - base : b - base] for a, b in pairs]
 
@@ -195,13 +230,72 @@ class NestedColumn(Column):
         return self._range(0, index, index + 1)[0]
 
     def gather(self, indices: torch.Tensor, shared: bool = False) -> list[Any]:
-        """The rows ``indices``, one Python value each."""
+        """The rows ``indices``, one Python value each.
+
+        With ``shared`` (in a DataLoader worker) the tensors of lists of numbers are
+        views of buffers made to leave the worker (:meth:`gather_into`).
+        """
+        if shared and self._tensor_levels:
+            outs = [worker_empty(*part) for part in self.batch_parts(indices)]
+            return self.gather_into(indices, outs)
         arrow = self._as_arrow() if self._arrow_ok else None
         if arrow is not None:
             import pyarrow as pa
 
             return arrow.take(pa.array(indices.numpy())).to_pylist()  # type: ignore[no-any-return]
         return [self._range(0, i, i + 1)[0] for i in indices.tolist()]
+
+    def _row_ranges(self, idx: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per level (preorder), each row's elements there: ``(starts, stops)``.
+
+        A row's elements are contiguous at every level (Arrow's layout): a list level
+        maps its range ``[s, e)`` to ``[offsets[s], offsets[e])`` of its child, a
+        struct passes its range to each field.
+        """
+        ranges: list[tuple[np.ndarray, np.ndarray]] = [(idx, idx)] * len(self._tree)
+        ranges[0] = (idx, idx + 1)
+        for i, (level, kids) in enumerate(self._tree):
+            starts, stops = ranges[i]
+            if level.kind == "list":
+                offsets = self._np[f"{i}.offsets"]
+                starts, stops = offsets[starts], offsets[stops]
+            for k in kids:
+                ranges[k] = (starts, stops)
+        return ranges
+
+    def batch_parts(self, indices: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One buffer per list-of-numbers level: the numbers of the rows' lists there.
+
+        Text and records are Python objects (they cross by value); the tensors of
+        lists of numbers are views of these buffers, so that a batch leaves a worker
+        in one memfd (Note [How a batch leaves a worker] in ``_transport.py``).
+        """
+        if not self._tensor_levels:
+            return []
+        ranges = self._row_ranges(indices.numpy())
+        parts: list[tuple[tuple[int, ...], torch.dtype]] = []
+        for _, k in self._tensor_levels:
+            starts, stops = ranges[k]  # the numbers under the rows' lists
+            total = int((stops - starts).sum())
+            dtype = torch.from_numpy(np.empty(0, self._np[f"{k}.data"].dtype)).dtype
+            parts.append(((total,), dtype))
+        return parts
+
+    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> list[Any]:
+        """:meth:`gather`; each list of numbers a view of ``outs`` (see :meth:`batch_parts`)."""
+        if not self._tensor_levels:
+            return self.gather(indices)
+        idx = indices.numpy()
+        ranges = self._row_ranges(idx)
+        supply: dict[int, Iterator[torch.Tensor]] = {}
+        for (i, k), out in zip(self._tensor_levels, outs):
+            # the rows' numbers side by side, then split into one tensor per list
+            rows = gather_rows(self._np[f"{k}.data"], *ranges[k], out)
+            flat = out.as_subclass(torch.Tensor)[: sum(len(r) for r in rows)]
+            offsets = self._np[f"{i}.offsets"]
+            lists = _elements(*ranges[i])
+            supply[i] = iter(flat.split((offsets[lists + 1] - offsets[lists]).tolist()))
+        return [self._range(0, r, r + 1, supply)[0] for r in idx.tolist()]
 
     def _as_arrow(self) -> Any:
         """An Arrow array over the shared buffers (no copy), or None without pyarrow.

@@ -184,6 +184,29 @@ def _counting(module, name):
     return counted
 
 
+def _count_receptions(monkeypatch):
+    """Count in RECEIVED how the main process receives each shared segment."""
+    from torch.multiprocessing import reductions
+
+    from shareddata import _reduce, _transport
+
+    for module, name in [
+        (reductions, "rebuild_storage_fd"),  # a torch segment, sent as a descriptor
+        (reductions, "rebuild_storage_filename"),  # a torch segment, sent by name
+        (_transport, "_receive"),  # a worker's batch memfd
+        (_reduce, "_rebuild_segment_storage"),  # a dataset's segment
+    ]:
+        monkeypatch.setattr(module, name, _counting(module, name))
+    RECEIVED.clear()
+
+
+def _assert_one_memfd(batch, what):
+    """Every tensor of ``batch`` is mapped from one worker batch memfd."""
+    files = _files_of(batch)
+    assert len(files) == 1, f"{what}: a batch crossed in {sorted(files)}"
+    assert next(iter(files))[1].endswith("memfd:shareddata-batch"), (what, files)
+
+
 def _files_of(obj):
     """The (inode, name) of every file that a tensor in ``obj`` is mapped from."""
     tensors = []
@@ -217,18 +240,7 @@ def test_a_batch_of_ragged_rows_leaves_a_worker_as_one_memfd_for_every_kind(
 ):
     # numpy has no ragged column: its fixed rows are checked the same way
     made = {kind: make(kind, tmp_path / kind, rows=ROWS, ragged=kind != "numpy") for kind in KINDS}
-    from torch.multiprocessing import reductions
-
-    from shareddata import _reduce, _transport
-
-    for module, name in [
-        (reductions, "rebuild_storage_fd"),  # a torch segment, sent as a descriptor
-        (reductions, "rebuild_storage_filename"),  # a torch segment, sent by name
-        (_transport, "_receive"),  # a worker's batch memfd
-        (_reduce, "_rebuild_segment_storage"),  # a dataset's segment
-    ]:
-        monkeypatch.setattr(module, name, _counting(module, name))
-    RECEIVED.clear()
+    _count_receptions(monkeypatch)
     loader = DataLoader(
         EveryKind({kind: ds for kind, (ds, _) in made.items()}),
         batch_size=BATCH, num_workers=1, collate_fn=identity_and_zip,
@@ -242,13 +254,75 @@ def test_a_batch_of_ragged_rows_leaves_a_worker_as_one_memfd_for_every_kind(
                 assert_item(sample, w, kind)
             xs = torch.from_numpy(np.stack([w["x"] for w in want]))
             assert torch.equal(torch.stack(list(got["zip"][0])), xs), kind  # column x
-            files = _files_of(got)
-            assert len(files) == 1, f"{kind} ({method}): a batch crossed in {sorted(files)}"
-            assert next(iter(files))[1].endswith("memfd:shareddata-batch"), (kind, files)
+            _assert_one_memfd(got, f"{kind} ({method})")
         batches += 1
     assert batches == ROWS // BATCH
     # one descriptor per kind per batch, none of torch's
     assert {"_receive": len(KINDS) * batches} == RECEIVED, RECEIVED
+    del loader, out
+
+
+def _lists_table(rows):
+    """A struct, a list<list<int>> and a list<struct<str, list<int>>> column, and ``x``."""
+    import pyarrow as pa
+
+    grid = [[list(range(i, i + j)) for j in range(i % 3)] for i in range(rows)]
+    turns = [[{"role": f"r{j}", "tokens": list(range(j + i % 2))} for j in range(i % 3)]
+             for i in range(rows)]  # fmt: skip
+    x = np.arange(rows * 4, dtype=np.float32)
+    return pa.table({
+        "x": pa.FixedSizeListArray.from_arrays(pa.array(x), 4),
+        "grid": pa.array(grid, pa.list_(pa.list_(pa.int32()))),
+        "turns": pa.array(turns, pa.list_(pa.struct([("role", pa.string()),
+                                                      ("tokens", pa.list_(pa.int64()))]))),
+        "meta": [{"n": i, "deep": [[i], []]} for i in range(rows)],
+    })  # fmt: skip
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_batch_of_nested_lists_and_nested_items_leaves_a_worker_as_one_memfd(
+    tmp_path, monkeypatch, method
+):
+    # lists of lists of numbers and lists of records (their number lists are tensors),
+    # items nested: every tensor of a batch is a view of the worker's one memfd
+    from kinds import assert_nested, make_nested
+
+    table = _lists_table(ROWS)
+    datasets = {
+        "records": sd.ArrowDataset(table, nested=True, progress=False),
+        "columns": sd.ArrowDataset(table, nested=True, records=False, progress=False),
+        "hdf5": make_nested("hdf5", tmp_path, rows=ROWS, nested=True)[0],
+    }
+    want = {"records": table.to_pylist(), "hdf5": make_nested("hdf5", tmp_path / "e", ROWS)[1]}
+    _count_receptions(monkeypatch)
+    loader = DataLoader(
+        EveryKind(datasets), batch_size=BATCH, num_workers=1, collate_fn=identity_and_zip,
+        multiprocessing_context=method, timeout=30,
+    )  # fmt: skip
+    batches = 0
+    for k, out in enumerate(loader):
+        rows = slice(k * BATCH, (k + 1) * BATCH)
+        assert [_plain(s) for s in out["records"]["identity"]] == want["records"][rows]
+        for got, w in zip(out["columns"]["identity"], want["records"][rows]):
+            turns = {f: [t[f] for t in w["turns"]] for f in ("role", "tokens")}
+            assert _plain(got) == {**w, "turns": turns}
+        for got, w in zip(out["hdf5"]["identity"], want["hdf5"][rows]):
+            assert_nested(got, w)
+        for name, got in out.items():
+            _assert_one_memfd(got, f"{name} ({method})")
+        batches += 1
+    assert batches == ROWS // BATCH
+    assert {"_receive": len(datasets) * batches} == RECEIVED, RECEIVED
     del loader, out
 
 
