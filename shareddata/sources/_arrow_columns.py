@@ -1,69 +1,32 @@
-"""Arrow columns -> shared buffers: Arrow types -> column kinds, chunks -> buffers, selection.
+"""Arrow columns -> shared buffers: a selected column's sizing pass and its copy.
 
 What :class:`~shareddata.sources.arrow.ArrowDataset` (in-memory tables) and
 :class:`~shareddata.sources.parquet.ParquetDataset` (decoded Parquet batches) share:
-a selected column (:class:`ArrowColumn`, struct fields flattened to ``s.a``), its
-sizing pass (:class:`Sizer`) and its copy into the buffers (:class:`Writer`, only
-through ``Buffer.rows``); see Note [Reading Parquet into shared memory] in
-``parquet.py`` for how Parquet batches are cut.
+a selected column (:class:`ArrowColumn`: its kind from ``_arrow_types.py``, its fill
+value and null handling), its sizing pass (:class:`Sizer`) and its copy into the
+buffers (:class:`Writer`, only through ``Buffer.rows``); see Note [Reading Parquet
+into shared memory] in ``parquet.py`` for how Parquet batches are cut, and
+``_arrow_select.py`` for which columns are selected.
 
-Type mapping (Arrow type -> column kind):
-
-* integers, floats (float16 too), bool -> ``"tensor"`` with scalar rows;
-* ``fixed_size_list`` of numbers (nested -> several dimensions) and the
-  ``arrow.fixed_shape_tensor`` extension type -> ``"tensor"`` with that row shape;
-* timestamps, dates, times and durations -> ``"tensor"`` of their integer storage
-  (int64 or int32 counts of their unit since the epoch; timestamps in UTC);
-* ``string`` / ``large_string`` / ``string_view`` -> ``"str"``;
-  ``binary`` / ``large_binary`` / ``binary_view`` / ``fixed_size_binary`` -> ``"bytes"``;
-* ``list`` / ``large_list`` / list views of numbers -> ``"ragged"``;
-* dictionary-encoded columns -> the kind of their values (decoded while copying);
-* other extension types -> the kind of their storage type.
-
-Structs, maps, unions, decimals and lists of non-numbers are refused with
-:class:`UnsupportedDtypeError` saying what to do. Nulls are refused with
-:class:`NullValuesError` unless a ``fill_value`` is given: never a silent 0.
+Nulls are refused with :class:`NullValuesError` unless a ``fill_value`` is given:
+never a silent 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from types import ModuleType
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .._columns import ColumnSpec
 from .._load import Buffer
-from .._nested import Level, NestedSpec
-from ..errors import (
-    EmptySelectionError,
-    MissingColumnError,
-    NullValuesError,
-    SourceReadError,
-    UnsupportedDtypeError,
-    missing_dependency,
-)
-from ._arrow_nested import Parts, Refused, decoded, level_of, parts, temporal_storage
+from .._nested import NestedSpec
+from ..errors import NullValuesError, SourceReadError, UnsupportedDtypeError
+from ._arrow_nested import Parts, decoded, parts
+from ._arrow_types import classify, normalize, pyarrow_module
 
-FillValue = Any  # a scalar, or a mapping {column: scalar}
-
-
-def pyarrow_module() -> ModuleType:
-    """``pyarrow``, imported on first use so ``import shareddata`` works without it."""
-    try:
-        import pyarrow
-        import pyarrow.compute  # noqa: F401  (pc.fill_null, pc.if_else)
-    except ImportError as e:
-        missing_dependency("pyarrow", "parquet", e)
-    return pyarrow
-
-
-def release_arrow_memory() -> None:
-    """Give the memory Arrow's allocator keeps after a read back to the system."""
-    pa = pyarrow_module()
-    pa.default_memory_pool().release_unused()
+__all__ = ["ArrowColumn", "Sizer", "Writer", "rebase_offsets"]
 
 
 def rebase_offsets(src: np.ndarray, base: int, out: np.ndarray) -> int:
@@ -96,163 +59,6 @@ def rebase_offsets(src: np.ndarray, base: int, out: np.ndarray) -> int:
     out -= int(src[0])
     out += base
     return base + int(src[-1]) - int(src[0])
-
-
-# -- Arrow types -> column kinds -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Kind:
-    kind: str  # "tensor", "ragged", "str", "bytes", "nested"
-    dtype: np.dtype
-    shape: tuple[int, ...] = ()
-    tree: Level | None = None  # the levels of a "nested" column
-
-
-def _unsupported(name: str, label: str, arrow_type: Any, fix: str) -> UnsupportedDtypeError:
-    return UnsupportedDtypeError(
-        f"column {name!r} of {label} has Arrow type {arrow_type}, which shareddata cannot "
-        f"store. Fix: {fix}; or leave the column out with columns=[...]."
-    )
-
-
-def _numeric_dtype(t: Any) -> np.dtype | None:
-    """The numpy dtype of an integer, float or bool Arrow type (else None)."""
-    pa = pyarrow_module()
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
-        return np.dtype(t.to_pandas_dtype())
-    return None
-
-
-def is_list(t: Any) -> bool:
-    pa = pyarrow_module()
-    return bool(
-        pa.types.is_list(t)
-        or pa.types.is_large_list(t)
-        or pa.types.is_list_view(t)
-        or pa.types.is_large_list_view(t)
-    )
-
-
-def _classify(t: Any, name: str, label: str) -> _Kind:
-    """The column kind an Arrow type is stored as, or a clear UnsupportedDtypeError."""
-    pa = pyarrow_module()
-    if isinstance(t, pa.FixedShapeTensorType):
-        perm = t.permutation
-        if perm is not None and list(perm) != sorted(perm):
-            raise _unsupported(
-                name,
-                label,
-                t,
-                "a tensor with a non-default dimension order (permutation); store it "
-                "row-major (permutation=None)",
-            )
-        inner = _classify(t.storage_type, name, label)
-        return _Kind("tensor", inner.dtype, tuple(int(s) for s in t.shape))
-    if isinstance(t, pa.BaseExtensionType):
-        return _classify(t.storage_type, name, label)
-    if pa.types.is_dictionary(t):
-        inner = _classify(t.value_type, name, label)
-        if inner.kind not in ("tensor", "str", "bytes") or inner.shape:
-            raise _unsupported(name, label, t, "decode the dictionary (pc.dictionary_decode)")
-        return inner
-    if pa.types.is_run_end_encoded(t):
-        return _classify(t.value_type, name, label)
-    dtype = _numeric_dtype(t)
-    if dtype is not None:
-        return _Kind("tensor", dtype)
-    storage = temporal_storage(t)
-    if storage is not None:
-        return _Kind("tensor", np.dtype(storage.to_pandas_dtype()))
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
-        return _Kind("str", np.dtype(np.uint8))
-    if (
-        pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_binary_view(t)
-        or pa.types.is_fixed_size_binary(t)
-    ):
-        return _Kind("bytes", np.dtype(np.uint8))
-    if pa.types.is_fixed_size_list(t):
-        item = _classify(t.value_type, name, label) if _is_numberish(t.value_type) else None
-        if item is None or item.kind != "tensor":
-            raise _unsupported(
-                name,
-                label,
-                t,
-                "a fixed-size list must hold numbers (or fixed-size lists of numbers); store "
-                "other values as separate columns",
-            )
-        return _Kind("tensor", item.dtype, (int(t.list_size), *item.shape))
-    if is_list(t):
-        inner_dtype = _numeric_dtype(t.value_type)
-        if inner_dtype is not None:
-            return _Kind("ragged", inner_dtype)
-        try:  # lists of strings, records, lists: Note [Nested Arrow columns]
-            return _Kind("nested", np.dtype(np.uint8), (), level_of(t))
-        except Refused as e:
-            raise _unsupported(
-                name,
-                label,
-                t,
-                f"its elements hold {e.args[0]}, which a nested column cannot store (lists, "
-                "structs, strings, binary and numbers can); cast that part to one of those",
-            ) from None
-    if pa.types.is_struct(t):
-        fix = (
-            "a struct without fields (or inside a dictionary/extension type) has nothing to "
-            "load; drop it"
-        )
-    elif pa.types.is_map(t):
-        fix = (
-            "a map: store its keys and its values as two list columns (pc.map_keys, pc.map_values)"
-        )
-    elif pa.types.is_decimal(t):
-        fix = (
-            "decimals have no exact numpy type: cast it to float64 (pc.cast(column, "
-            "pa.float64())), to int64 in units of its scale, or to strings"
-        )
-    elif pa.types.is_null(t):
-        fix = "the column holds only nulls: drop it, or give it a type and values"
-    else:
-        fix = "cast it to numbers, strings or binary before loading"
-    raise _unsupported(name, label, t, fix)
-
-
-def _is_numberish(t: Any) -> bool:
-    pa = pyarrow_module()
-    return _numeric_dtype(t) is not None or pa.types.is_fixed_size_list(t)
-
-
-def _normalize(arr: Any) -> Any:
-    """An Arrow array in the physical form the copy understands (no dictionary, views...).
-
-    Strings and binary -> ``(large_)string/(large_)binary``, lists -> ``(large_)list``,
-    temporal -> their integer storage, extension -> storage, dictionary -> decoded.
-    """
-    pa = pyarrow_module()
-    while True:
-        t = arr.type
-        if isinstance(t, pa.BaseExtensionType):
-            arr = arr.storage
-        elif pa.types.is_dictionary(t) or pa.types.is_run_end_encoded(t):
-            arr = decoded(arr)
-        elif pa.types.is_string_view(t):
-            arr = arr.cast(pa.large_string())
-        elif pa.types.is_binary_view(t) or pa.types.is_fixed_size_binary(t):
-            arr = arr.cast(pa.large_binary())
-        elif pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
-            # rebuilt from the views' lengths and values in order: a view's offsets may
-            # be in any order, or overlap (a cast gave every row empty, pyarrow 26)
-            lengths = pa.compute.fill_null(pa.compute.list_value_length(arr), 0)
-            offsets = np.zeros(len(arr) + 1, np.int64)
-            np.cumsum(lengths.to_numpy(zero_copy_only=False), out=offsets[1:])
-            mask = arr.is_null() if arr.null_count else None
-            arr = pa.LargeListArray.from_arrays(pa.array(offsets), arr.flatten(), mask=mask)
-        elif temporal_storage(t) is not None:
-            arr = arr.view(temporal_storage(t))
-        else:
-            return arr
 
 
 def _valid_mask(arr: Any) -> np.ndarray:
@@ -331,7 +137,7 @@ class ArrowColumn:
         self.name = name
         self.arrow_type = arrow_type
         self.label = label
-        self.kind = _classify(arrow_type, name, label)
+        self.kind = classify(arrow_type, name, label)
         self.fill = fill
         self.fill_is_global = fill_is_global
         self.path = path or (name,)
@@ -350,7 +156,7 @@ class ArrowColumn:
             chunk = chunk.flatten()[chunk.type.get_field_index(field)]
         if chunk.type != self.arrow_type:  # a file's type, promoted to the dataset's
             chunk = chunk.cast(self.arrow_type)
-        return chunk if self.kind.kind == "nested" else _normalize(chunk)
+        return chunk if self.kind.kind == "nested" else normalize(chunk)
 
     # -- nested columns (Note [Nested Arrow columns] in _arrow_nested.py) --------------------
     def nested_fill(self) -> tuple[bytes | None, Any] | None:
@@ -668,112 +474,3 @@ def _check_utf8(chunk: Any, name: str, where: str) -> None:
             "file is corrupt, or the column is binary data written as a string: re-create "
             "the file, or store the column as binary (it then loads as bytes)."
         ) from error
-
-
-def _fill_for(fill_value: FillValue, name: str) -> tuple[Any, bool]:
-    """The fill value for column ``name`` and whether it came from a global scalar."""
-    if isinstance(fill_value, Mapping):
-        return fill_value.get(name), False
-    return fill_value, fill_value is not None
-
-
-def _check_fill_keys(fill_value: FillValue, names: Sequence[str], label: str) -> None:
-    if isinstance(fill_value, Mapping):
-        unknown = [k for k in fill_value if k not in names]
-        if unknown:
-            raise MissingColumnError(
-                f"fill_value names column {unknown[0]!r}, which is not loaded from {label}; "
-                f"the columns are: {', '.join(repr(n) for n in names) or 'none'}."
-            )
-
-
-def _fields(schema: Any) -> list[tuple[str, tuple[str, ...], Any]]:
-    """Every loadable column of a schema: ``(name, path, type)``, structs flattened.
-
-    A struct column ``s`` with fields ``a`` and ``b`` gives ``s.a`` and ``s.b`` (nested
-    structs ``s.b.c``), the names ``Table.flatten()`` gives them.
-    """
-    pa = pyarrow_module()
-    out: list[tuple[str, tuple[str, ...], Any]] = []
-
-    def walk(name: str, path: tuple[str, ...], t: Any) -> None:
-        if pa.types.is_struct(t) and t.num_fields:
-            for f in t:
-                walk(f"{name}.{f.name}", (*path, f.name), f.type)
-        else:
-            out.append((name, path, t))
-
-    for f in schema:
-        walk(f.name, (f.name,), f.type)
-    return out
-
-
-def _groups(fields: Sequence[tuple[str, tuple[str, ...], Any]]) -> dict[str, list[str]]:
-    """Each struct's name (``s``, ``s.b``) -> the flattened columns under it."""
-    groups: dict[str, list[str]] = {}
-    for name, path, _ in fields:
-        for k in range(1, len(path)):
-            groups.setdefault(".".join(path[:k]), []).append(name)
-    return groups
-
-
-def make_columns(
-    schema: Any,
-    names: Sequence[str],
-    label: str,
-    fill_value: FillValue,
-    records: bool = True,
-) -> list[ArrowColumn]:
-    _check_fill_keys(fill_value, names, label)
-    by_name = {name: (path, t) for name, path, t in _fields(schema)}
-    columns = []
-    for name in names:
-        fill, is_global = _fill_for(fill_value, name)
-        path, t = by_name[name]
-        columns.append(ArrowColumn(name, t, label, fill, is_global, path, records))
-    return columns
-
-
-def select_fields(schema: Any, columns: Sequence[str] | None, label: str) -> list[str]:
-    """The flattened columns selected from ``schema`` (a struct's name selects its fields)."""
-    fields = _fields(schema)
-    return _select([n for n, _, _ in fields], columns, label, _groups(fields))
-
-
-def _empty_selection(available: Sequence[str], label: str) -> EmptySelectionError:
-    what = "columns=[] selects no column of" if available else "no column to load: nothing in"
-    return EmptySelectionError(
-        f"{what} {label}, so the dataset would have no rows and a training loop over it no "
-        f"batches; it has: {', '.join(repr(n) for n in available) or 'no columns'}. Pass the "
-        "columns to load (or columns=None for all of them)."
-    )
-
-
-def _select(
-    available: Sequence[str],
-    columns: Sequence[str] | None,
-    label: str,
-    groups: Mapping[str, list[str]] | None = None,
-) -> list[str]:
-    dupes = {n for n in available if list(available).count(n) > 1}
-    if columns is None:
-        wanted = list(available)
-    else:
-        wanted = [columns] if isinstance(columns, str) else list(columns)
-        if groups:  # a struct's name: its fields, in order
-            wanted = [n for c in wanted for n in ([c] if c in available else groups.get(c, [c]))]
-        missing = [c for c in wanted if c not in available]
-        if missing:
-            raise MissingColumnError(
-                f"column {missing[0]!r} is not in {label}; it has: "
-                f"{', '.join(repr(n) for n in available) or 'no columns'}."
-            )
-    if not wanted:
-        raise _empty_selection(available, label)
-    clash = [n for n in wanted if n in dupes]
-    if clash:
-        raise MissingColumnError(
-            f"column name {clash[0]!r} appears more than once in {label}, so it does not name "
-            "one column; rename the columns (table.rename_columns) or select others."
-        )
-    return wanted

@@ -1,8 +1,9 @@
 """In-memory Arrow tables (pyarrow, polars, duckdb, pandas, HF datasets) into shared memory.
 
 :class:`ArrowDataset` copies the selected columns of a table, chunk by chunk, into
-one shared segment; the type mapping, null handling and copying are those of
-``_arrow_columns.py`` (shared with Parquet).
+one shared segment; the type mapping (``_arrow_types.py``), selection
+(``_arrow_select.py``), null handling and copying (``_arrow_columns.py``) are shared
+with Parquet.
 """
 
 from __future__ import annotations
@@ -15,17 +16,9 @@ from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output, load_columns
 from .._load import Buffer
 from ..errors import UnsupportedDtypeError
-from ._arrow_columns import (
-    ArrowColumn,
-    FillValue,
-    Sizer,
-    Writer,
-    make_columns,
-    pyarrow_module,
-    rebase_offsets,
-    release_arrow_memory,
-    select_fields,
-)
+from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
+from ._arrow_select import FillValue, make_columns, select_fields
+from ._arrow_types import pyarrow_module, release_arrow_memory
 
 __all__ = ["ArrowDataset", "ArrowSource", "rebase_offsets"]
 

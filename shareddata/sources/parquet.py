@@ -50,18 +50,9 @@ from ..errors import (
     SourceReadError,
     UnsupportedDtypeError,
 )
-from ._arrow_columns import (
-    ArrowColumn,
-    FillValue,
-    Sizer,
-    Writer,
-    is_list,
-    make_columns,
-    pyarrow_module,
-    rebase_offsets,
-    release_arrow_memory,
-    select_fields,
-)
+from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
+from ._arrow_select import FillValue, make_columns, select_fields
+from ._arrow_types import is_list, pyarrow_module, release_arrow_memory
 from .arrow import ArrowDataset, ArrowSource
 
 __all__ = ["ArrowDataset", "ArrowSource", "ParquetDataset", "ParquetSource", "rebase_offsets"]
