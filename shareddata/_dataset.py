@@ -3,7 +3,7 @@
 Data flows one way: a source (``sources/``) sizes its columns -> :func:`_load.build`
 allocates every buffer in shared memory and lets the source fill it -> the columns
 (``_columns.py``) index it -> :class:`ColumnDataset` serves samples and batches, and
-pickles into workers as handles (``_storage.py``).
+pickles into workers as handles (``_storage/``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What an item of a wrapped dataset is: its schema, its leaves, and the per-item fast path.
 
 Each item is split into *leaves* along a schema inferred from the first item (a tree
-of tuples, lists and dicts); each leaf becomes one column (``_materialise.py``).
+of tuples, lists and dicts); each leaf becomes one column (``_materialise/``).
 
 Note [The per-item fast path]
 =============================
@@ -12,10 +12,10 @@ generates ``__init__``): for an ``(image, label, caption)`` tuple it tests
 (fixed) shape, and appends the three values to per-column lists; ~0.5 us in all,
 where walking the schema tree took several. It accepts only what surely matches
 the columns as they stand and appends nothing otherwise: the item then takes the
-checked path (:meth:`_Builder._add_checked`), which names the index and the field
-of any difference, or adapts a column (a shape that varies makes the column
-ragged; a list of numbers that stops being one makes it pickled) and recompiles
-the fast path.
+checked path (``Builder._add_checked`` in ``_materialise/_builder.py``), which
+names the index and the field of any difference, or adapts a column (a shape that
+varies makes the column ragged; a list of numbers that stops being one makes it
+pickled) and recompiles the fast path.
 """
 
 from __future__ import annotations
