@@ -20,13 +20,10 @@ otherwise keeps several times the data after a load (docs/internals.md#arrow-mem
 
 The loading process's private memory is thus bounded by a batch, not by the row
 group: decoding needs about eight times the batch's values (levels, pages, the
-values), so a whole row group at once peaked at 0.26x the data for a 1 GiB file of
-64 MiB row groups, and 4 MiB batches at 0.07x, in the same time
-(``benchmarks/bench_formats.py``). Batches are decoded with ``use_threads=False``,
-and not ahead in other threads: two threads decoding row groups ahead gained at
-most 17% on two cores for 2.5x the peak memory, and their per-thread allocator
-heaps are what ``release_unused`` cannot return (measured on a 201 MiB file of 8
-row groups: private memory ended 31 MiB above the start with threads, 3 without).
+values). Batches are decoded with ``use_threads=False``, and not ahead in other
+threads: threads decoding row groups ahead gain little on few cores for a higher
+peak, and their per-thread allocator heaps are what ``release_unused`` cannot
+return (the figures: docs/internals.md#arrow-memory).
 
 Column types and nulls are those of ``arrow.py`` (Arrow types -> column kinds).
 """
