@@ -17,18 +17,16 @@ room left and the errors for a full memory are ``_capacity.py``; the libc calls 
 ``_linux.py``.
 """
 
-from ._array import SharedArray, aligned, allocate, copy_chunked, seal, to_numpy_dtype
+from ._array import SharedArray, allocate, seal, to_numpy_dtype
 from ._pages import populate, population_threads, ready
 from ._segment import Segment, attach, attached_segments
 
 __all__ = [
     "Segment",
     "SharedArray",
-    "aligned",
     "allocate",
     "attach",
     "attached_segments",
-    "copy_chunked",
     "populate",
     "population_threads",
     "ready",
