@@ -181,7 +181,7 @@ def test_every_topic_and_old_script_name_is_a_harness_topic():
         sys.path.remove(BENCH)
     assert set(SUITE) == {"limits", "throughput", "memory", "ttfb", "load", "analysis"}
     assert {"wrap", "distributed", "handoff", "verify"} <= set(TOPICS)
-    for script, name in (("formats", "load"), ("first_touch", "limits"), ("verify", "verify")):
+    for script, name in (("formats", "load"), ("first_touch", "limits")):
         text = Path(BENCH, f"bench_{script}.py").read_text()
         assert f'bench.alias("{name}")' in text, script
     assert "bench.main(" in Path(BENCH, "bench_suite.py").read_text()
