@@ -73,10 +73,10 @@ while True:
     pid = os.fork()
     if pid == 0:
         try:
+            say("PID", os.getpid())  # the child says it, so it comes before the child's DONE
             child(job)
         finally:
             os._exit(0)
-    say("PID", pid)
     os.waitpid(pid, 0)
     say("EXITED")
 """
