@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ipc.py                 # ~1 min on 2 cores; writes results/ipc.md
     python benchmarks/bench_ipc.py --rounds 5 --batches 400
+    python benchmarks/bench_ipc.py --baseline HEAD~1    # before/after, A B A B (~3 min)
 
 Every case is a DataLoader with 2 persistent fork workers, batches of 256 rows of
 1 KiB (float32 x 256). The main process only receives: the time per batch is the
@@ -26,13 +27,21 @@ Loaders (samples/s): ``sd.NumpyDataset`` with the default collate and with the
 ``IndexBatchSampler`` fast path, against Hugging Face ``datasets``
 (``Dataset.from_file(arrow).with_format("torch")``) if it is installed, all with 2
 workers, same rows. Rounds interleave the cases; medians are reported.
+
+``--baseline REV``: the same cases for the code at ``REV`` (a ``git worktree`` of it,
+removed afterwards) and for this tree, each round a fresh process per tree,
+alternated (before, after, HF datasets, before, after, ...), so both see the same
+load; the table gives medians and every repetition.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -193,6 +202,100 @@ def measure(loaders: dict[str, DataLoader], rounds: int, fn: Callable[[DataLoade
     return out
 
 
+AB_IPC = ("no data (an int): the DataLoader's own cost", "memfd, reused (after)")
+AB_LOADERS = ("shareddata, default collate", "shareddata, IndexBatchSampler")
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One round of the A/B cases in this process (the tree on ``PYTHONPATH``)."""
+    array = np.random.default_rng(0).random((args.rows, FLOATS), dtype=np.float32)
+    out: dict[str, Any] = {"tree": os.path.dirname(os.path.dirname(sd.__file__))}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = sd.NumpyDataset({"data": array})
+        if args.child == "hf":
+            loaders = real_loaders(data, array, tmp)
+            out["HF datasets"] = samples_per_s(loaders["HF datasets"])
+            return out
+        ipc = ipc_loaders(data, args.batches)
+        for name in AB_IPC:
+            out[name] = per_batch_us(ipc[name])
+        del ipc
+        real = real_loaders(data, array, tmp)
+        for name in AB_LOADERS:
+            out[name] = samples_per_s(real[name])
+        del real, data
+    return out
+
+
+def ab(args: argparse.Namespace) -> list[str]:
+    """Before (``args.baseline``) and after (this tree), alternated in fresh processes."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rev = subprocess.run(
+        ["git", "-C", repo, "rev-parse", "--short", args.baseline],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    head = subprocess.run(
+        ["git", "-C", repo, "rev-parse", "--short", "HEAD"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    base = tempfile.mkdtemp(prefix="bench-ipc-baseline-")
+    subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", base, rev], check=True)
+    runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": [], "hf": []}
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    try:
+        for _ in range(args.rounds):
+            for which, tree, mode in (("before", base, "ours"), ("after", repo, "ours"),
+                                      ("hf", repo, "hf")):  # fmt: skip
+                env = dict(os.environ, PYTHONPATH=tree)
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", mode,
+                       "--batches", str(args.batches), "--rows", str(args.rows)]  # fmt: skip
+                done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                if os.path.realpath(result.pop("tree")) != os.path.realpath(tree):
+                    raise RuntimeError(f"the {which} process did not import {tree}")
+                runs[which].append(result)
+    finally:
+        subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", base], check=False)
+        shutil.rmtree(base, ignore_errors=True)
+    load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    hf = statistics.median(r["HF datasets"] for r in runs["hf"])
+
+    def med(which: str, key: str, i: int | None = None) -> float:
+        return statistics.median(r[key] if i is None else r[key][i] for r in runs[which])
+
+    def reps(which: str, key: str, i: int | None = None) -> str:
+        return "/".join(f"{r[key] if i is None else r[key][i]:.0f}" for r in runs[which])
+
+    lines = [
+        f"## Before ({rev}) / after (this tree, HEAD {head}), alternated",
+        "",
+        f"{args.rounds} rounds, each a fresh process per tree in turn (before, after, HF "
+        f"datasets); load average {load_before} before and {load_after} "
+        f"after, on {os.cpu_count()} CPUs shared with other work. Medians; every "
+        "repetition in brackets.",
+        "",
+        "| per batch (us) | before | after | after/before |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in AB_IPC:
+        for i, what in enumerate(("wall", "main CPU", "workers' CPU")):
+            b, a = med("before", name, i), med("after", name, i)
+            lines.append(
+                f"| {name.split(' (')[0]}: {what} | {b:.0f} ({reps('before', name, i)}) "
+                f"| {a:.0f} ({reps('after', name, i)}) | {a / b if b else float('nan'):.2f} |"
+            )
+    lines += ["", "| loader, samples/s | before | after | before / HF | after / HF |",
+              "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for name in AB_LOADERS:
+        b, a = med("before", name), med("after", name)
+        lines.append(
+            f"| {name} | {b:,.0f} ({reps('before', name)}) | {a:,.0f} ({reps('after', name)}) "
+            f"| {b / hf:.1f}x | {a / hf:.1f}x |"
+        )
+    lines.append(f"| HF datasets | {hf:,.0f} ({reps('hf', 'HF datasets')}) | | | |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every case and print (and write) the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -200,7 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=200, help="batches per IPC epoch")
     parser.add_argument("--rows", type=int, default=64 * 1024, help="rows of the loaders")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--baseline", help="also run the A/B cases against this git revision")
+    parser.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
 
     array = np.random.default_rng(0).random((args.rows, FLOATS), dtype=np.float32)
     lines = [
@@ -245,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs)."
         + (f" Best loader / HF datasets: {ours / hf:.1f}x (goal >= 8x)." if hf else ""),
     ]
+    if args.baseline:
+        lines += ["", *ab(args)]
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out, exist_ok=True)

@@ -217,10 +217,24 @@ def reduce_tensor(tensor: torch.Tensor, ours: bool = False) -> Any:
     """``ForkingPickler``'s reducer of tensors: a view of our memory keeps its layout.
 
     Anything else (other storages, ``requires_grad``, sparse, quantized, a
-    ``Parameter``) goes to torch's ``reduce_tensor``. ``ours``: the tensor's type
-    says that its storage is ours (a worker's batch), so it is not looked up here;
-    :func:`reduce_storage` still sends a storage that is not ours the way torch does.
+    ``Parameter``) goes to torch's ``reduce_tensor``. ``ours``: the tensor is a
+    worker's batch (a ``WorkerBatch``, strided on the CPU by construction), so its
+    storage is not looked up here; :func:`reduce_storage` still sends a storage
+    that is not ours the way torch does.
     """
+    if ours:
+        if not tensor.requires_grad:
+            return (
+                _rebuild_tensor,
+                (
+                    tensor.untyped_storage(),
+                    _DTYPE_NAMES[tensor.dtype],
+                    tensor.storage_offset(),
+                    tuple(tensor.shape),
+                    tensor.stride(),
+                ),
+            )
+        tensor = tensor.as_subclass(torch.Tensor)
     plain = tensor.as_subclass(torch.Tensor) if type(tensor) is not torch.Tensor else tensor
     if (
         plain.layout is torch.strided
@@ -231,10 +245,19 @@ def reduce_tensor(tensor: torch.Tensor, ours: bool = False) -> Any:
         and not plain.is_neg()
     ):
         storage = plain.untyped_storage()
-        if ours or _owned(storage):
+        if _owned(storage):
             shape, stride = tuple(plain.shape), plain.stride()
-            return (_rebuild_tensor, (storage, plain.dtype, plain.storage_offset(), shape, stride))
+            name = _DTYPE_NAMES[plain.dtype]
+            return (_rebuild_tensor, (storage, name, plain.storage_offset(), shape, stride))
     return _torch_reduce_tensor(plain)
+
+
+# a dtype crosses as its name in ``torch``: cheaper to pickle and to unpickle than itself
+_DTYPE_NAMES = {
+    dtype: name
+    for name in dir(torch)
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+}
 
 
 def _owned(storage: torch.UntypedStorage) -> bool:
@@ -247,12 +270,13 @@ def _owned(storage: torch.UntypedStorage) -> bool:
 
 def _rebuild_tensor(
     storage: torch.UntypedStorage,
-    dtype: torch.dtype,
+    dtype: str,
     offset: int,
     shape: tuple[int, ...],
     stride: tuple[int, ...],
 ) -> torch.Tensor:
-    return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)  # type: ignore[call-overload]
+    empty = torch.empty(0, dtype=getattr(torch, dtype))
+    return empty.set_(storage, offset, shape, stride)  # type: ignore[call-overload]
 
 
 def _raise_send_error(message: str) -> Any:

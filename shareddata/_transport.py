@@ -44,29 +44,42 @@ ends, after its data, with a page holding a *released* counter. Each time the
 worker pickles the batch's storage it counts one send; the main process maps the
 memfd with ``mmap`` itself (no descriptor kept) under a numpy array that only the
 received storage holds, and when that storage is freed -- no tensor, view, numpy
-array or other holder of any part of it is left -- a finalizer on the array adds
-one to the counter. The main process keeps that mapping *idle* (at most
-``IDLE_BYTES`` of them, the oldest unmapped first): when the worker sends a batch
-in the same memfd again, receiving it costs no system call at all, where opening,
-mapping and unmapping cost ~140 us of the main process's time per batch on the
-2-core VM (``munmap`` alone ~100 us: it must flush the TLBs of the other CPUs).
+array or other holder of any part of it is left -- a weak reference's callback on
+that array adds one to the counter. The main process keeps that mapping *idle* (at
+most ``IDLE_BYTES`` of them, the oldest unmapped first): when the worker sends a
+batch in the same memfd again, receiving it costs no system call at all, where
+opening, mapping and unmapping cost ~140 us of the main process's time per batch on
+the 2-core VM (``munmap`` alone ~100 us: it must flush the TLBs of the other CPUs).
 Idle mappings never hold a live batch (the worker may overwrite their pages), and
 they keep a closed memfd's pages for at most ``IDLE_BYTES``. (A fork child of the
-receiver inherits the mappings; its finalizers only unmap, and it unmaps the idle
-ones at once.) A worker puts a batch in its pool once its
-own mapping is gone (nothing in the worker refers to the batch: it has been
-pickled and dropped) and the counter equals its sends: the batch is *pinned* for
-as long as any view of it lives in the main process. The pool holds at most
-``POOL`` memfds; the worker keeps its own mapping of them up to ``IDLE_BYTES`` in
-all (the rest unmapped, in no process's PSS: ``verify`` measures data, not
+receiver inherits the mappings; its callbacks only unmap, and it unmaps the idle
+ones at once.) The worker keeps, per memfd, the one storage that its batches'
+tensors are views of; it puts a batch in its pool once nothing in the worker holds
+that storage but itself (the storage's use count is one: the batch has been pickled
+and dropped) and the counter equals its sends: the batch is *pinned* for as long as
+any view of it lives in the main process. The pool holds at most ``POOL`` memfds;
+the worker keeps its own mapping of them, and their storages, up to ``IDLE_BYTES``
+in all (the rest unmapped, in no process's PSS: ``verify`` measures data, not
 transport). The worker gathers its next batch into a pooled memfd that is large
 enough: one still mapped costs no system call; one unmapped is mapped again with
-``MADV_POPULATE_WRITE`` (its pages exist: ~1.2 ms for 4 MiB instead of 3.3 ms).
-With both ends mapped, a 256 KiB batch costs ~370 us of CPU in all (main process
-and workers) against ~1190 us with a fresh memfd per batch and ~1370 us by torch
-(``benchmarks/bench_ipc.py``, 2-core VM under load). A batch that is never released (the
-user keeps it, or sends it on) is never reused: its memfd is closed once it is the
-oldest beyond the cap, and the main process's mapping keeps its pages.
+``MADV_POPULATE_WRITE`` (its pages exist: ~1.2 ms for 4 MiB instead of 3.3 ms). A
+batch that is never released (the user keeps it, or sends it on) is never reused:
+its memfd is closed once it is the oldest beyond the cap, and the main process's
+mapping keeps its pages.
+
+Note [What one crossing costs]
+------------------------------
+Once both ends have a memfd mapped, a batch crosses with no system call of ours
+and few Python objects: the DataLoader's own per-batch cost (its queues, pickling,
+``record_function``) is a floor that no transport goes below, so every object made
+per batch shows. The worker reuses the memfd's mapping, its storage and the layout
+of the batch's parts (no new numpy, ctypes or storage object); a batch's tensor
+pickles as its storage (found by one dict lookup of its address, then flat: the
+memfd's handle as ints and the byte range) and its dtype by name, offset, shape
+and stride; the receiver takes the idle mapping's array, slices it and watches the
+slice with a weak reference (``weakref.finalize`` costs several times more). The
+process id is read once per process (``os.getpid`` is a system call). Figures
+before and after: ``benchmarks/results/ipc.md``.
 
 Plain ``pickle`` (``torch.save``, a user's own pickling) sees a ``WorkerBatch`` as
 an ordinary tensor, by value. Every torch operation on a ``WorkerBatch`` returns a
@@ -75,11 +88,13 @@ plain tensor.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import functools
 import math
 import os
+import sys
 import threading
 import weakref
 from multiprocessing.reduction import ForkingPickler
@@ -87,7 +102,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._linux import MADV_POPULATE_WRITE, PROT_READ_WRITE, libc_mmap, madvise
 from ._reduce import MAP_FAILED, guard_worker_sends, munmap, reduce_tensor, register_memory
@@ -117,129 +131,184 @@ class WorkerBatch(torch.Tensor):
 ForkingPickler.register(WorkerBatch, functools.partial(reduce_tensor, ours=True))
 
 
-class _Batch:
-    """One memfd a worker gathered a batch into."""
+class _Memfd:
+    """One memfd of a worker, for one batch at a time (kept across uses by the pool)."""
 
     __slots__ = (
-        "address", "counter_at", "data", "fd", "ident", "length", "ref", "sends", "size", "total",
+        "address", "counter", "data", "fd", "handle", "ident", "length", "sends", "size", "storage",
     )  # fmt: skip
 
-    def __init__(
-        self,
-        fd: int,
-        size: int,
-        ident: tuple[int, int],
-        total: int,
-        data: int,
-        length: int,
-        storage: torch.UntypedStorage,
-    ) -> None:
+    def __init__(self, total: int) -> None:
+        fd = os.memfd_create("shareddata-batch", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, total)
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
         self.fd: int | None = fd  # None once closed (its mapping here may still live)
-        self.size = size  # file size (a pooled memfd may be larger than this batch)
-        self.ident = ident  # (device, inode)
-        self.total = total  # bytes a receiver maps: data, then the counter's page
-        self.data = data  # bytes of data
-        self.counter_at = data
-        self.address = storage.data_ptr()  # this worker's mapping of ``length`` bytes
-        self.length = length  # >= total: the mapping covers the counter too
-        self.ref = StorageWeakRef(storage)
+        self.size = total  # file size (a pooled memfd may be larger than a later batch)
+        self.ident = (st.st_dev, st.st_ino)
+        self.address = self.length = 0  # this worker's mapping (0: none)
+        self.data = 0  # bytes of data of the current batch; its counter follows them
+        self.storage: torch.UntypedStorage | None = None  # over the data, held here
+        self.counter: ctypes.c_uint32 | None = None
+        self.handle: tuple[int, ...] = ()  # what a receiver needs, but the byte range
         self.sends = 0
+
+    def use(self, data: int, total: int, populate: bool) -> None:
+        """Make this memfd hold a new batch of ``data`` bytes: mapped, counter at zero.
+
+        A memfd still mapped here with a storage of that size costs no system call
+        and no new object but the counter's reset.
+        """
+        if self.address and self.length < total:
+            self.unmap()
+        if not self.address:
+            self.address, self.length = _map_fd(self.fd, total), total  # type: ignore[arg-type]
+            if populate:  # its pages exist: map them all in one call
+                madvise(self.address, total, MADV_POPULATE_WRITE)
+        if self.storage is None or self.data != data:
+            # the storage covers this batch's data exactly (a pooled mapping may be
+            # longer): _find recognises a storage inside [address, address + data)
+            self.storage = None
+            mapped = np.ctypeslib.as_array((ctypes.c_uint8 * data).from_address(self.address))
+            self.storage = torch.from_numpy(mapped).untyped_storage()
+            self.counter = ctypes.c_uint32.from_address(self.address + data)
+            self.data = data
+            self.handle = (_PID, self.fd, *self.ident, total, data)  # type: ignore[arg-type]
+        # the counter of this use of the memfd starts at zero (a pooled one was counted)
+        self.counter.value = 0  # type: ignore[union-attr]
+        self.sends = 0
+
+    def gone_here(self) -> bool:
+        """Whether nothing in this worker holds the batch but this object's storage."""
+        storage = self.storage
+        # (the getrefcount: ours and its argument; a caller may hold the storage object itself)
+        return storage is None or (
+            _use_count(storage._cdata) == 1 and sys.getrefcount(storage) == 3
+        )
 
     def released(self) -> bool:
         """Whether every mapping of this batch in a receiver is gone."""
-        if self.sends == 0:
-            return True
         # read through this worker's mapping (it lives while the batch is pending)
-        return ctypes.c_uint32.from_address(self.address + self.counter_at).value >= self.sends
+        return self.sends == 0 or self.counter.value >= self.sends  # type: ignore[union-attr]
+
+    def unmap(self) -> None:
+        """Drop this worker's mapping (nothing here may hold the batch any more)."""
+        self.storage = self.counter = None
+        if self.address:
+            munmap(self.address, self.length)
+        self.address = self.length = 0
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+_use_count = torch._C._storage_Use_Count
 
 
 class _Outbox:
-    """The batches one worker process has made and not yet seen released, and its pool."""
+    """The batches this worker process has made and not yet seen released, and its pool."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         # no mapping of a sent batch is kept here: a batch in flight counts once, where held
-        self.pending: collections.deque[_Batch] = collections.deque()
-        self.by_address: dict[int, _Batch] = {}  # every batch whose mapping here may live
-        # released, to be reused: (fd, file size, ident, address, length) with the
-        # worker's mapping kept (address 0: none) up to IDLE_BYTES in all
-        self.pool: list[tuple[int, int, tuple[int, int], int, int]] = []
+        self.pending: collections.deque[_Memfd] = collections.deque()
+        self.by_address: dict[int, _Memfd] = {}  # every batch whose mapping here may live
+        # released, to be reused; their mappings here kept up to IDLE_BYTES in all
+        self.pool: list[_Memfd] = []
+        self.pool_mapped = 0
 
     def reap(self) -> None:
         """Pool or close every batch that is done with (and close the oldest beyond the cap).
 
-        A batch is done once nothing in this worker maps it any more and every
+        A batch is done once nothing in this worker holds it any more and every
         mapping of it in the receiver is released: its memfd goes to the pool (or is
         closed when the pool is full).
         """
         excess = len(self.pending) - MAX_UNACKNOWLEDGED + 1  # room for the next batch
-        keep: collections.deque[_Batch] = collections.deque()
-        for i, batch in enumerate(self.pending):
-            assert batch.fd is not None
-            gone_here = batch.ref.expired()
-            if gone_here and batch.released():
-                self._forget(batch)
+        keep: collections.deque[_Memfd] = collections.deque()
+        for i, memfd in enumerate(self.pending):
+            gone_here = memfd.gone_here()
+            if gone_here and memfd.released():
+                self._forget(memfd)
                 if len(self.pool) < POOL:
-                    address, length = batch.address, batch.length
-                    if sum(e[4] for e in self.pool) + length > IDLE_BYTES:
-                        munmap(address, length)
-                        address = length = 0
-                    self.pool.append((batch.fd, batch.size, batch.ident, address, length))
+                    if self.pool_mapped + memfd.length > IDLE_BYTES:
+                        memfd.unmap()
+                    self.pool_mapped += memfd.length
+                    self.pool.append(memfd)
                 else:
-                    munmap(batch.address, batch.length)
-                    os.close(batch.fd)
-                batch.fd = None
+                    memfd.unmap()
+                    memfd.close()
             elif i < excess:  # pinned too long: close it; receivers keep their mappings
-                os.close(batch.fd)
-                batch.fd = None
+                memfd.close()
                 if gone_here:
-                    self._forget(batch)
-                    munmap(batch.address, batch.length)
+                    self._forget(memfd)
+                    memfd.unmap()
             else:
-                keep.append(batch)
+                keep.append(memfd)
         self.pending = keep
-        for batch in list(self.by_address.values()):  # closed ones, now gone
-            if batch.fd is None and batch.ref.expired() and self._forget(batch):
-                munmap(batch.address, batch.length)
+        if len(self.by_address) > len(keep):  # closed ones held here: unmap those now gone
+            for memfd in list(self.by_address.values()):
+                if memfd.fd is None and memfd.gone_here() and self._forget(memfd):
+                    memfd.unmap()
 
-    def _forget(self, batch: _Batch) -> bool:
+    def _forget(self, memfd: _Memfd) -> bool:
         # a later batch may be mapped at the same address already
-        if self.by_address.get(batch.address) is batch:
-            del self.by_address[batch.address]
+        if self.by_address.get(memfd.address) is memfd:
+            del self.by_address[memfd.address]
             return True
         return False
 
-    def take(self, size: int) -> tuple[int, int, tuple[int, int], int, int] | None:
+    def take(self, size: int) -> _Memfd | None:
         """The smallest pooled memfd of at least ``size`` bytes, or None."""
-        fits = [entry for entry in self.pool if entry[1] >= size]
-        if not fits:
-            return None
-        entry = min(fits, key=lambda e: e[1])
-        self.pool.remove(entry)
-        return entry
+        best = None
+        for memfd in self.pool:
+            if memfd.size >= size and (best is None or memfd.size < best.size):
+                best = memfd
+        if best is not None:
+            self.pool.remove(best)
+            self.pool_mapped -= best.length
+        return best
 
-    def locate(self, address: int, nbytes: int) -> _Batch | None:
-        """The live batch whose data holds ``[address, address + nbytes)``."""
-        batch = self.by_address.get(address)
-        if batch is None or batch.ref.expired():
-            batch = None
+    def locate(self, address: int, nbytes: int) -> _Memfd | None:
+        """The batch whose data holds ``[address, address + nbytes)``."""
+        memfd = self.by_address.get(address)
+        if memfd is None:
             for candidate in self.by_address.values():  # a storage over part of a batch
-                start = candidate.address
-                if start <= address < start + candidate.data and not candidate.ref.expired():
-                    batch = candidate
+                if candidate.address <= address < candidate.address + candidate.data:
+                    memfd = candidate
                     break
-        if batch is None or address + nbytes > batch.address + batch.data:
+        if memfd is None or address + nbytes > memfd.address + memfd.data:
             return None
-        return batch
+        return memfd
 
 
 _OUTBOX: _Outbox | None = None
 _OUTBOX_LOCK = threading.Lock()
+_PID = os.getpid()
+# (shapes and dtypes of a batch's parts) -> (per part: element offset and bytes; data bytes)
+_LAYOUTS: dict[tuple[Any, ...], tuple[list[tuple[int, int]], int]] = {}
 
 
-def _outbox() -> _Outbox | None:
-    box = _OUTBOX
-    return box if box is not None and box.pid == os.getpid() else None
+def _layout(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[tuple[int, int]], int]:
+    key = tuple(parts)
+    found = _LAYOUTS.get(key)
+    if found is not None:
+        return found
+    layout = []
+    offset = 0
+    for shape, dtype in parts:
+        nbytes = math.prod(shape) * dtype.itemsize
+        layout.append((offset // dtype.itemsize, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    found = layout, -(-offset // _PAGE) * _PAGE  # the counter on its own page
+    if len(_LAYOUTS) >= 64:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = found
+    return found
 
 
 def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
@@ -261,56 +330,31 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
     """
     global _OUTBOX
     guard_worker_sends()  # Note [A batch that cannot be sent] in _reduce.py
-    layout = []
-    offset = 0
-    for shape, dtype in parts:
-        nbytes = math.prod(shape) * dtype.itemsize
-        layout.append((offset, nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    data = -(-offset // _PAGE) * _PAGE  # the counter on its own page
-    total = data + _COUNTER
+    layout, data = _layout(parts)
     if data == 0:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in parts]
+    total = data + _COUNTER
     with _OUTBOX_LOCK:
-        box = _outbox()
+        box = _OUTBOX
         if box is None:  # first batch of this process
             box = _OUTBOX = _Outbox()
         box.reap()
-        pooled = box.take(total)
-        if pooled is None:
-            fd = os.memfd_create("shareddata-batch", os.MFD_CLOEXEC)
-            size, address, length = total, 0, 0
-        else:
-            fd, size, ident, address, length = pooled
+        memfd = box.take(total)
+        populate = memfd is not None and not memfd.address
+        if memfd is None:
+            memfd = _Memfd(total)
         try:
-            if pooled is None:
-                os.ftruncate(fd, total)
-                st = os.fstat(fd)
-                ident = (st.st_dev, st.st_ino)
-            if address and length < total:
-                munmap(address, length)
-                address = 0
-            if not address:  # (a pooled memfd still mapped here needs no system call)
-                address, length = _map_fd(fd, total), total
-                if pooled is not None:  # its pages exist: map them all in one call
-                    madvise(address, total, MADV_POPULATE_WRITE)
-            # the counter of this use of the memfd starts at zero (a pooled one was counted)
-            ctypes.c_uint64.from_address(address + data).value = 0
-            # the storage covers this batch's data exactly (a pooled mapping may be longer):
-            # _find recognises a storage inside [address, address + data)
-            mapped = np.ctypeslib.as_array((ctypes.c_uint8 * data).from_address(address))
-            storage = torch.from_numpy(mapped).untyped_storage()
-            batch = _Batch(fd, size, ident, total, data, length, storage)
+            memfd.use(data, total, populate)
         except BaseException:
-            if address:
-                munmap(address, length)
-            os.close(fd)
+            memfd.unmap()
+            memfd.close()
             raise
-        box.pending.append(batch)
-        box.by_address[batch.address] = batch
+        box.pending.append(memfd)
+        box.by_address[memfd.address] = memfd
+        storage = memfd.storage
     return [
         torch.empty(0, dtype=dtype)
-        .set_(storage, start // dtype.itemsize, shape)  # type: ignore[call-overload]
+        .set_(storage, start, shape)  # type: ignore[call-overload]
         .as_subclass(WorkerBatch)
         if nbytes
         else torch.empty(shape, dtype=dtype)
@@ -386,23 +430,22 @@ def _replace(obj: Any, move: Any) -> Any:
 
 
 def _owns(address: int, nbytes: int) -> bool:
-    box = _outbox()
+    box = _OUTBOX
     return box is not None and box.locate(address, nbytes) is not None
 
 
 def _find(storage: torch.UntypedStorage, address: int, nbytes: int) -> Any:
     """The reduction of a storage inside one of this worker's batches (counts a send)."""
-    box = _outbox()
+    box = _OUTBOX
     if box is None:
         return None
     with _OUTBOX_LOCK:
-        batch = box.locate(address, nbytes)
-        if batch is None:
+        memfd = box.locate(address, nbytes)
+        if memfd is None:
             return None
-        if batch.fd is not None:
-            batch.sends += 1
-            handle = (box.pid, batch.fd, batch.ident, batch.total, batch.counter_at)
-            return (_receive, (*handle, address - batch.address, nbytes))
+        if memfd.fd is not None:
+            memfd.sends += 1
+            return (_receive, (*memfd.handle, address - memfd.address, nbytes))
     # closed (kept here beyond the cap): send a copy, the way torch sends any storage
     from torch.multiprocessing.reductions import reduce_storage
 
@@ -417,7 +460,8 @@ register_memory(_find, _owns)
 def _receive(
     pid: int,
     fd: int,
-    ident: tuple[int, int],
+    device: int,
+    inode: int,
     total: int,
     counter_at: int,
     start: int,
@@ -425,23 +469,23 @@ def _receive(
 ) -> torch.UntypedStorage:
     """Unpickle a storage of a worker's batch: map the worker's memfd.
 
-    The mapping is released (the counter incremented, then unmapped) as soon as
-    nothing holds the storage any more (Note [Reusing a batch's pages]).
+    The mapping is released (the counter incremented, then kept idle or unmapped)
+    as soon as nothing holds the storage any more (Note [Reusing a batch's pages]).
     """
-    key = (pid, fd, *ident)
-    with _RELEASE_LOCK:
-        idle = _IDLE.pop(key, None)
+    key = (pid, fd, device, inode)
+    idle = _take_idle(key)
     if idle is not None and idle[1] >= total:  # mapped here before: no system call
-        address, length = idle
+        address, length, mapped = idle
     else:
         if idle is not None:
-            munmap(*idle)
-        address, length = _map_batch(pid, fd, ident, total), total
-    mapped = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
-    # Runs once the storage below is freed: it alone holds ``mapped`` (through a view).
-    finalizer = weakref.finalize(mapped, _release, os.getpid(), key, address, length, counter_at)
-    finalizer.atexit = False
-    return torch.from_numpy(mapped[start : start + nbytes]).untyped_storage()
+            munmap(idle[0], idle[1])
+        address, length = _map_batch(pid, fd, (device, inode), total), total
+        mapped = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
+    view = mapped[start : start + nbytes]
+    # Called once the storage below is freed: it alone holds ``view``.
+    ref = weakref.ref(view, _freed)
+    _LIVE[id(ref)] = (ref, _PID, key, address, length, counter_at, mapped)
+    return torch.from_numpy(view).untyped_storage()
 
 
 def _map_batch(pid: int, fd: int, ident: tuple[int, int], total: int) -> int:
@@ -476,39 +520,68 @@ IDLE_BYTES = 4 << 20
 """Bytes of released batch mappings a receiver keeps, to receive their memfds again."""
 # (pid, fd, device, inode) of a worker's memfd -> (address, length) of our idle mapping;
 # oldest first. A live inode is never renumbered, so a key names one file.
-_IDLE: dict[tuple[int, ...], tuple[int, int]] = {}
+_IDLE: dict[tuple[int, ...], tuple[int, int, np.ndarray]] = {}
+_idle_bytes = 0
+# id of a weak reference to a received storage's array -> (the reference, the pid that
+# received it, key, address, length, counter_at, the whole mapping's array)
+_LIVE: dict[int, tuple[Any, ...]] = {}
 
 
-def _forget_idle() -> None:
-    # a fork child: the parent's idle mappings are not its to reuse; unmapping them
-    # here lets their files go when the parent and the worker let go of them
-    for mapping in _IDLE.values():
-        munmap(*mapping)
-    _IDLE.clear()
+def _freed(ref: Any) -> None:
+    """A received storage is gone: release its mapping."""
+    _release(*_LIVE.pop(id(ref))[1:])
 
 
-os.register_at_fork(after_in_child=_forget_idle)
-
-
-def _release(pid: int, key: tuple[int, ...], address: int, length: int, counter_at: int) -> None:
+def _release(
+    pid: int, key: tuple[int, ...], address: int, length: int, counter_at: int, mapped: Any
+) -> None:
     """Tell the worker that this mapping of the batch is gone; keep it idle or unmap it."""
-    if os.getpid() != pid:  # a fork child: the receiver may still hold it
+    global _idle_bytes
+    if pid != _PID:  # a fork child: the receiver may still hold it
         munmap(address, length)
         return
-    counter = ctypes.c_uint32.from_address(address + counter_at)
     unmap = [(address, length)]
     with _RELEASE_LOCK:
-        counter.value += 1
+        ctypes.c_uint32.from_address(address + counter_at).value += 1
         if key not in _IDLE and length <= IDLE_BYTES:
-            _IDLE[key] = (address, length)
+            _IDLE[key] = (address, length, mapped)
             unmap.clear()
-            kept = sum(n for _, n in _IDLE.values())
-            while kept > IDLE_BYTES:
-                oldest = next(iter(_IDLE))
-                unmap.append(_IDLE.pop(oldest))
-                kept -= unmap[-1][1]
+            _idle_bytes += length
+            while _idle_bytes > IDLE_BYTES:
+                oldest = _IDLE.pop(next(iter(_IDLE)))
+                unmap.append(oldest[:2])
+                _idle_bytes -= oldest[1]
     for mapping in unmap:
         munmap(*mapping)
+
+
+def _take_idle(key: tuple[int, ...]) -> tuple[int, int, np.ndarray] | None:
+    global _idle_bytes
+    with _RELEASE_LOCK:
+        idle = _IDLE.pop(key, None)
+        if idle is not None:
+            _idle_bytes -= idle[1]
+    return idle
+
+
+def _after_fork_in_child() -> None:
+    global _PID, _OUTBOX, _OUTBOX_LOCK, _RELEASE_LOCK, _idle_bytes
+    _PID = os.getpid()
+    # the parent's batches are not this process's to send or reuse
+    _OUTBOX = None
+    _OUTBOX_LOCK, _RELEASE_LOCK = threading.Lock(), threading.Lock()
+    # nor its idle mappings: unmapping them here lets their files go when the parent
+    # and the worker let go of them
+    for idle in _IDLE.values():
+        munmap(idle[0], idle[1])
+    _IDLE.clear()
+    _idle_bytes = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+# at exit nothing is released (as weakref.finalize's atexit=False): the process's
+# mappings go with it
+atexit.register(_LIVE.clear)
 
 
 def _map_fd(fd: int, nbytes: int) -> int:
