@@ -216,11 +216,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "benchmarks/bench.py") -
     return 0
 
 
-def alias(name: str) -> int:
-    """The command of a script that became topic ``name``: its options go to :func:`main`."""
-    prog = os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
-    return main(["--topics", name, *sys.argv[1:]], prog=prog)
-
-
 if __name__ == "__main__":
     sys.exit(main())
