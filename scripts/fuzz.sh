@@ -12,4 +12,4 @@ export SHAREDDATA_FUZZ_EXAMPLES=${SHAREDDATA_FUZZ_EXAMPLES:-500}
 export SHAREDDATA_FUZZ_CASES=${SHAREDDATA_FUZZ_CASES:-2000}
 export SHAREDDATA_FUZZ_SEED=${SHAREDDATA_FUZZ_SEED:-$(date +%s)}
 echo "fuzzing with seed $SHAREDDATA_FUZZ_SEED (rerun with SHAREDDATA_FUZZ_SEED=$SHAREDDATA_FUZZ_SEED)"
-python -m pytest tests/test_fuzz.py -p no:cacheprovider -s "$@"
+python -m pytest tests/sources/test_fuzz.py -p no:cacheprovider -s "$@"

@@ -1,4 +1,19 @@
-"""Shared test helpers: start methods, an isolated /dev/shm, and a leak check."""
+"""Shared test helpers: start methods, an isolated /dev/shm, and a leak check.
+
+The tests follow the package's layout, so a new test has one obvious home:
+
+* ``tests/`` itself: the core (``test_contract.py``, the contract every dataset kind
+  keeps, over ``kinds.py``; errors, batches and collates, crossings between
+  processes, handoff, wrapping, storage, the sweep, the CLI);
+* ``sources/``: one module per source format (``shareddata/sources/``), the files of
+  other tools (``test_compat_*``) and fuzzing;
+* ``memory/``: ``verify`` and the plot (``shareddata/memory/``);
+* ``distributed/``: torchrun jobs and restarts (``shareddata/distributed/``; the
+  programs they launch are in ``distributed/scripts/``);
+* ``faults/``: kills, full memory, leaks and read-only pages, each in its own ``/dev/shm``;
+* ``project/``: the repository around the package: docs, examples, benchmarks, import
+  layers, lint and types.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +32,7 @@ import pytest
 START_METHODS = ["fork", "spawn", "forkserver"]
 
 # Scripts that tests run as programs (torchrun, fault scenarios): not doctest modules.
-collect_ignore_glob = ["dist_scripts/*"]
+collect_ignore_glob = ["distributed/scripts/*"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

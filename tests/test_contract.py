@@ -274,7 +274,7 @@ def test_one_copy_per_node_under_torchrun(tmp_path):
                 "torch.distributed.run",
                 "--standalone",
                 "--nproc_per_node=2",
-                os.path.join(REPO, "tests", "dist_scripts", "contract_node.py"),
+                os.path.join(REPO, "tests", "distributed", "scripts", "contract_node.py"),
                 str(data),
                 str(out),
                 "--share",

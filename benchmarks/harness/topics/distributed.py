@@ -1,6 +1,6 @@
 """One copy per node: 1, 2 and 4 local ranks x 2 spawn workers, node sharing vs per-rank loading.
 
-For each number of local ranks and each way of loading, ``tests/dist_scripts/
+For each number of local ranks and each way of loading, ``tests/distributed/scripts/
 share_node.py`` runs under ``torchrun --standalone`` and local rank 0's cross-rank
 ``sd.verify`` measures every process of the node. Every configuration is also run
 over a 1 MiB dataset: "net PSS" is the difference of the two totals, a check of
@@ -40,7 +40,7 @@ KIND = {"node": "NumpyDataset", "process": "NumpyDataset", "plain": "TensorDatas
 
 def torchrun(ranks: int, mode: str, path: str) -> dict[str, Any]:
     """One configuration under torchrun; local rank 0's report."""
-    script = os.path.join(REPO, "tests", "dist_scripts", "share_node.py")
+    script = os.path.join(REPO, "tests", "distributed", "scripts", "share_node.py")
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += [f"--nproc_per_node={ranks}", script, path, out, "--batches", "16", *MODES[mode]]

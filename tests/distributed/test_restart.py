@@ -1,6 +1,6 @@
 """Elastic restarts: a rank killed mid-epoch restarts the group, which loads afresh.
 
-``torchrun --max-restarts=1`` in a private ``/dev/shm`` (tests/dist_scripts/restart.py):
+``torchrun --max-restarts=1`` in a private ``/dev/shm`` (tests/distributed/scripts/restart.py):
 local rank 1 SIGKILLs itself mid-epoch in incarnation 0; the agent restarts both
 ranks; the new incarnation shares one new segment (node sharing keys on
 ``TORCHELASTIC_RESTART_COUNT``: never the dead incarnation's), finishes its epoch
@@ -22,7 +22,7 @@ def test_a_rank_killed_mid_epoch_restarts_the_group_on_fresh_segments(tmp_path):
     np.save(tmp_path / "data.npy", np.arange(4096 * 64, dtype=np.float32).reshape(4096, 64))
     out = tmp_path / "out"
     out.mkdir()
-    script = os.path.join(REPO, "tests", "dist_scripts", "restart.py")
+    script = os.path.join(REPO, "tests", "distributed", "scripts", "restart.py")
     run = run_isolated(
         f"""
         import os, subprocess, sys

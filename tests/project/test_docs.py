@@ -14,7 +14,7 @@ Conventions for the blocks of README.md and docs/**/*.md (stated in docs/index.m
   program can read the files an earlier one wrote (``data/x.npy``).
 - A block right after ``<!-- not run: examples/NAME -->`` is not run here (it needs
   torchrun, say). Every line of it must then appear in that example, which
-  tests/test_examples.py runs.
+  tests/project/test_examples.py runs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Node-level sharing under torchrun, node shards, NodeShardSampler, verify across ranks.
 
 The torchrun tests run real ``torchrun`` jobs (gloo on CPU) with the scripts in
-``tests/dist_scripts/``; the rest run in this process (or in spawned processes)
+``tests/distributed/scripts/``; the rest run in this process (or in spawned processes)
 with the torchrun environment variables set by hand.
 """
 
@@ -37,7 +37,7 @@ from shareddata.distributed import (
     node_rows,
 )
 
-SCRIPTS = os.path.join(REPO, "tests", "dist_scripts")
+SCRIPTS = os.path.join(REPO, "tests", "distributed", "scripts")
 MIB = 1 << 20
 
 

@@ -4,7 +4,7 @@ Every file is generated here by the tool itself. For each file and column, the c
 loads with every value equal to what the reference reader returns (pyarrow for
 Parquet, the tool's own Arrow table otherwise; lists of numbers compared as lists,
 temporal values as their integer storage), or it is refused with
-``UnsupportedDtypeError`` naming the column. ``python tests/test_compat_arrow.py``
+``UnsupportedDtypeError`` naming the column. ``python tests/sources/test_compat_arrow.py``
 prints the per-file, per-column table.
 """
 

@@ -3,7 +3,7 @@
 Every column of every file either loads with each value equal to what the tool's
 own reader returns, or is refused by name (``UnsupportedDtypeError`` or
 ``MissingDependencyError`` naming the column and the fix). :func:`compare` makes
-the per-file, per-column table (``python tests/test_compat_hdf5.py`` prints it).
+the per-file, per-column table (``python tests/sources/test_compat_hdf5.py`` prints it).
 """
 
 import sys
