@@ -1,0 +1,148 @@
+"""Which Parquet files a path names: a file, a glob, a folder (recursive) or a list.
+
+Discovery is ``pyarrow.dataset``'s, not hand-written path logic: a folder is searched
+recursively (names starting with ``.`` or ``_`` are skipped, as Spark's ``_SUCCESS``),
+and Hive partition folders (``year=2024/part-0.parquet``) become columns, their values
+per file read from the dataset's fragments. A glob's Hive partitions start under its
+first wildcard. Errors name the path and what to pass instead.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ..errors import MissingFileError, SourceReadError
+from ._arrow_types import pyarrow_module
+
+__all__ = ["Found", "arrow_errors", "parquet_files", "read_error"]
+
+_SUFFIXES = (".parquet",)
+
+
+def _dataset() -> ModuleType:
+    pyarrow_module()
+    import pyarrow.dataset
+
+    return pyarrow.dataset
+
+
+_GLOB = "*?["
+
+
+@dataclass
+class Found:
+    """What a path, glob, folder or list names: the files, in order, and their partitions."""
+
+    files: list[str]
+    label: str
+    partitions: list[dict[str, Any]]  # per file: hive key -> value
+    partition_schema: Any  # the partition columns' Arrow fields (pa.schema)
+
+
+def parquet_files(path: Any) -> Found:
+    """The files of a path / glob / folder (recursive) / list of paths, and their partitions.
+
+    Discovery is ``pyarrow.dataset``'s: a folder is searched recursively (names
+    starting with ``.`` or ``_`` are skipped, as Spark's ``_SUCCESS``), and Hive
+    partition folders (``year=2024/part-0.parquet``) become columns. Only files
+    ending in ``.parquet`` are read from a folder or glob.
+    """
+    base: str | None = None
+    if isinstance(path, (str, os.PathLike)):
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            found = sorted(f for f in _discover(p) if f.endswith(_SUFFIXES))
+            if not found:
+                raise MissingFileError(
+                    f"folder {p} holds no .parquet files (sub-folders included); pass a "
+                    ".parquet file, a glob or a list of files."
+                )
+            files, label, base = found, p, p
+        elif os.path.exists(p):
+            files, label = [p], p
+        elif any(c in p for c in _GLOB):
+            matched = glob.glob(p, recursive=True)
+            files = sorted(f for f in matched if os.path.isfile(f) and f.endswith(_SUFFIXES))
+            if not files:
+                raise MissingFileError(
+                    f"the pattern {p} matches no .parquet file; check the folder and the pattern "
+                    "(use ** to search sub-folders)."
+                )
+            label = p
+            base = _glob_root(p)
+        else:
+            raise MissingFileError(
+                f"{p} does not exist. Pass a .parquet file, a glob (data/*.parquet), a list of "
+                "files, or a folder of .parquet files."
+            )
+    elif isinstance(path, Sequence) and not isinstance(path, (bytes, bytearray)):
+        files = [os.fspath(f) for f in path]
+        if not files:
+            raise MissingFileError("the list of Parquet files is empty; pass at least one file.")
+        for f in files:
+            if not os.path.isfile(f):
+                what = "is a folder; list its files" if os.path.isdir(f) else "does not exist"
+                raise MissingFileError(f"{f} {what} (in the list of Parquet files given).")
+        label = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more files)"
+    else:
+        raise TypeError(
+            f"ParquetDataset cannot read a {type(path).__name__}; pass a .parquet path, a glob, "
+            "a list of paths, or a folder of .parquet files (for a pyarrow.Table use "
+            "ArrowDataset)."
+        )
+    partitions, schema = _partitions(files, base)
+    return Found(files, label, partitions, schema)
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder a glob's first wildcard is under (where Hive partitions start)."""
+    parts = pattern.split(os.sep)
+    fixed = []
+    for part in parts:
+        if any(c in part for c in _GLOB):
+            break
+        fixed.append(part)
+    return os.sep.join(fixed) or "."
+
+
+def _discover(folder: str) -> list[str]:
+    """The files ``pyarrow.dataset`` finds under ``folder`` (recursively)."""
+    try:
+        # an empty schema: no file is opened to infer one (a README.txt may sort first)
+        found = _dataset().dataset(folder, format="parquet", schema=pyarrow_module().schema([]))
+        return list(found.files)
+    except arrow_errors() as e:
+        raise read_error(folder, e, "listing its files") from e
+
+
+def _partitions(files: list[str], base: str | None) -> tuple[list[dict[str, Any]], Any]:
+    """Per file, its Hive partition values (``key=value`` folders under ``base``)."""
+    pa, ds = pyarrow_module(), _dataset()
+    if base is None or not any("=" in os.path.relpath(os.path.dirname(f), base) for f in files):
+        return [{} for _ in files], pa.schema([])
+    try:
+        dataset = ds.dataset(files, format="parquet", partitioning="hive", partition_base_dir=base)
+        fragments = {os.path.normpath(f.path): f for f in dataset.get_fragments()}
+    except arrow_errors() as e:
+        raise read_error(base, e, "reading its partition folders") from e
+    per_file = [ds.get_partition_keys(fragments[os.path.normpath(f)].partition_expression)
+                for f in files]  # fmt: skip
+    keys = {k for d in per_file for k in d}  # in folder order, as the dataset's schema
+    return per_file, pa.schema([f for f in dataset.schema if f.name in keys])
+
+
+def arrow_errors() -> tuple[type[BaseException], ...]:
+    pa = pyarrow_module()
+    return (pa.ArrowException, OSError, ValueError, EOFError)
+
+
+def read_error(path: str, error: BaseException, doing: str) -> SourceReadError:
+    return SourceReadError(
+        f"{path} could not be read as Parquet while {doing} ({type(error).__name__}: {error}). "
+        "The file may be truncated or not a Parquet file; re-create it."
+    )
