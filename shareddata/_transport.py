@@ -98,7 +98,7 @@ import sys
 import threading
 import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -162,10 +162,11 @@ class _Memfd:
         A memfd still mapped here with a storage of that size costs no system call
         and no new object but the counter's reset.
         """
+        fd = cast(int, self.fd)  # a memfd in use or in the pool is open
         if self.address and self.length < total:
             self.unmap()
         if not self.address:
-            self.address, self.length = _map_fd(self.fd, total), total  # type: ignore[arg-type]
+            self.address, self.length = _map_fd(fd, total), total
             if populate:  # its pages exist: map them all in one call
                 madvise(self.address, total, MADV_POPULATE_WRITE)
         if self.storage is None or self.data != data:
@@ -176,7 +177,7 @@ class _Memfd:
             self.storage = torch.from_numpy(mapped).untyped_storage()
             self.counter = ctypes.c_uint32.from_address(self.address + data)
             self.data = data
-            self.handle = (_PID, self.fd, *self.ident, total, data)  # type: ignore[arg-type]
+            self.handle = (_PID, fd, *self.ident, total, data)
         # the counter of this use of the memfd starts at zero (a pooled one was counted)
         self.counter.value = 0  # type: ignore[union-attr]
         self.sends = 0
