@@ -26,13 +26,15 @@ def file_system_strategy(worker_id):
     print(f"@@WORKER {worker_id} holds {segments} segment descriptors", flush=True)
 
 
-def try_writes(barrier, worker_id):
+def try_writes(barrier, report, worker_id):
     """worker_init_fn: worker 0 tries every way to write to the dataset's memory.
 
     Rows 0-4 of column ``x`` (int64, row i == i): row 0 through the column's numpy
     array (refused), row 1 through a fetched sample (a copy), then forced writes: row 2
     after setting ``flags.writeable``, row 3 through the column's torch view, row 4
-    through the raw mapping. The sibling worker waits on ``barrier`` until it is done.
+    through the raw mapping, and writes what it saw to the file ``report`` (not to
+    stdout: a forkserver child's stdout is the one the server started with, which may
+    be an earlier test's capture). The sibling worker waits on ``barrier`` until it is done.
     """
     import json
 
@@ -62,5 +64,6 @@ def try_writes(barrier, worker_id):
         raw = np.frombuffer(shared.segment.mmap, np.int64, 1, shared.offset + 4 * 8)
         raw[0] = -4
         out["own_view"] = shared.numpy()[:5].tolist()
-        print("@@WRITER", json.dumps(out), flush=True)
+        with open(report, "w") as f:
+            json.dump(out, f)
     barrier.wait(timeout=120)
