@@ -99,6 +99,7 @@ def _check_pool(pool, n: int, count: int) -> set[tuple[int, int]]:
 
 
 def test_fork_pool_workers_that_keep_running_exit_or_are_torch_s():
+    gc.collect()  # earlier tests' garbage holds segments, and would be freed mid-test
     fds = _segment_fds()
     ctx = mp.get_context("fork")
     with ctx.Pool(2) as pool:  # workers drop each result once sent and keep running
@@ -121,11 +122,12 @@ def test_fork_pool_workers_that_keep_running_exit_or_are_torch_s():
     del results, datasets
     gc.collect()
     assert _gone(segments)  # nothing held by any process
-    assert _segment_fds() == fds
+    assert _segment_fds() <= fds  # none of this test's descriptors is left open
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_spawn_and_forkserver_workers_exit_right_after_the_task(method):
+    gc.collect()
     fds = _segment_fds()
     ctx = mp.get_context(method)
     with ctx.Pool(1, maxtasksperchild=1) as pool:
@@ -134,7 +136,7 @@ def test_spawn_and_forkserver_workers_exit_right_after_the_task(method):
         segments |= _check(list(ex.map(_make, [(SMALL, 0)])), SMALL)
     gc.collect()
     assert _gone(segments)
-    assert _segment_fds() == fds
+    assert _segment_fds() <= fds  # none of this test's descriptors is left open
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -150,7 +152,7 @@ def test_256_mib_results_are_mapped_not_copied(method):
     del results
     gc.collect()
     assert _gone(segments)
-    assert _segment_fds() == fds
+    assert _segment_fds() <= fds  # none of this test's descriptors is left open
 
 
 @pytest.mark.parametrize("kind", ["pool", "executor"])
