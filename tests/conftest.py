@@ -35,6 +35,25 @@ START_METHODS = ["fork", "spawn", "forkserver"]
 collect_ignore_glob = ["distributed/scripts/*"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+TORCHRUN_VARS = (
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_",
+    "TORCHELASTIC_",
+    "SHAREDDATA_RANK_PID",
+)
+"""Prefixes of the variables torchrun sets (and ours): a launched job must not inherit them."""
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """This environment without torchrun's variables, for a ``torchrun`` job a test starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(TORCHRUN_VARS)}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", **extra)
+    return env
+
 
 @contextlib.contextmanager
 def hard_timeout(seconds: int, what: str = "the test"):

@@ -19,7 +19,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
-from conftest import REPO, START_METHODS
+from conftest import REPO, START_METHODS, torchrun_env
 from kinds import (
     COLUMN_KINDS,
     KINDS,
@@ -265,8 +265,7 @@ def test_one_copy_per_node_under_torchrun(tmp_path):
     for share in ("node", "process"):
         out = tmp_path / share
         out.mkdir()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_TORCHRUN_VARS)}
-        env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+        env = torchrun_env()
         run = subprocess.run(
             [
                 sys.executable,
@@ -295,15 +294,3 @@ def test_one_copy_per_node_under_torchrun(tmp_path):
         own = [set(r[kind]) for r in found["process"]]
         assert node[0] and node[0] == node[1], (kind, node)
         assert own[0] and own[1] and not own[0] & own[1], (kind, own)
-
-
-_TORCHRUN_VARS = (
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_",
-    "RANK",
-    "WORLD_SIZE",
-    "MASTER_",
-    "TORCHELASTIC_",
-    "SHAREDDATA_RANK_PID",
-)

@@ -22,7 +22,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_isolated
+from conftest import REPO, TORCHRUN_VARS, run_isolated, torchrun_env
 from torch.utils.data import DataLoader
 
 import shareddata as sd
@@ -42,23 +42,6 @@ MIB = 1 << 20
 
 
 # -- helpers --------------------------------------------------------------------------
-
-
-def torchrun_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_TORCHRUN_VARS)}
-    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-_TORCHRUN_VARS = (
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_",
-    "RANK",
-    "WORLD_SIZE",
-    "MASTER_",
-    "SHAREDDATA_RANK_PID",
-)
 
 
 def torchrun(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
@@ -108,7 +91,7 @@ def as_rank(monkeypatch):
 
     def set_rank(local_rank: int, local_world_size: int, node: int = 0, nodes: int = 1):
         for name in list(os.environ):
-            if name.startswith(_TORCHRUN_VARS):
+            if name.startswith(TORCHRUN_VARS):
                 monkeypatch.delenv(name)
         values = {
             "LOCAL_RANK": local_rank,
@@ -378,7 +361,7 @@ def _group_process(rank: int, init: str, source: str, queue) -> None:
     import torch.distributed as dist
 
     for name in list(os.environ):
-        if name.startswith(_TORCHRUN_VARS):
+        if name.startswith(TORCHRUN_VARS):
             del os.environ[name]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
