@@ -22,6 +22,7 @@ __all__ = [
     "PROT_READ_WRITE",
     "address_of",
     "close_fd",
+    "file_identity",
     "is_tmpfs",
     "libc",
     "libc_mmap",
@@ -84,6 +85,22 @@ def address_of(mapped: mmap.mmap) -> int:
     address = ctypes.addressof(view)
     del view  # release the buffer export at once
     return address
+
+
+def file_identity(fd: int) -> tuple[int, int]:
+    """``(st_dev, st_ino)`` of the file ``fd`` is open on: what tells a segment apart.
+
+    A receiver that opens ``/proc/<pid>/fd/<n>`` compares it with the sender's, since
+    the sender may have closed ``n`` and reused the number for another file.
+
+    Example:
+        >>> fd = os.memfd_create("probe")
+        >>> file_identity(fd) == file_identity(fd)
+        True
+        >>> os.close(fd)
+    """
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def is_tmpfs(fd: int) -> bool:

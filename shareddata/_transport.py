@@ -103,7 +103,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ._linux import MADV_POPULATE_WRITE, PROT_READ_WRITE, libc_mmap, madvise
+from ._linux import MADV_POPULATE_WRITE, PROT_READ_WRITE, file_identity, libc_mmap, madvise
 from ._reduce import MAP_FAILED, guard_worker_sends, munmap, reduce_tensor, register_memory
 from .errors import AttachError
 
@@ -142,13 +142,13 @@ class _Memfd:
         fd = os.memfd_create("shareddata-batch", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, total)
-            st = os.fstat(fd)
+            ident = file_identity(fd)
         except BaseException:
             os.close(fd)
             raise
         self.fd: int | None = fd  # None once closed (its mapping here may still live)
         self.size = total  # file size (a pooled memfd may be larger than a later batch)
-        self.ident = (st.st_dev, st.st_ino)
+        self.ident = ident
         self.address = self.length = 0  # this worker's mapping (0: none)
         self.data = 0  # bytes of data of the current batch; its counter follows them
         self.storage: torch.UntypedStorage | None = None  # over the data, held here
@@ -501,8 +501,7 @@ def _map_batch(pid: int, fd: int, ident: tuple[int, int], total: int) -> int:
             "(receiving needs the same user and ptrace read access to the worker)."
         ) from e
     try:
-        st = os.fstat(new_fd)
-        if (st.st_dev, st.st_ino) != tuple(ident):
+        if file_identity(new_fd) != tuple(ident):
             raise AttachError(
                 f"cannot receive a batch from DataLoader worker {pid}: {path} now refers to "
                 f"another file (the batch was not received within {MAX_UNACKNOWLEDGED} batches)."

@@ -57,6 +57,7 @@ from .._linux import (
     MAP_PRIVATE_FIXED,
     PROT_READ_WRITE,
     address_of,
+    file_identity,
     is_tmpfs,
     libc_mmap,
     madvise,
@@ -86,8 +87,7 @@ class Segment:
         self.writable = writable
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY
         self.mmap = mmap.mmap(fd, size, access=access)
-        st = os.fstat(fd)
-        self._ident = (st.st_dev, st.st_ino)
+        self._ident = file_identity(fd)
         # closes fd, or holds it while a receiver has yet to open it (_handoff.release)
         self._finalizer = weakref.finalize(self, _handoff.release, fd)
         self.created_here = False  # set by create(): only the creator may discard()
@@ -352,8 +352,7 @@ def attach(
                 "sender prevents it."
             ) from e
         try:
-            st = os.fstat(new_fd)
-            if (st.st_dev, st.st_ino) != tuple(ident):
+            if file_identity(new_fd) != tuple(ident):
                 raise AttachError(
                     f"cannot attach shared segment {token}: {path} now refers to another "
                     "file (the sender closed the segment and reused the descriptor)."
