@@ -236,6 +236,13 @@ def rlimit_run():
 
         # torch's default: every tensor of a batch travels as its own descriptor
         epoch("@@DEFAULT", "fork")
+        # the loader's workers, queues and pipes go away as its iterator is collected
+        # and its threads end: wait for that (bounded) before counting what is left
+        import gc, time
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while fd_count() - before > 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         print("@@FDSAFTER", fd_count() - before, flush=True)
         # batches sent by /dev/shm name: the dataset itself needs 1 descriptor per process
         torch.multiprocessing.set_sharing_strategy("file_system")
