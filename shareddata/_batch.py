@@ -31,6 +31,25 @@ list, variable-length columns whatever ``default_collate`` does with their rows.
 Nested samples (Note [Nested items] in ``_items.py``) are checked leaf by leaf (each
 dict still has exactly its keys, each leaf the same object), and the gathered
 columns are returned nested the same way.
+
+Note [Samples made when first used]
+-----------------------------------
+Cutting a batch of 256 rows into 256 tensor views (``unbind``) and 256 ``Row``
+dicts costs ~120 us, five times the gather itself (measured in-process, 256 rows
+of 1 KiB: ``__getitems__`` + ``default_collate`` 222 -> 42 us); with the default
+collate nobody ever looks at them. So a :class:`Samples` list starts empty and
+makes its samples at their first use. ``default_collate`` reads ``batch[0]`` (to
+pick its collate function by type) and ``len(batch)``: the first sample is made
+alone, from the first row of each column, and kept. Any other use (iterating,
+indexing another row, slicing, comparing, changing, pickling: every ``list``
+method is wrapped) makes all samples first, the kept first one among them, so
+what a ``collate_fn`` sees is the list ``__getitems__`` always returned.
+:meth:`Samples.intact` then holds for a list never made if its first sample (if
+made) still holds its values. C code that reads a ``list`` subclass's items
+without its methods (``list.__add__`` in ``[x] + samples`` or ``samples +
+samples``) is covered by ``__radd__`` and by making the other operand's samples
+too; CPython's other fast paths (``tuple()``, ``f(*samples)``, ``list.extend``,
+``PySequence_Fast``) take exact lists only and iterate a subclass.
 """
 
 from __future__ import annotations
@@ -43,7 +62,7 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from ._items import rebuild, unnest
 
-__all__ = ["Row", "RowTuple", "Samples", "collate_rows", "make_samples", "make_tuple_samples"]
+__all__ = ["Row", "RowTuple", "Samples", "collate_rows"]
 
 
 class Row(dict):  # type: ignore[type-arg]
@@ -61,138 +80,186 @@ class RowTuple(tuple):  # type: ignore[type-arg]
 class Samples(list):  # type: ignore[type-arg]
     """The samples of one batch, remembering the gathered columns they were cut from.
 
-    Attributes:
+    The samples are made at their first use (Note [Samples made when first used]):
+    to the DataLoader and a ``collate_fn`` this is a plain list of ``Row`` dicts
+    (``RowTuple`` tuples in column order if ``tuples``); pickled, a plain ``list``.
+
+    Args:
         names: column names, in sample order.
         batched: per column, the gathered batch (a tensor for fixed-shape columns,
             a list of values otherwise).
         stacked: per column, whether ``batched`` is a tensor that the default
             collate would build by stacking the rows.
-        values: per column, the row values placed in the samples (to detect a
-            sample whose value was replaced).
-        nesting: for nested samples, their schema (Note [Nested items] in
-            ``_items.py``); None for flat ones.
-    """
-
-    __slots__ = ("batched", "names", "nesting", "stacked", "values", "rows")
-
-    names: list[str]
-    batched: list[Any]
-    stacked: list[bool]
-    values: Sequence[Sequence[Any]]
-    rows: tuple[Any, ...]
-    nesting: Any  # the item schema of nested samples (Note [Nested items]), or None
-
-    def intact(self) -> bool:
-        """Whether this list still holds exactly the samples ``make_samples`` put in it."""
-        if len(self) != len(self.rows) or not all(map(operator.is_, self, self.rows)):
-            return False
-        if self.nesting is not None:
-            return self._intact_nested(self.nesting)
-        width = len(self.names)
-        if self.rows and isinstance(self.rows[0], Row):
-            if not all(len(r) == width for r in self.rows):
-                return False
-            for name, values in zip(self.names, self.values):
-                get = operator.itemgetter(name)
-                try:
-                    if not all(map(operator.is_, map(get, self.rows), values)):
-                        return False
-                except KeyError:  # a sample lost a key
-                    return False
-        # RowTuple samples are immutable: the identity check above covers them.
-        return True
-
-    def _intact_nested(self, nesting: Any) -> bool:
-        """:meth:`intact` for nested samples (Note [Nested items] in ``_items.py``)."""
-        out: list[Any] = [None] * len(self.names)
-        _, body = nesting
-        for j, row in enumerate(self.rows):
-            if isinstance(row, Row):
-                ok = unnest(row, nesting, out)
-            else:  # a tuple of the top-level values, in order
-                ok = len(row) == len(body)
-                ok = ok and all(unnest(v, child, out) for v, (_, child) in zip(row, body))
-            if not ok or not all(o is v[j] for o, v in zip(out, self.values)):
-                return False
-        return True
-
-
-def make_samples(
-    names: list[str],
-    batched: list[Any],
-    stacked: list[bool],
-    values: Sequence[Sequence[Any]],
-    n: int,
-    nesting: Any = None,
-) -> Samples:
-    """The samples of a gathered batch, as ``Row`` dicts (one column or more).
-
-    Args:
-        names: column names.
-        batched: per column, the gathered batch.
-        stacked: per column, whether ``batched`` is a stacked tensor.
-        values: per column, one value per row (views of ``batched`` for tensors).
+        splits: per column, the function that cuts its batch into one value per
+            row (views of ``batched`` for tensors), called at the first use.
         n: the number of rows (used when there are no columns).
-        nesting: the item schema of nested samples (Note [Nested items] in
-            ``_items.py``), or None for flat ones.
+        nesting: for nested samples, their schema (Note [Nested items] in
+            ``_items.py``); None for flat ones. Nested tuple samples hold the
+            item's top-level values.
+        tuples: ``RowTuple`` samples rather than ``Row``.
 
     Example:
         >>> import torch
         >>> b = torch.arange(6).reshape(3, 2)
-        >>> s = make_samples(["x"], [b], [True], [b.unbind(0)], 3)
+        >>> s = Samples(["x"], [b], [True], [torch.unbind], 3)
         >>> s[1], type(s[1]).__name__
         ({'x': tensor([2, 3])}, 'Row')
         >>> from torch.utils.data import default_collate
         >>> default_collate(s)["x"] is b
         True
     """
-    if nesting is not None:
-        rows = [Row(rebuild(nesting, r)) for r in zip(*values)]
-    elif len(names) == 1:
-        name = names[0]
-        rows = [Row({name: v}) for v in values[0]]
-    elif names:
-        rows = [Row(zip(names, r)) for r in zip(*values)]
-    else:
-        rows = [Row() for _ in range(n)]
-    return _wrap(rows, names, batched, stacked, values, nesting)
+
+    __slots__ = (
+        "batched", "names", "nesting", "stacked",
+        "_splits", "_n", "_tuples", "_pending", "_first", "_first_values", "_values", "_rows",
+    )  # fmt: skip
+
+    names: list[str]
+    batched: list[Any]
+    stacked: list[bool]
+    nesting: Any
+
+    def __init__(
+        self,
+        names: list[str],
+        batched: list[Any],
+        stacked: list[bool],
+        splits: Sequence[Callable[[Any], Sequence[Any]]],
+        n: int,
+        nesting: Any = None,
+        tuples: bool = False,
+    ) -> None:
+        super().__init__()
+        self.names, self.batched, self.stacked, self.nesting = names, batched, stacked, nesting
+        self._splits, self._n, self._tuples = splits, n, tuples
+        self._pending = True
+        self._first: Any = None
+        self._first_values: list[Any] = []
+        self._values: list[list[Any]] = []
+        self._rows: tuple[Any, ...] = ()
+
+    # -- Note [Samples made when first used] ---------------------------------------
+    def _make(self, per_row: Any) -> list[Any]:
+        """Samples from per-row value tuples (one value per column, column order)."""
+        nesting, names = self.nesting, self.names
+        if self._tuples:
+            if nesting is not None:
+                return [RowTuple(rebuild(nesting, r).values()) for r in per_row]
+            return list(map(RowTuple, per_row))
+        if nesting is not None:
+            return [Row(rebuild(nesting, r)) for r in per_row]
+        if len(names) == 1:
+            name = names[0]
+            return [Row({name: r[0]}) for r in per_row]
+        return [Row(zip(names, r)) for r in per_row]
+
+    def _force(self) -> None:
+        """Make every sample (once), keeping the first one if it was handed out."""
+        if not self._pending:
+            return
+        self._pending = False
+        values = [list(split(b)) for split, b in zip(self._splits, self.batched)]
+        if self._first is not None:
+            for column, value in zip(values, self._first_values):
+                column[0] = value
+        rows = self._make(zip(*values) if values else [()] * self._n)
+        if self._first is not None:
+            rows[0] = self._first
+        self._values, self._rows = values, tuple(rows)
+        list.extend(self, rows)
+
+    def __len__(self) -> int:
+        return self._n if self._pending else list.__len__(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        if self._pending and type(index) is int and index == 0 and self._n:
+            # what default_collate looks at first: the first sample alone
+            if self._first is None:
+                self._first_values = [
+                    b[0] if stacked else split(b)[0]
+                    for split, b, stacked in zip(self._splits, self.batched, self.stacked)
+                ]
+                self._first = self._make([tuple(self._first_values)])[0]
+            return self._first
+        self._force()
+        return list.__getitem__(self, index)
+
+    def __radd__(self, other: Any) -> Any:
+        # ``[x] + samples``: list's own concatenation would read the unmade samples
+        self._force()
+        return list.__add__(other, list(self)) if isinstance(other, list) else NotImplemented
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return list, (list(self),)
+
+    def intact(self) -> bool:
+        """Whether this list still holds exactly the samples it made, as they were made."""
+        if self._pending:  # nothing but the first sample was handed out
+            first = self._first
+            return first is None or self._intact((first,), [[v] for v in self._first_values])
+        rows = self._rows
+        if list.__len__(self) != len(rows) or not all(map(operator.is_, self, rows)):
+            return False
+        return self._intact(rows, self._values)
+
+    def _intact(self, rows: Sequence[Any], values: Sequence[Sequence[Any]]) -> bool:
+        """Whether each of ``rows`` still holds the value objects ``values`` (per column)."""
+        if self.nesting is not None:
+            return self._intact_nested(self.nesting, rows, values)
+        width = len(self.names)
+        if rows and isinstance(rows[0], Row):
+            if not all(len(r) == width for r in rows):
+                return False
+            for name, column in zip(self.names, values):
+                get = operator.itemgetter(name)
+                try:
+                    if not all(map(operator.is_, map(get, rows), column)):
+                        return False
+                except KeyError:  # a sample lost a key
+                    return False
+        # RowTuple samples are immutable: the identity check covers them.
+        return True
+
+    def _intact_nested(
+        self, nesting: Any, rows: Sequence[Any], values: Sequence[Sequence[Any]]
+    ) -> bool:
+        """:meth:`_intact` for nested samples (Note [Nested items] in ``_items.py``)."""
+        out: list[Any] = [None] * len(self.names)
+        _, body = nesting
+        for j, row in enumerate(rows):
+            if isinstance(row, Row):
+                ok = unnest(row, nesting, out)
+            else:  # a tuple of the top-level values, in order
+                ok = len(row) == len(body)
+                ok = ok and all(unnest(v, child, out) for v, (_, child) in zip(row, body))
+            if not ok or not all(o is v[j] for o, v in zip(out, values)):
+                return False
+        return True
 
 
-def make_tuple_samples(
-    names: list[str],
-    batched: list[Any],
-    stacked: list[bool],
-    values: Sequence[Sequence[Any]],
-    n: int,
-    nesting: Any = None,
-) -> Samples:
-    """The samples of a gathered batch, as ``RowTuple`` tuples in column order.
+def _forcing(name: str) -> Callable[..., Any]:
+    method = getattr(list, name)
 
-    Nested samples (``nesting``) are tuples of the item's top-level values.
-    """
-    if nesting is not None:
-        rows = [RowTuple(rebuild(nesting, r).values()) for r in zip(*values)]
-    else:
-        rows = list(map(RowTuple, zip(*values))) if names else [RowTuple() for _ in range(n)]
-    return _wrap(rows, names, batched, stacked, values, nesting)
+    def forced(self: Samples, *args: Any, **kwargs: Any) -> Any:
+        self._force()
+        for arg in args:  # ``samples + other_samples`` reads the other's items directly
+            if isinstance(arg, Samples):
+                arg._force()
+        return method(self, *args, **kwargs)
+
+    forced.__name__ = forced.__qualname__ = name
+    return forced
 
 
-def _wrap(
-    rows: list[Any],
-    names: list[str],
-    batched: list[Any],
-    stacked: list[bool],
-    values: Sequence[Sequence[Any]],
-    nesting: Any,
-) -> Samples:
-    samples = Samples(rows)
-    samples.nesting = nesting
-    samples.rows = tuple(rows)
-    samples.names = names
-    samples.batched = batched
-    samples.stacked = stacked
-    samples.values = values
-    return samples
+# Every other list operation makes the samples first (Note [Samples made when first used]).
+for _name in (
+    "__iter__", "__reversed__", "__contains__", "__setitem__", "__delitem__",
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "__add__", "__iadd__", "__mul__", "__rmul__", "__imul__", "__repr__",
+    "append", "extend", "insert", "pop", "remove", "index", "count", "clear", "copy",
+    "sort", "reverse",
+):  # fmt: skip
+    setattr(Samples, _name, _forcing(_name))
 
 
 def collate_rows(
@@ -211,8 +278,8 @@ def collate_rows(
         ]
         if batch.nesting is not None:
             nested = rebuild(batch.nesting, columns)
-            return nested if isinstance(batch.rows[0], Row) else list(nested.values())
-        if isinstance(batch.rows[0], Row):
+            return list(nested.values()) if batch._tuples else nested
+        if not batch._tuples:
             return dict(zip(batch.names, columns))
         return columns
     elem = batch[0]

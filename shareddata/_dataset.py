@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ._batch import make_samples, make_tuple_samples
+from ._batch import Samples
 from ._columns import Column, ColumnSpec, TensorColumn
 from ._items import nest_paths, rebuild
 from ._load import Source, check_lengths, load_columns
@@ -261,11 +261,13 @@ class ColumnDataset(Dataset):
         # grow the worker's heap by several MiB, which glibc keeps).
         shared = get_worker_info() is not None
         idx, batched = self._gather(indices, shared)
-        values = [c.split(b) for c, b in zip(self._columns.values(), batched)]
+        columns = self._columns.values()
         if self.transform is None and type(self)._pack is ColumnDataset._pack:
             stacked = [isinstance(b, torch.Tensor) for b in batched]
-            make = make_samples if self.output == "dict" else make_tuple_samples
-            return make(self._names, batched, stacked, values, len(idx), self._nesting)
+            splits = [c.split for c in columns]
+            tuples = self.output != "dict"
+            return Samples(self._names, batched, stacked, splits, len(idx), self._nesting, tuples)
+        values = [c.split(b) for c, b in zip(columns, batched)]
         if values:
             samples = [self._pack(row) for row in zip(*values)]
         else:

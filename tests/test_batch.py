@@ -113,6 +113,68 @@ def test_string_and_ragged_columns_collate_as_for_plain_samples():
         default_collate(ds.__getitems__([0, 2]))
 
 
+# Every way a collate_fn may use the list it is given (Note [Samples made when first
+# used] in _batch.py): each must see all the samples, as from an eager list.
+_LIST_USES = {
+    "iterate": lambda s: list(iter(s)),
+    "len and index": lambda s: [s[i] for i in range(len(s))],
+    "negative index": lambda s: [s[-1], s[-len(s)]],
+    "slice": lambda s: s[1:],
+    "reversed": lambda s: list(reversed(s)),
+    "tuple": lambda s: tuple(s),
+    "star args": lambda s: list(zip(*s)),
+    "list + samples": lambda s: [None] + s,
+    "samples + list": lambda s: s + [None],
+    "samples + samples": lambda s: s + s,
+    "list.extend": lambda s: [0, *s],
+    "repeat": lambda s: s * 2,
+    "sorted": lambda s: sorted(s, key=lambda r: -int(r["y"])),
+    "shuffle in place": lambda s: (s.reverse(), s.insert(0, s.pop()), list(s))[-1],
+    "contains and index": lambda s: (s[0] in s, s.index(s[0]), len(s)),
+    "truth": lambda s: bool(s),
+    "copy": lambda s: __import__("copy").copy(s),
+    "pickle": lambda s: pickle.loads(pickle.dumps(s)),
+}
+
+
+@pytest.mark.parametrize("use", sorted(_LIST_USES))
+def test_every_list_use_sees_every_sample(use):
+    ds, idx = _dataset(), [7, 3, 11, 0]
+    expected = _LIST_USES[use]([ds[i] for i in idx])
+    assert _equal_loose(_LIST_USES[use](ds.__getitems__(idx)), expected)
+    first = ds.__getitems__(idx)  # the first sample, made alone, stays the list's own
+    head = first[0]
+    assert _equal_loose(_LIST_USES[use](first), expected)
+    assert any(s is head for s in first)
+
+
+def _equal_loose(a, b):
+    """Equal values, ``Row``/``Samples`` compared as the dict/list they stand for."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and not isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, type(a).__mro__[-2]) and len(a) == len(b) and all(map(_equal_loose, a, b))
+        )
+    return _equal(a, b)
+
+
+def test_the_default_collate_makes_no_per_row_samples(monkeypatch):
+    from shareddata._columns import TensorColumn
+
+    cuts = []
+    split = TensorColumn.split
+    monkeypatch.setattr(TensorColumn, "split", lambda self, b: cuts.append(1) or split(self, b))
+    ds = _dataset()
+    assert _equal(default_collate(ds.__getitems__([4, 9, 2])), _per_sample(ds, [4, 9, 2]))
+    assert not cuts, "the batch is the gathered columns: no row was cut out of them"
+    samples = ds.__getitems__([4, 9, 2])
+    samples[0]["x"] = torch.zeros(3, 2)  # the first sample changed: collated the generic way
+    batch = default_collate(samples)
+    assert not batch["x"][0].any() and torch.equal(batch["x"][1:], _per_sample(ds, [9, 2])["x"])
+    assert cuts
+
+
 def test_transform_sees_plain_samples_and_batches_match():
     ds = sd.NumpyDataset(np.arange(20.0).reshape(10, 2), transform=lambda s: s["data"] * 10)
     batch = next(iter(DataLoader(ds, batch_size=4)))
