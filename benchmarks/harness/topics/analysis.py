@@ -2,8 +2,9 @@
 
 us per batch of each step of three paths, timed outside the DataLoader: (a)
 ``TensorDataset``'s per-sample fetch and its collate; (b) shareddata's
-``__getitems__`` (index conversion, gather, ``unbind`` into per-sample views, one
-row per sample) and the collate shortcut; (c) the fast path's single
+``__getitems__`` (index conversion, gather; its samples are made only when a
+``collate_fn`` uses them: ``unbind`` into per-sample views, one row per sample) and
+the collate shortcut; (c) the fast path's single
 ``ds[index_tensor]``. Rows marked ``old`` time the code the suite's optimisations
 replaced. The contention probe: us per batch of the gather with the cores idle and
 with one busy-loop process per core (standing for other ranks or jobs).
@@ -116,7 +117,7 @@ def profile_collate_path(
     """
     from torch.utils.data import default_collate
 
-    from shareddata._batch import make_samples
+    from shareddata._batch import Row
 
     threads = torch.get_num_threads()
     torch.set_num_threads(n_threads)
@@ -149,11 +150,11 @@ def profile_collate_path(
             "(b)   _indices(list)": per_batch(ds._indices, lists),
             "(b)   old _indices(list)": per_batch(lambda x: old_indices(n, x), lists),
             "(b)   gather (index_select)": per_batch(col.gather, [ds._indices(x) for x in lists]),
-            "(b)   split (unbind)": per_batch(col.split, gathered),
-            "(b)   one Row per sample": per_batch(
-                lambda g: make_samples(["data"], [g[0]], [True], [g[1]], len(g[1])),
-                list(zip(gathered, split)),
+            "(b) __getitems__, every sample made": per_batch(
+                lambda x: list(ds.__getitems__(x)), lists
             ),
+            "(b)   split (unbind)": per_batch(col.split, gathered),
+            "(b)   one Row per sample": per_batch(lambda s: [Row({"data": v}) for v in s], split),
             "(b)   old: one dict per sample": per_batch(
                 lambda s: [dict(zip(["data"], row)) for row in zip(s)], split
             ),
