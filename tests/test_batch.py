@@ -298,3 +298,17 @@ def test_a_fork_child_dropping_its_copy_of_a_batch_does_not_release_the_parents(
         next(it)
     assert torch.equal(held, torch.from_numpy(data[:16]))
     del it
+
+
+@pytest.mark.parametrize("output", ["dict", "tuple"])
+def test_a_changed_nested_first_sample_is_collated_with_its_change(output):
+    pa = pytest.importorskip("pyarrow")
+    rows = [{"a": i, "b": {"c": float(i)}} for i in range(6)]
+    ds = sd.ArrowDataset(pa.table({"s": rows, "x": list(range(6))}), nested=True, output=output)
+    samples = ds.__getitems__([1, 2])
+    first = samples[0]["s"] if output == "dict" else samples[0][0]
+    first["b"]["c"] = torch.tensor(100.0, dtype=torch.float64)
+    batch = default_collate(samples)
+    inner = batch["s"] if output == "dict" else batch[0]
+    assert inner["b"]["c"].tolist() == [100.0, 2.0] and inner["a"].tolist() == [1, 2]
+    assert _equal(default_collate(ds.__getitems__([1, 2])), _per_sample(ds, [1, 2]))
