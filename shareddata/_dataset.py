@@ -18,12 +18,12 @@ from torch.utils.data import Dataset, get_worker_info
 from ._batch import Samples
 from ._columns import Column, ColumnSpec, TensorColumn
 from ._items import nest_paths, rebuild
-from ._load import Source, check_lengths, load_columns
+from ._load import Source, check_lengths
 from ._text import format_bytes
 from ._transport import worker_buffers
 from .errors import ArgumentTypeError, IndexOutOfRangeError, IndexTypeError, InvalidArgumentError
 
-__all__ = ["ColumnDataset", "Source", "load_columns"]
+__all__ = ["ColumnDataset", "Source"]
 
 Output = Literal["dict", "tuple"]
 

@@ -47,7 +47,6 @@ __all__ = [
     "Source",
     "build",
     "check_lengths",
-    "load_columns",
     "progress_bar",
 ]
 
@@ -283,10 +282,6 @@ def build(
 
     close = None if factory else source.close  # type: ignore[union-attr]
     return load_on_node(load, share=share, shard=shard, key=key, close=close, timeout=timeout)
-
-
-load_columns = build
-"""The former name of :func:`build` (format modules call it)."""
 
 
 def _load_here(

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .._columns import ColumnSpec
-from .._dataset import ColumnDataset, Output, load_columns
-from .._load import Buffer
+from .._dataset import ColumnDataset, Output
+from .._load import Buffer, build
 from ..errors import UnsupportedDtypeError
 from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
 from ._arrow_select import FillValue, make_columns, select_fields
@@ -219,7 +219,7 @@ class ArrowDataset(ColumnDataset):
         nested: bool = False,
     ) -> None:
         source = ArrowSource(table, columns, fill_value=fill_value, records=records)
-        loaded = load_columns(
+        loaded = build(
             source,
             storage_dir=storage_dir,
             progress=progress,

@@ -43,8 +43,8 @@ from typing import Any, Literal
 import numpy as np
 
 from .._columns import ColumnSpec
-from .._dataset import ColumnDataset, Output, load_columns
-from .._load import Buffer
+from .._dataset import ColumnDataset, Output
+from .._load import Buffer, build
 from ..errors import (
     ColumnLengthError,
     InvalidArgumentError,
@@ -457,7 +457,7 @@ class HDF5Dataset(ColumnDataset):
         source = HDF5Source(path, keys)
         self.labels = {p.name: dict(p.labels) for p in source.plans if p.labels is not None}
         try:
-            loaded = load_columns(
+            loaded = build(
                 source,
                 storage_dir=storage_dir,
                 progress=progress,

@@ -37,8 +37,8 @@ from types import ModuleType
 from typing import Any, Literal
 
 from .._columns import ColumnSpec
-from .._dataset import ColumnDataset, Output, load_columns
-from .._load import Buffer
+from .._dataset import ColumnDataset, Output
+from .._load import Buffer, build
 from ..errors import (
     MissingColumnError,
     SharedDataError,
@@ -498,7 +498,7 @@ class ParquetDataset(ColumnDataset):
         nested: bool = False,
     ) -> None:
         source = ParquetSource(path, columns, fill_value=fill_value, records=records)
-        loaded = load_columns(
+        loaded = build(
             source,
             storage_dir=storage_dir,
             progress=progress,
