@@ -26,19 +26,26 @@ class BatchIndices(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
 
-def _indices_from(values: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _indices_from(
+    values: bytearray, dtype: str = "int64", shape: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    kind = torch.int64 if shape is None else getattr(torch, dtype)  # None: the sampler's
     if not values:
-        return torch.empty(shape, dtype=getattr(torch, dtype))
-    flat = torch.frombuffer(values, dtype=getattr(torch, dtype))
-    return flat if len(shape) == 1 else flat.view(shape)
+        return torch.empty(0 if shape is None else shape, dtype=kind)
+    flat = torch.frombuffer(values, dtype=kind)
+    return flat if shape is None or len(shape) == 1 else flat.view(shape)
 
 
 def _reduce_indices(t: BatchIndices) -> Any:
     # the values as one bytearray: pickling a numpy array costs ~4x more (its dtype
-    # and reconstruction), in the main process's feeder thread for every batch
-    plain = t.as_subclass(torch.Tensor).contiguous()
-    name = str(plain.dtype).removeprefix("torch.")
-    return _indices_from, (bytearray(plain.numpy()), name, tuple(plain.shape))
+    # and reconstruction), in the main process's feeder thread for every batch; no
+    # as_subclass (numpy() reads a BatchIndices as is), and the sampler's own batches
+    # (one row of int64) pickle no dtype or shape
+    values = (t if t.is_contiguous() else t.contiguous()).numpy()
+    if t.dtype is torch.int64 and values.ndim == 1:
+        return _indices_from, (bytearray(values),)
+    # (reshape: bytearray(n) of a 0-d array would be n zero bytes)
+    return _indices_from, (bytearray(values.reshape(-1)), str(t.dtype)[6:], values.shape)
 
 
 ForkingPickler.register(BatchIndices, _reduce_indices)
