@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 import shareddata as sd
 from shareddata import distributed
 from shareddata._columns import ColumnSpec
-from shareddata._load import load_columns
+from shareddata._load import build
 from shareddata.distributed import (
     LocalRankError,
     LocalRankTimeoutError,
@@ -522,9 +522,9 @@ class _NoRanges:
 
 def test_shard_node_needs_a_source_that_reads_row_ranges():
     with pytest.raises(ShardingNotSupportedError, match="rows.bin") as err:
-        load_columns(_NoRanges(), shard="node")
+        build(_NoRanges(), shard="node")
     assert isinstance(err.value, NotImplementedError) and isinstance(err.value, sd.SharedDataError)
-    assert load_columns(_NoRanges())["x"].get(0).item() == 1.0
+    assert build(_NoRanges())["x"].get(0).item() == 1.0
 
 
 # -- NodeShardSampler -----------------------------------------------------------------

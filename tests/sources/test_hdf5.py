@@ -16,8 +16,7 @@ from conftest import REPO, START_METHODS, open_fds
 from torch.utils.data import DataLoader, default_collate
 
 import shareddata as sd
-from shareddata._dataset import load_columns
-from shareddata._load import Buffer
+from shareddata._load import Buffer, build
 from shareddata.sources import _hdf5_chunks, _hdf5_values, hdf5
 from shareddata.sources._hdf5_values import VariableReader
 from shareddata.sources.hdf5 import HDF5Dataset, HDF5Source
@@ -598,7 +597,7 @@ def test_contiguous_datasets_are_copied_from_their_file_offset(tmp_path):
     source = HDF5Source(path, "x")  # HDF5 checks the length at open: cut the file after
     os.truncate(path, end)
     with pytest.raises(OSError, match=r"ub\.h5: dataset 'x' ended early.*truncated") as info:
-        load_columns(source, progress=False)
+        build(source, progress=False)
     assert isinstance(info.value, sd.SourceReadError)
     del info, source
     gc.collect()
@@ -945,7 +944,7 @@ def test_fields_are_copied_out_of_raw_records(tmp_path, monkeypatch):
     source = HDF5Source(path, "flat/p/x")
     os.truncate(path, end)  # HDF5 checks the length at open: cut the file after
     with pytest.raises(OSError, match=r"'flat' ended early.*inside its records") as info:
-        load_columns(source, progress=False)
+        build(source, progress=False)
     assert isinstance(info.value, sd.SourceReadError)
     del info, source
     gc.collect()
@@ -965,7 +964,7 @@ def test_a_range_of_rows_for_shard_node(h5path, tmp_path):
         source = HDF5Source(path)
         assert source.total_rows() == 300
         source.select_rows(37, 211)
-        part = load_columns(source, share="process", progress=False)
+        part = build(source, share="process", progress=False)
         assert list(part) == full.columns
         for name, column in part.items():
             assert len(column) == 174

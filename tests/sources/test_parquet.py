@@ -14,8 +14,7 @@ from conftest import REPO, START_METHODS, open_fds
 from torch.utils.data import DataLoader, default_collate
 
 import shareddata as sd
-from shareddata._dataset import load_columns
-from shareddata._load import as_buffer
+from shareddata._load import as_buffer, build
 from shareddata.sources import parquet as sp
 from shareddata.sources.parquet import (
     ArrowDataset,
@@ -732,8 +731,8 @@ def test_row_groups_are_decoded_in_bounded_batches(tmp_path, monkeypatch):
     assert batch["n"].tolist() == list(range(rows))
 
 
-def test_load_columns_with_an_arrow_source_directly(table):
-    columns = load_columns(ArrowSource(table, ["text", "i32"]), progress=False)
+def test_build_with_an_arrow_source_directly(table):
+    columns = build(ArrowSource(table, ["text", "i32"]), progress=False)
     assert list(columns) == ["text", "i32"]
     assert columns["text"].get(1) == table["text"][1].as_py()
 
@@ -768,7 +767,6 @@ def test_invalid_utf8_in_a_string_column_is_refused_naming_file_and_column(tmp_p
 def test_select_rows_reads_a_range_across_files_and_row_groups(tmp_path):
     """What shard="node" loads: rows [start, stop) of the files together, any cut."""
     from shareddata._dataset import ColumnDataset
-    from shareddata._load import build
     from shareddata.sources.parquet import ParquetSource
 
     n = 1000

@@ -19,15 +19,15 @@ import numpy as np
 
 import shareddata as sd
 from shareddata._columns import ColumnSpec
-from shareddata._dataset import load_columns
+from shareddata._load import build
 
 LOCAL_RANK = int(os.environ["LOCAL_RANK"])
 
 
-def attempt(name, build):
+def attempt(name, run):
     start = time.monotonic()
     try:
-        build()
+        run()
         outcome = {"type": None, "message": ""}
     except Exception as e:  # report, keep going
         mro = [c.__name__ for c in type(e).__mro__]
@@ -71,7 +71,7 @@ class _Dying:
 
 def errors_scenario(folder):
     attempt("missing", lambda: sd.NumpyDataset(os.path.join(folder, "missing.npy")))
-    attempt("full", lambda: load_columns(lambda: _Huge()))
+    attempt("full", lambda: build(lambda: _Huge()))
     data = np.full(1000, LOCAL_RANK, dtype=np.int64)  # differs between the ranks
     attempt("mismatch", lambda: sd.NumpyDataset(data))
     if LOCAL_RANK == 0:
@@ -85,7 +85,7 @@ def main():
     if scenario == "errors":
         errors_scenario(folder)
     elif scenario == "dies":
-        attempt("dies", lambda: load_columns(lambda: _Dying()))
+        attempt("dies", lambda: build(lambda: _Dying()))
 
 
 if __name__ == "__main__":
