@@ -52,7 +52,9 @@ class ColumnDataset(Dataset):
     user indexes, batches and pickles is here.
 
     Args:
-        columns: the columns by name (all of one length).
+        columns: the columns by name (all of one length), or a function that loads
+            them: every other argument is checked first, so a bad one is refused
+            before anything is loaded.
         transform: applied to each sample, in the worker, after indexing.
         output: ``"dict"`` for ``{column: value}`` samples, ``"tuple"`` for values in
             column order (what ``TensorDataset`` users unpack as ``x, y``).
@@ -68,7 +70,7 @@ class ColumnDataset(Dataset):
 
     def __init__(
         self,
-        columns: dict[str, Column],
+        columns: dict[str, Column] | Callable[[], dict[str, Column]],
         *,
         transform: Callable[[Any], Any] | None = None,
         output: Output = "dict",
@@ -79,14 +81,18 @@ class ColumnDataset(Dataset):
             raise InvalidArgumentError(f"output must be 'dict' or 'tuple', got {output!r}")
         if transform is not None and not callable(transform):
             raise ArgumentTypeError(f"transform must be callable, got {type(transform).__name__}")
+        if not isinstance(nested, bool):
+            raise ArgumentTypeError(f"nested must be True or False, got {nested!r}")
+        if nested and paths:
+            nest_paths(list(paths), [tuple(p) for p in paths.values()])  # clashes, before loading
+        if callable(columns):
+            columns = columns()
         self._columns = columns
         self._names = list(columns)
         self._len = check_lengths([c.spec for c in columns.values()], type(self).__name__)
         self.node_shard = getattr(columns, "node_shard", None)  # distributed.ShardedColumns
         self.transform = transform
         self.output: Output = output
-        if not isinstance(nested, bool):
-            raise ArgumentTypeError(f"nested must be True or False, got {nested!r}")
         self.nested = nested
         self._paths = {n: tuple(paths[n]) if paths else (n,) for n in self._names}
         self._nesting = (

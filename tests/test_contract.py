@@ -171,6 +171,29 @@ def test_bad_share_and_shard_arguments(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_bad_arguments_are_refused_before_anything_is_loaded(kind, tmp_path, monkeypatch):
+    """A wrong transform, output, nested, share or timeout never costs the user a load."""
+    import shareddata._load
+
+    make(kind, tmp_path, rows=ROWS)  # the files, before the spy counts loads
+    loads = []
+    load_here = shareddata._load._load_here
+    monkeypatch.setattr(shareddata._load, "_load_here", lambda *a: loads.append(a) or load_here(*a))
+    bad: list[dict] = [{"share": "everywhere"}, {"timeout": -1}]
+    if kind != "shared_list":
+        bad.append({"transform": 3})
+    if kind in COLUMN_KINDS:
+        bad += [{"output": "list"}]
+    if kind in NESTED_KINDS:
+        bad += [{"nested": "yes"}]
+    for arguments in bad:
+        with pytest.raises((ValueError, TypeError)) as info:
+            make(kind, tmp_path, rows=ROWS, reuse=True, **arguments)
+        assert isinstance(info.value, sd.SharedDataError), (arguments, type(info.value).__mro__)
+        assert loads == [], f"{arguments} was refused only after loading"
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_empty_selection_is_a_value_error(kind, tmp_path):
     """A dataset with nothing in it is a named ValueError, never a silent 0-row dataset."""
     if kind == "numpy":

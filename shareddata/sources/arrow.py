@@ -219,17 +219,21 @@ class ArrowDataset(ColumnDataset):
         nested: bool = False,
     ) -> None:
         source = ArrowSource(table, columns, fill_value=fill_value, records=records)
-        loaded = build(
-            source,
-            storage_dir=storage_dir,
-            progress=progress,
-            share=share,
-            shard=shard,
-            timeout=timeout,
-            key=(*_table_key(source, fill_value), records),
+        super().__init__(
+            lambda: build(  # after the arguments are checked
+                source,
+                storage_dir=storage_dir,
+                progress=progress,
+                share=share,
+                shard=shard,
+                timeout=timeout,
+                key=(*_table_key(source, fill_value), records),
+            ),
+            transform=transform,
+            output=output,
+            nested=nested,
+            paths={c.name: c.path for c in source.columns},
         )
-        paths = {c.name: c.path for c in source.columns}
-        super().__init__(loaded, transform=transform, output=output, nested=nested, paths=paths)
 
 
 def _table_key(source: ArrowSource, fill_value: FillValue) -> tuple[Any, ...]:

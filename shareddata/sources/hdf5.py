@@ -457,19 +457,23 @@ class HDF5Dataset(ColumnDataset):
         source = HDF5Source(path, keys)
         self.labels = {p.name: dict(p.labels) for p in source.plans if p.labels is not None}
         try:
-            loaded = build(
-                source,
-                storage_dir=storage_dir,
-                progress=progress,
-                share=share,
-                shard=shard,
-                timeout=timeout,
+            super().__init__(
+                lambda: build(  # after the arguments are checked
+                    source,
+                    storage_dir=storage_dir,
+                    progress=progress,
+                    share=share,
+                    shard=shard,
+                    timeout=timeout,
+                ),
+                transform=transform,
+                output=output,
+                nested=nested,
+                paths={p.name: tuple(p.name.split("/")) for p in source.plans},
             )
-        except BaseException:  # a bad argument is refused before the loader owns the file
+        except BaseException:  # refused before the loader owns the file (close is idempotent)
             source.close()
             raise
-        paths = {p.name: tuple(p.name.split("/")) for p in source.plans}
-        super().__init__(loaded, transform=transform, output=output, nested=nested, paths=paths)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "labels": self.labels}

@@ -427,13 +427,16 @@ class NumpyDataset(ColumnDataset):
         shard: Literal["node"] | None = None,
         timeout: float | None = None,
     ) -> None:
-        loaded = build(
-            lambda: NumpySource(source, columns),  # only where the data is loaded
-            storage_dir=storage_dir,
-            progress=progress,
-            share=share,
-            shard=shard,
-            key=("NumpyDataset", source, columns),
-            timeout=timeout,
+        super().__init__(
+            lambda: build(  # after the arguments are checked
+                lambda: NumpySource(source, columns),  # only where the data is loaded
+                storage_dir=storage_dir,
+                progress=progress,
+                share=share,
+                shard=shard,
+                key=("NumpyDataset", source, columns),
+                timeout=timeout,
+            ),
+            transform=transform,
+            output=output,
         )
-        super().__init__(loaded, transform=transform, output=output)

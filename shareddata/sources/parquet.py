@@ -498,13 +498,17 @@ class ParquetDataset(ColumnDataset):
         nested: bool = False,
     ) -> None:
         source = ParquetSource(path, columns, fill_value=fill_value, records=records)
-        loaded = build(
-            source,
-            storage_dir=storage_dir,
-            progress=progress,
-            share=share,
-            shard=shard,
-            timeout=timeout,
+        super().__init__(
+            lambda: build(  # after the arguments are checked
+                source,
+                storage_dir=storage_dir,
+                progress=progress,
+                share=share,
+                shard=shard,
+                timeout=timeout,
+            ),
+            transform=transform,
+            output=output,
+            nested=nested,
+            paths={c.name: c.path for c in source.columns},
         )
-        paths = {c.name: c.path for c in source.columns}
-        super().__init__(loaded, transform=transform, output=output, nested=nested, paths=paths)

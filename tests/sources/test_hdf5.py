@@ -1020,3 +1020,19 @@ def test_nested_items_are_records_and_groups_as_h5py_reads_them(tmp_path):
     picked = HDF5Dataset(path, ["rec/p"], nested=True, output="tuple", progress=False)
     (p,) = picked[1]
     assert _plain(p) == {"p": want[1]["rec"]["p"]}
+
+
+def test_nested_paths_that_clash_are_refused_before_loading(tmp_path, monkeypatch):
+    """A field named "b/c" next to a field "b": nested=True has no place for both."""
+    path = tmp_path / "clash.h5"
+    with h5py.File(path, "w") as f:
+        f["rec"] = np.zeros(5, dtype=[("b", np.int64), ("b/c", np.int64)])
+    loads = []
+    load_here = build.__globals__["_load_here"]
+    monkeypatch.setitem(
+        build.__globals__, "_load_here", lambda *a: loads.append(a) or load_here(*a)
+    )
+    with pytest.raises(ValueError, match=r"cannot place column 'rec/b/c'.*'rec/b'") as info:
+        HDF5Dataset(path, nested=True, progress=False)
+    assert isinstance(info.value, sd.SharedDataError) and loads == []
+    assert len(HDF5Dataset(path, progress=False)) == 5  # flat names do not clash; file closed
