@@ -48,12 +48,14 @@ __all__ = ["BlockWriter", "VarStore", "Writer", "chunk_rows"]
 # ``_VAR_BUFFER_BYTES`` (4 MiB) of pending values (views of the items' own buffers,
 # not copies). So private memory stays bounded whatever the dataset's size:
 #
-# * Room is checked as the file grows, ``_VAR_STEP_BYTES`` (64 MiB) at a time: when
-#   the next step does not fit in what ``available_memory`` says is free (RAM and the
-#   memory cgroup, or the file system of ``storage_dir``), SharedMemoryFullError
-#   names the field, the bytes already stored, the step and what is free, and the
-#   fix, before the step is written. A full memory during a ``pwrite`` (something
-#   else took it meanwhile) is ENOSPC/ENOMEM, raised as SharedMemoryFullError too;
+# * Room is checked as the file grows, up to ``_VAR_STEP_BYTES`` (64 MiB) at a time:
+#   when the values about to be written do not fit in what ``available_memory`` says
+#   is free (RAM and the memory cgroup, or the file system of ``storage_dir``),
+#   SharedMemoryFullError names the field, the bytes already stored, the bytes to
+#   write and what is free, and the fix, before they are written (a few KiB of
+#   strings fit in a few KiB of room: the step is only how far one check reaches).
+#   A full memory during a ``pwrite`` (something else took it meanwhile) is
+#   ENOSPC/ENOMEM, raised as SharedMemoryFullError too;
 #   nothing is written through a mapping, so no SIGBUS is possible.
 # * At the end the file becomes the column's segment as it is: it is cut to the
 #   data plus the acknowledgement slots of ``_handoff.file_size`` (``ftruncate``),
@@ -157,16 +159,20 @@ class VarStore:
             self.fd = open_tmpfile(self.directory)
 
     def _grow(self, end: int) -> None:
-        """Check room for the file to grow to ``end`` bytes (and a step more)."""
-        step = max(_VAR_STEP_BYTES, end - self.checked)
+        """Check room for the file to grow to ``end`` bytes (and up to a step more).
+
+        Only what is about to be written must fit: a small store fits in little room,
+        and where more is free the check covers a whole step ahead.
+        """
+        need = end - self.checked
         free = available_memory(self.directory)
-        if step > free:
+        if need > free:
             what = (
-                f"{self.what} (already {format_bytes(self.written)} in shared memory after "
-                f"{len(self.offsets) - 1} items, growing by)"
+                f"{self.what} (after {len(self.offsets) - 1} items, "
+                f"{format_bytes(self.written)} stored so far; the values that follow)"
             )
-            raise full_error(step, free, self.directory, what)
-        self.checked += step
+            raise full_error(need, free, self.directory, what)
+        self.checked += min(max(_VAR_STEP_BYTES, need), free)
 
     def finish(self) -> tuple[Segment, int]:
         """Hand the file over as a segment (no copy): ``(segment, elements)``.

@@ -506,3 +506,28 @@ def test_ragged_items_in_a_too_small_store_fail_early_and_leave_nothing(mode):
     assert int(out["@@STORE_USED"]) < 1 << 20  # the file is gone
     assert "shareddata" not in out["@@FDLIST"] and "sd-small" not in out["@@FDLIST"]
     assert int(out["@@PEAK"].split()[0]) < 200 << 20
+
+
+@pytest.mark.parametrize("kind", ["shared_list", "shared_dataset"])
+def test_small_text_fits_where_little_room_is_left(kind, monkeypatch):
+    """A few KiB of strings load with 1 MiB free; a 2 MiB string is refused, by name.
+
+    (The room was checked 64 MiB at a time, so any text needed 64 MiB free.)
+    """
+    from shareddata import _writer
+
+    monkeypatch.setattr(_writer, "available_memory", lambda directory=None: 1 << 20)
+
+    def make(names):
+        if kind == "shared_list":
+            return sd.SharedList(names, progress=False)
+        return sd.SharedDataset(names, progress=False)  # a list is a map-style dataset
+
+    names = [f"{i:08d}.jpg" for i in range(1000)]
+    small = make(names)
+    assert [small[i] for i in (0, 999)] == [names[0], names[999]]
+    with pytest.raises(
+        sd.SharedMemoryFullError,
+        match=r"the values that follow\) needs 2\.0 MiB.*only 1\.0 MiB \(1048576 bytes\) is free",
+    ):
+        make(["a", "b" * (2 << 20)])
