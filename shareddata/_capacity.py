@@ -38,29 +38,40 @@ def _read_int(path: str) -> int | None:
     return None if text in ("", "max") else int(text)
 
 
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_PROC_CGROUP = "/proc/self/cgroup"
+_CGROUP_FILES = {  # controllers field of /proc/self/cgroup -> (mount, limit file, usage file)
+    "v2": ("", "memory.max", "memory.current"),
+    "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
+}
+
+
 def _cgroup_available() -> int | None:
-    """Bytes the memory cgroup of this process can still take, or None if unlimited."""
+    """Bytes the memory cgroup of this process can still take, or None if unlimited.
+
+    The process's own cgroup and every cgroup above it count (cgroup v2, and v1 as
+    on a host, under Slurm or systemd, where the limit is on the job's cgroup, not
+    the root); the tightest one wins. Inside a container the mount's root is the
+    container's own cgroup and the path does not exist under it: the walk up finds
+    the root.
+    """
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(_PROC_CGROUP) as f:
             lines = f.read().splitlines()
     except OSError:
         return None
     best: int | None = None
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2: walk up the hierarchy, keep the tightest limit
-            parts = [p for p in path.split("/") if p]
-            for depth in range(len(parts), -1, -1):
-                base = os.path.join("/sys/fs/cgroup", *parts[:depth])
-                limit = _read_int(os.path.join(base, "memory.max"))
-                used = _read_int(os.path.join(base, "memory.current"))
-                if limit is not None and used is not None:
-                    free = limit - used + _reclaimable(os.path.join(base, "memory.stat"))
-                    best = free if best is None else min(best, free)
-        elif "memory" in controllers.split(","):  # cgroup v1
-            base = "/sys/fs/cgroup/memory"
-            limit = _read_int(os.path.join(base, "memory.limit_in_bytes"))
-            used = _read_int(os.path.join(base, "memory.usage_in_bytes"))
+        version = "v2" if controllers == "" else "v1"
+        if version == "v1" and "memory" not in controllers.split(","):
+            continue
+        mount, limit_file, usage_file = _CGROUP_FILES[version]
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            base = os.path.join(_CGROUP_ROOT, mount, *parts[:depth])
+            limit = _read_int(os.path.join(base, limit_file))
+            used = _read_int(os.path.join(base, usage_file))
             if limit is not None and used is not None and limit < (1 << 60):
                 free = limit - used + _reclaimable(os.path.join(base, "memory.stat"))
                 best = free if best is None else min(best, free)

@@ -130,6 +130,41 @@ def test_too_large_raises_before_allocating():
     assert open_fds() == fds
 
 
+def test_the_memory_cgroup_of_this_process_limits_it_not_only_the_root(tmp_path, monkeypatch):
+    """A limit on the job's own cgroup (Slurm, systemd; cgroup v1 or v2) counts, the root's too."""
+    from shareddata import _capacity
+
+    with open("/proc/self/cgroup") as f:
+        lines = [line.split(":", 2) for line in f.read().splitlines()]
+    mine = [(c, p) for _, c, p in lines if c == "" or "memory" in c.split(",")]
+    if not mine:
+        pytest.skip("no memory cgroup here")
+
+    def cgroup(version, path, limit, used):
+        mount, limit_file, usage_file = _capacity._CGROUP_FILES[version]
+        base = tmp_path.joinpath(mount, *[p for p in path.split("/") if p])
+        base.mkdir(parents=True, exist_ok=True)
+        (base / limit_file).write_text(f"{limit}\n")
+        (base / usage_file).write_text(f"{used}\n")
+        (base / "memory.stat").write_text("anon 1\ninactive_file 1000\n")
+
+    for controllers, path in mine:
+        version = "v2" if controllers == "" else "v1"
+        cgroup(version, "/", "max" if version == "v2" else 9223372036854771712, 6 << 30)
+        cgroup(version, path.rstrip("/") + "/job", 64 << 20, 10 << 20)
+    monkeypatch.setattr(_capacity, "_CGROUP_ROOT", str(tmp_path))
+    proc = tmp_path / "cgroup"  # what /proc/self/cgroup says, one level deeper: the job's
+    proc.write_text("".join(f"{i}:{c}:{p.rstrip('/')}/job\n" for i, (c, p) in enumerate(mine)))
+    monkeypatch.setattr(_capacity, "_PROC_CGROUP", str(proc))
+    assert _capacity._cgroup_available() == (64 << 20) - (10 << 20) + 1000
+    assert available_memory() == (64 << 20) - (10 << 20) + 1000
+    # the root's limit counts too, when it is the tighter one
+    for controllers, _ in mine:
+        version = "v2" if controllers == "" else "v1"
+        cgroup(version, "/", 32 << 20, 0)
+    assert _capacity._cgroup_available() == (32 << 20) + 1000
+
+
 def test_storage_dir_is_file_backed_and_nameless(tmp_path):
     a = sd.SharedArray.empty(1 << 20, np.uint8, storage_dir=tmp_path)
     a.numpy()[:] = 3
