@@ -9,10 +9,11 @@ path of fields (what ``nested=True`` nests items by: Note [Nested items] in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import reprlib
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..errors import EmptySelectionError, MissingColumnError
+from ..errors import ArgumentTypeError, EmptySelectionError, MissingColumnError
 from ._arrow_columns import ArrowColumn
 from ._arrow_types import pyarrow_module
 
@@ -110,6 +111,12 @@ def _select(
     if columns is None:
         wanted = list(available)
     else:
+        if not isinstance(columns, (str, Iterable)):
+            raise ArgumentTypeError(
+                f"columns={reprlib.repr(columns)} (type {type(columns).__name__}) for {label} is "
+                "not a column name or a list of names; pass one of those, or columns=None for "
+                "all of them."
+            )
         wanted = [columns] if isinstance(columns, str) else list(columns)
         if groups:  # a struct's name: its fields, in order
             wanted = [n for c in wanted for n in ([c] if c in available else groups.get(c, [c]))]

@@ -8,8 +8,9 @@ name datasets, fields of compound datasets, pandas frames or their columns.
 
 from __future__ import annotations
 
+import reprlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..errors import (
@@ -180,6 +181,12 @@ class Selection:
         """Plans for ``keys``, in their order (a dataset or frame gives several)."""
         if isinstance(keys, (str, bytes)):
             keys = [keys]
+        elif not isinstance(keys, Iterable):
+            raise ArgumentTypeError(
+                f"keys={reprlib.repr(keys)} (type {type(keys).__name__}) for {self.label} is not "
+                "a dataset path or a list of them; pass one of those, or keys=None for the "
+                "default selection."
+            )
         keys = list(keys)
         if not keys:
             raise EmptySelectionError(

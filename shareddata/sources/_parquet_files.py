@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import glob
 import os
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ..errors import MissingFileError, SourceReadError
+from ..errors import ArgumentTypeError, MissingFileError, SourceReadError
 from ._arrow_types import pyarrow_module
 
 __all__ = ["Found", "arrow_errors", "parquet_files", "read_error"]
@@ -81,6 +82,12 @@ def parquet_files(path: Any) -> Found:
                 "files, or a folder of .parquet files."
             )
     elif isinstance(path, Sequence) and not isinstance(path, (bytes, bytearray)):
+        bad = [f for f in path if not isinstance(f, (str, os.PathLike))]
+        if bad:
+            raise ArgumentTypeError(
+                f"the list of Parquet files holds {reprlib.repr(bad[0])} (type "
+                f"{type(bad[0]).__name__}); every item must be a path (a str or pathlib.Path)."
+            )
         files = [os.fspath(f) for f in path]
         if not files:
             raise MissingFileError("the list of Parquet files is empty; pass at least one file.")
@@ -90,10 +97,10 @@ def parquet_files(path: Any) -> Found:
                 raise MissingFileError(f"{f} {what} (in the list of Parquet files given).")
         label = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more files)"
     else:
-        raise TypeError(
-            f"ParquetDataset cannot read a {type(path).__name__}; pass a .parquet path, a glob, "
-            "a list of paths, or a folder of .parquet files (for a pyarrow.Table use "
-            "ArrowDataset)."
+        raise ArgumentTypeError(
+            f"ParquetDataset cannot read path={reprlib.repr(path)} (type {type(path).__name__}); "
+            "pass a .parquet path, a glob, a list of paths, or a folder of .parquet "
+            "files (for a pyarrow.Table use ArrowDataset)."
         )
     partitions, schema = _partitions(files, base)
     return Found(files, label, partitions, schema)

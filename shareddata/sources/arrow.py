@@ -9,13 +9,14 @@ with Parquet.
 from __future__ import annotations
 
 import os
+import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output
 from .._load import Buffer, build
-from ..errors import UnsupportedDtypeError
+from ..errors import ArgumentTypeError, UnsupportedDtypeError
 from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
 from ._arrow_select import FillValue, make_columns, select_fields
 from ._arrow_types import pyarrow_module, release_arrow_memory
@@ -58,8 +59,9 @@ def _as_table(table: Any) -> Any:
         hint = " Convert it with pa.Table.from_pandas(df, preserve_index=False)."
     elif module == "polars":
         hint = " Convert it with df.to_arrow()."
-    raise TypeError(
-        f"ArrowDataset needs a pyarrow.Table or RecordBatch, got a {type(table).__name__}."
+    raise ArgumentTypeError(
+        f"ArrowDataset: table={reprlib.repr(table)} (type {type(table).__name__}) is not a "
+        "pyarrow.Table or RecordBatch."
         f"{hint or ' Build one with pa.table({column: values}).'}"
     )
 

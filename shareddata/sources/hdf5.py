@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import os
+import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -46,6 +47,7 @@ from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output
 from .._load import Buffer, build
 from ..errors import (
+    ArgumentTypeError,
     ColumnLengthError,
     InvalidArgumentError,
     MissingDependencyError,
@@ -85,6 +87,11 @@ class HDF5Source:
     """
 
     def __init__(self, path: PathLike, keys: str | Sequence[str] | None = None) -> None:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise ArgumentTypeError(
+                f"HDF5Dataset: path={reprlib.repr(path)} (type {type(path).__name__}) is not a "
+                "path; pass the HDF5 file's path (a str or pathlib.Path)."
+            )
         self._h5py = import_h5py()
         self.label = os.fspath(path)
         self._file: Any = None

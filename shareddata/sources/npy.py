@@ -11,8 +11,9 @@ import dataclasses
 import io
 import math
 import os
+import reprlib
 import zipfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -22,6 +23,7 @@ from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output
 from .._load import Buffer, build
 from ..errors import (
+    ArgumentTypeError,
     EmptySelectionError,
     MissingColumnError,
     MissingFileError,
@@ -306,9 +308,15 @@ class NumpySource:
                 return self._npz(path)
             stem = os.path.splitext(os.path.basename(path))[0]
             return [_NpyFile(stem, path)]
-        raise TypeError(
-            f"NumpyDataset cannot read a {type(source).__name__}; pass a .npy/.npz path, a "
-            "folder of .npy files, an array, or a mapping {column: array or path}."
+        hint = ""
+        if isinstance(source, np.generic):
+            hint = " A numpy scalar has no rows; pass an array with one row per sample."
+        elif isinstance(source, (list, tuple)):
+            hint = " For a list of numbers, pass np.asarray(source)."
+        raise ArgumentTypeError(
+            f"NumpyDataset cannot read source={reprlib.repr(source)} (type "
+            f"{type(source).__name__}); pass a .npy/.npz path, a folder of .npy files, an "
+            f"array, or a mapping {{column: array or path}}.{hint}"
         )
 
     def _npz(self, path: str) -> list[_Entry]:
@@ -329,13 +337,20 @@ class NumpySource:
                     "at least one array: {column: array or .npy path}."
                 )
             return entries
-        if not isinstance(columns, str) and len(columns) == 0:
+        if isinstance(columns, str):
+            columns = [columns]
+        elif not isinstance(columns, Iterable):
+            raise ArgumentTypeError(
+                f"NumpyDataset: columns={reprlib.repr(columns)} (type {type(columns).__name__}) "
+                "is not a column name or a list of names; pass one of those, or columns=None "
+                "for all."
+            )
+        columns = list(columns)
+        if not columns:
             raise EmptySelectionError(
                 f"columns=[] selects nothing from {self.label}, so the dataset would have no "
                 f"rows; it has: {names}. Name at least one, or pass columns=None for all."
             )
-        if isinstance(columns, str):
-            columns = [columns]
         by_name = {e.name: e for e in entries}
         missing = [c for c in columns if c not in by_name]
         if missing:

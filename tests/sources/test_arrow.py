@@ -144,6 +144,16 @@ def test_any_arrow_exporter_is_accepted():
         ArrowDataset([1, 2], progress=False)
 
 
+def test_table_and_columns_of_a_wrong_type_are_argument_type_errors():
+    for table, seen in (({"a": [1]}, r"table=\{'a': \[1\]\} \(type dict\)"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=seen) as info:
+            ArrowDataset(table, progress=False)
+        assert isinstance(info.value, sd.ArgumentTypeError) and "pa.table" in str(info.value)
+    with pytest.raises(TypeError, match=r"columns=5 \(type int\) for the Arrow table") as info:
+        ArrowDataset(pa.table({"a": [1]}), columns=5, progress=False)
+    assert isinstance(info.value, sd.ArgumentTypeError)
+
+
 # -- structs ---------------------------------------------------------------------------------
 
 STRUCTS = pa.table({

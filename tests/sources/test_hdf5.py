@@ -433,6 +433,15 @@ def test_duplicate_and_bad_keys(h5path):
         HDF5Dataset(h5path, [3])
 
 
+def test_path_and_keys_of_a_wrong_type_are_argument_type_errors(h5path):
+    with pytest.raises(TypeError, match=r"path=5 \(type int\) is not a path") as info:
+        HDF5Dataset(5)
+    assert isinstance(info.value, sd.ArgumentTypeError)
+    with pytest.raises(TypeError, match=r"keys=5 \(type int\) for .*every\.h5") as info:
+        HDF5Dataset(h5path, keys=5)
+    assert isinstance(info.value, sd.ArgumentTypeError) and "keys=None" in str(info.value)
+
+
 def _typed(name, htype):
     """A 4-row dataset of an HDF5 type h5py has no numpy type for."""
 

@@ -247,6 +247,21 @@ def test_object_npy_file(tmp_path):
         sd.NumpyDataset(tmp_path / "o.npy")
 
 
+@pytest.mark.parametrize(
+    "source, hint",
+    [(42, ""), (None, ""), ([1, 2, 3], "np.asarray"), (np.float32(3), "numpy scalar has no rows")],
+    ids=["int", "None", "list", "numpy-scalar"],
+)
+def test_source_of_a_wrong_type_is_an_argument_type_error(source, hint):
+    name = type(source).__name__
+    with pytest.raises(TypeError, match=rf"source=.* \(type {name}\); pass a \.npy") as info:
+        sd.NumpyDataset(source)
+    assert isinstance(info.value, sd.ArgumentTypeError) and hint in str(info.value)
+    with pytest.raises(TypeError, match=r"columns=5 \(type int\) is not a column name") as info:
+        sd.NumpyDataset({"a": np.arange(3)}, columns=5)
+    assert isinstance(info.value, sd.ArgumentTypeError)
+
+
 def test_truncated_and_garbage_files(tmp_path):
     np.save(tmp_path / "t.npy", np.zeros((1000, 10), np.float32))
     data = (tmp_path / "t.npy").read_bytes()

@@ -395,6 +395,16 @@ def test_missing_file_folder_and_empty_folder(tmp_path):
         ParquetDataset(pa.table({"a": [1]}))
 
 
+def test_path_and_columns_of_a_wrong_type_are_argument_type_errors(pq_file):
+    for path, seen in ((5, r"path=5 \(type int\)"), ([pq_file, 5], r"holds 5 \(type int\)")):
+        with pytest.raises(TypeError, match=seen) as info:
+            ParquetDataset(path)
+        assert isinstance(info.value, sd.ArgumentTypeError)
+    with pytest.raises(TypeError, match=r"columns=5 \(type int\) for .*data\.parquet") as info:
+        ParquetDataset(pq_file, columns=5)
+    assert isinstance(info.value, sd.ArgumentTypeError) and "columns=None" in str(info.value)
+
+
 def test_missing_column_lists_what_exists(pq_file, table):
     with pytest.raises(KeyError, match=r"'nope' is not in .*data\.parquet.*'i32', 'i64'") as info:
         ParquetDataset(pq_file, ["i32", "nope"])
