@@ -13,6 +13,7 @@ import math
 import os
 import reprlib
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -202,9 +203,17 @@ class _NpzMember(_Entry):
     def __init__(self, name: str, path: str, archive: zipfile.ZipFile, member: str) -> None:
         super().__init__(name, f"{path}[{member}]")
         self.path, self.archive, self.member = path, archive, member
-        with archive.open(member) as f:
-            self.shape, self.fortran, self.dtype = _read_header(f, self.label)
-            header = f.tell()
+        try:
+            with archive.open(member) as f:
+                self.shape, self.fortran, self.dtype = _read_header(f, self.label)
+                header = f.tell()
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as e:
+            if isinstance(e, SourceReadError):
+                raise
+            raise SourceReadError(
+                f"{self.label} cannot be opened: {path} is not a valid .npz archive "
+                f"({type(e).__name__}: {e}). Re-create the file with np.savez."
+            ) from e
         if self.dtype.hasobject:
             return  # refused with a clear message by spec()
         needed = _data_bytes(self.shape, self.dtype, self.label)
@@ -242,7 +251,7 @@ class _NpzMember(_Entry):
                         got, pos = got + n, pos + n
                         progress(n)
                     _byteswap_if_needed(rows, self.dtype)
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as e:
             if isinstance(e, SourceReadError):
                 raise
             raise SourceReadError(f"{self.label} is corrupt ({e}). Re-create the file.") from e

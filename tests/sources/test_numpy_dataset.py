@@ -276,6 +276,23 @@ def test_truncated_and_garbage_files(tmp_path):
         sd.NumpyDataset(tmp_path / "g.npz")
 
 
+def test_npz_with_a_damaged_central_directory_names_the_file(tmp_path):
+    path = tmp_path / "cd.npz"
+    np.savez(path, x=np.arange(1000.0), y=np.arange(1000))
+    data = bytearray(path.read_bytes())
+    entry = data.rindex(b"PK\x01\x02")  # y's central directory entry
+    data[entry + 42 : entry + 46] = (len(data) - 10).to_bytes(4, "little")  # its local header
+    path.write_bytes(bytes(data))
+    gc.collect()
+    fds = open_fds()
+    with pytest.raises(OSError, match=r"cd\.npz is not a valid \.npz archive.*np\.savez") as info:
+        sd.NumpyDataset(path)
+    assert isinstance(info.value, sd.SourceReadError) and "y.npy" in str(info.value)
+    del info
+    gc.collect()
+    assert open_fds() == fds
+
+
 def test_failure_halfway_frees_everything(tmp_path, monkeypatch):
     from shareddata.sources import npy
 
