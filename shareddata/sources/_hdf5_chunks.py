@@ -192,7 +192,8 @@ def inflate(
         the fill value): the caller reads the dataset with h5py instead.
 
     Raises:
-        SourceReadError: a chunk is cut short or does not decode.
+        SourceReadError: a chunk is cut short or does not decode, or the chunk index
+            puts one outside the file (a corrupt index).
     """
     stored: list[tuple[tuple[int, ...], int, int, int]] = []
     ds.id.chunk_iter(
@@ -234,6 +235,14 @@ def inflate(
     executor = ThreadPoolExecutor(threads, thread_name_prefix="shareddata-hdf5")
     pending: collections.deque[Future[int]] = collections.deque()
     try:
+        file_bytes = os.fstat(fd).st_size
+        for offset, _, address, size in stored:  # a corrupt chunk index: garbage addresses
+            if not (address >= 0 and 0 <= size <= file_bytes - address):
+                raise SourceReadError(
+                    f"{what} failed: its chunk index puts the chunk at {offset} ({size} bytes) "
+                    f"at byte {address}, outside the file ({file_bytes} bytes); the index is "
+                    "corrupt. Re-create or re-download the file."
+                )
         for chunk in stored:
             if len(pending) >= 4 * threads:
                 progress(pending.popleft().result())
@@ -242,12 +251,12 @@ def inflate(
             pending.append(executor.submit(place, rows_of, *chunk))
         while pending:
             progress(pending.popleft().result())
-    except (zlib.error, OSError, ValueError) as error:
+    except (zlib.error, OSError, ValueError, OverflowError) as error:
         if isinstance(error, SourceReadError):
             raise
         raise SourceReadError(
-            f"{what} failed ({error}). The file is truncated or corrupt; re-create or "
-            "re-download it."
+            f"{what} failed ({type(error).__name__}: {error}). The file is truncated or "
+            "corrupt; re-create or re-download it."
         ) from error
     finally:  # no thread writes to ``out`` once this returns, on an error too
         executor.shutdown(wait=True, cancel_futures=True)

@@ -2,6 +2,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import struct
 import subprocess
 import sys
 import tempfile
@@ -640,6 +641,31 @@ def test_garbage_truncated_and_corrupt_files(tmp_path):
     with pytest.raises(OSError, match=r"corrupt\.h5: reading dataset 'z' failed") as info:
         HDF5Dataset(path)
     assert isinstance(info.value, sd.SourceReadError)
+    del info
+    gc.collect()
+    assert open_fds() == fds
+
+
+@pytest.mark.parametrize("field", ["address", "size"])
+def test_a_corrupt_chunk_index_names_file_and_dataset(tmp_path, field):
+    path = tmp_path / "index.h5"
+    with h5py.File(path, "w") as f:  # a version 1 B-tree: each chunk's key, then its address
+        data = np.arange(40_000.0).reshape(4000, 10)
+        f.create_dataset("x", data=data, chunks=(1000, 10), compression="gzip")
+        chunk = f["x"].id.get_chunk_info(2)
+    key = struct.pack("<IIQQQQ", chunk.size, 0, 2000, 0, 0, chunk.byte_offset)
+    if field == "address":  # beyond what os.pread takes (was a raw OverflowError)
+        bad = struct.pack("<IIQQQQ", chunk.size, 0, 2000, 0, 0, chunk.byte_offset ^ 0xFFFF << 48)
+    else:  # 4 GiB: os.pread would allocate it all first
+        bad = struct.pack("<IIQQQQ", 0xFFFF_FFF0, 0, 2000, 0, 0, chunk.byte_offset)
+    raw = path.read_bytes()
+    assert raw.count(key) == 1
+    path.write_bytes(raw.replace(key, bad))
+    gc.collect()
+    fds = open_fds()
+    with pytest.raises(OSError, match=r"index\.h5: reading dataset 'x' failed.*index") as info:
+        HDF5Dataset(path, progress=False)
+    assert isinstance(info.value, sd.SourceReadError) and "outside the file" in str(info.value)
     del info
     gc.collect()
     assert open_fds() == fds
