@@ -13,7 +13,7 @@ import errno
 import os
 
 from ._text import format_bytes
-from .errors import MissingFileError, SharedMemoryFullError
+from .errors import ArgumentTypeError, MissingFileError, SharedMemoryFullError
 
 __all__ = [
     "FULL_ERRNOS",
@@ -176,6 +176,7 @@ def resolve_storage_dir(storage_dir: str | os.PathLike[str] | None) -> str | Non
     """The directory for file-backed segments: the argument, ``$SHAREDDATA_STORAGE_DIR``, or None.
 
     Raises:
+        ArgumentTypeError: ``storage_dir`` is not a path.
         MissingFileError: the directory does not exist.
 
     Example:
@@ -186,6 +187,11 @@ def resolve_storage_dir(storage_dir: str | os.PathLike[str] | None) -> str | Non
         storage_dir = os.environ.get(STORAGE_ENV) or None
     if storage_dir is None:
         return None
+    if not isinstance(storage_dir, (str, os.PathLike)):
+        raise ArgumentTypeError(
+            f"storage_dir must be a directory's path (a str or a pathlib.Path) or None for "
+            f"RAM, got {type(storage_dir).__name__} {storage_dir!r}"
+        )
     path = os.fspath(storage_dir)
     if not os.path.isdir(path):
         raise MissingFileError(

@@ -29,6 +29,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from ._capacity import resolve_storage_dir
 from ._columns import COLUMN_KINDS, Column, ColumnSpec
 from ._storage import SharedArray, allocate, ready, seal
 from ._sweep import auto_sweep
@@ -272,6 +273,7 @@ def build(
     """
     if timeout is not None:
         resolve_timeout(timeout)  # checked on every rank, whether it waits or not
+    resolve_storage_dir(storage_dir)  # so is storage_dir, before anything is read
     factory = callable(source) and not hasattr(source, "close")
     if key is None:
         key = ("build",) if factory else (type(source).__name__, source.label)  # type: ignore[union-attr]

@@ -172,14 +172,19 @@ def test_bad_share_and_shard_arguments(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_arguments_are_refused_before_anything_is_loaded(kind, tmp_path, monkeypatch):
-    """A wrong transform, output, nested, share or timeout never costs the user a load."""
+    """A wrong transform, output, nested, share, timeout or storage_dir costs no load."""
     import shareddata._load
 
     make(kind, tmp_path, rows=ROWS)  # the files, before the spy counts loads
     loads = []
     load_here = shareddata._load._load_here
     monkeypatch.setattr(shareddata._load, "_load_here", lambda *a: loads.append(a) or load_here(*a))
-    bad: list[dict] = [{"share": "everywhere"}, {"timeout": -1}]
+    bad: list[dict] = [
+        {"share": "everywhere"},
+        {"timeout": -1},
+        {"storage_dir": 5},
+        {"storage_dir": tmp_path / "no such folder"},
+    ]
     if kind != "shared_list":
         bad.append({"transform": 3})
     if kind in COLUMN_KINDS:
@@ -187,7 +192,7 @@ def test_bad_arguments_are_refused_before_anything_is_loaded(kind, tmp_path, mon
     if kind in NESTED_KINDS:
         bad += [{"nested": "yes"}]
     for arguments in bad:
-        with pytest.raises((ValueError, TypeError)) as info:
+        with pytest.raises((ValueError, TypeError, FileNotFoundError)) as info:
             make(kind, tmp_path, rows=ROWS, reuse=True, **arguments)
         assert isinstance(info.value, sd.SharedDataError), (arguments, type(info.value).__mro__)
         assert loads == [], f"{arguments} was refused only after loading"
