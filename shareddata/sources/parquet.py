@@ -150,6 +150,7 @@ class ParquetSource:
         names = select_fields(schema, columns, first.path)
         tops = list(dict.fromkeys(n.split(".")[0] if n not in schema.names else n
                                   for n in names))  # fmt: skip
+        self._file_types: dict[str, dict[Any, str]] = {}  # column -> {type: first file}
         self.schema = self._unify(schema, tops, found.partition_schema.names, columns is None)
         self.columns = make_columns(self.schema, names, self.label, fill_value, records)
         self._by_name = {c.name: c for c in self.columns}
@@ -183,7 +184,8 @@ class ParquetSource:
         Files may differ in a column's type where pyarrow can promote one to the other
         (``int32`` and ``int64``, ``string`` and ``large_string``, a null column and
         any type...: ``pa.unify_schemas(promote_options="permissive")``); each batch is
-        cast to the promoted type. Otherwise the file and column are named.
+        cast to the promoted type (a value it cannot hold, an int64 beyond 2**53 as
+        double, is refused by :meth:`_extract`). Otherwise the file and column are named.
         """
         pa = pyarrow_module()
         first = self.files[0]
@@ -219,6 +221,9 @@ class ParquetSource:
                         f"table.cast(...)) or leave {name!r} out with columns=[...]."
                     ) from e
                 fields[name] = unified.field(0)
+                self._file_types.setdefault(name, {a.type: first.path}).setdefault(
+                    b.type, other.path
+                )
         return pa.schema([fields[n] if n in fields else schema.field(n) for n in schema.names])
 
     def total_rows(self) -> int:
@@ -299,7 +304,7 @@ class ParquetSource:
                         if part is not None:
                             if part != (at, at + len(chunk)):
                                 chunk = chunk.slice(part[0] - at, part[1] - part[0])
-                            fn(info.path, where, column.extract(chunk))
+                            fn(info.path, where, self._extract(column, chunk, info.path))
                         del chunk
                 except arrow_errors() as e:
                     if isinstance(e, SharedDataError):
@@ -314,6 +319,26 @@ class ParquetSource:
                     )
                 release_arrow_memory()
             self._close_open()
+
+    def _extract(self, column: ArrowColumn, chunk: Any, path: str) -> Any:
+        """``column.extract(chunk)``; a value the promoted type cannot hold is named."""
+        pa = pyarrow_module()
+        try:
+            return column.extract(chunk)
+        except pa.ArrowInvalid as e:
+            types = self._file_types.get(column.path[0])
+            if types is None:  # the column's type is the same in every file: not a cast
+                raise
+            value = _first_lost(chunk, column.arrow_type)
+            seen = f"its value {value!r}" if value is not None else "a value"
+            others = " and ".join(f"{t} in {f}" for t, f in types.items() if t != chunk.type)
+            raise UnsupportedDtypeError(
+                f"column {column.name!r} is {chunk.type} in {path} but {others or 'another type'}"
+                f"; the files load it as {column.arrow_type}, which cannot hold {seen} in "
+                f"{path} ({e}). Fix: cast the column to one type in every file (e.g. "
+                f"pq.write_table(table.cast(...))), or leave {column.name!r} out with "
+                "columns=[...]."
+            ) from e
 
     def _batch_rows(self, info: _ParquetFileInfo, column: ArrowColumn, i: int) -> int:
         """Rows per batch so that one decoded batch is about ``_BATCH_BYTES``."""
@@ -395,6 +420,19 @@ class ParquetSource:
         """Close the file being read, and give Arrow's memory back."""
         self._close_open()
         release_arrow_memory()
+
+
+def _first_lost(chunk: Any, arrow_type: Any) -> Any:
+    """The first value of ``chunk`` a cast to ``arrow_type`` changes, or None if none is found."""
+    pa = pyarrow_module()
+    pc = pa.compute
+    try:
+        back = chunk.cast(arrow_type, safe=False).cast(chunk.type, safe=False)
+        changed = pc.fill_null(pc.not_equal(chunk, back), False)
+        i = pc.index(changed, True).as_py()
+        return None if i < 0 else chunk[i].as_py()
+    except (pa.ArrowException, TypeError, ValueError):  # a type compute cannot compare
+        return None
 
 
 class ParquetDataset(ColumnDataset):

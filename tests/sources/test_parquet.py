@@ -450,6 +450,19 @@ def test_files_with_different_schemas_name_both_files(tmp_path):
         ParquetDataset([tmp_path / "1.parquet", tmp_path / "3.parquet"], ["b"])
 
 
+def test_a_value_the_promoted_type_cannot_hold_names_column_files_types_and_value(tmp_path):
+    ints, floats = tmp_path / "ints.parquet", tmp_path / "floats.parquet"
+    pq.write_table(pa.table({"a": np.array([2**53 + 1, 2, 3]), "b": [1, 2, 3]}), ints)
+    pq.write_table(pa.table({"a": [0.5, 1.5, 2.5], "b": [4, 5, 6]}), floats)
+    seen = rf"'a' is int64 in .*ints\.parquet but double in .*floats\.parquet.*value {2**53 + 1}"
+    for files in ([ints, floats], [floats, ints]):
+        with pytest.raises(TypeError, match=seen) as info:
+            ParquetDataset(files, progress=False)
+        assert isinstance(info.value, sd.UnsupportedDtypeError)
+        assert "re-create" not in str(info.value) and "columns=[...]" in str(info.value)
+    assert len(ParquetDataset([ints, floats], ["b"], progress=False)) == 6
+
+
 def test_truncated_and_garbage_files_name_the_file(tmp_path, pq_file):
     data = pq_file.read_bytes()
     (tmp_path / "trunc.parquet").write_bytes(data[: len(data) // 2])
