@@ -89,6 +89,10 @@ def describe_value(value: Any) -> str:
     return type(value).__name__
 
 
+_PICKLED = "USVMm"
+"""numpy kinds a tensor cannot hold (strings, records, datetimes): such values are pickled."""
+
+
 def classify(value: Any, path: str) -> Leaf | None:
     """The leaf for ``value``, or None when it is a structure (tuple, list, dict)."""
     if isinstance(value, torch.Tensor):
@@ -97,13 +101,15 @@ def classify(value: Any, path: str) -> Leaf | None:
                 f"field {field_name(path)} is a bfloat16 tensor, which shared columns cannot hold "
                 "(numpy has no bfloat16); return .float() or .view(torch.int16) from the dataset."
             )
+        if value.layout is not torch.strided or value.is_quantized or value.is_nested:
+            return Leaf(path, "pickle", np.dtype(np.uint8))  # sparse, quantized: kept whole
         dtype = to_numpy_dtype(value.dtype)
         return Leaf(path, "tensor", dtype, tuple(value.shape), torch_dtype=value.dtype)
     if isinstance(value, np.ndarray):
-        if value.dtype.hasobject or value.dtype.fields is not None or value.dtype.kind in "USV":
+        if value.dtype.hasobject or value.dtype.fields is not None or value.dtype.kind in _PICKLED:
             return Leaf(path, "pickle", np.dtype(np.uint8))
         return Leaf(path, "ndarray", value.dtype.newbyteorder("="), value.shape)
-    if isinstance(value, np.generic) and not isinstance(value, (np.str_, np.bytes_, np.void)):
+    if isinstance(value, np.generic) and value.dtype.kind not in _PICKLED:
         return Leaf(path, "npscalar", value.dtype.newbyteorder("="))
     if isinstance(value, bool):
         return Leaf(path, "bool", np.dtype(np.bool_))

@@ -531,3 +531,26 @@ def test_small_text_fits_where_little_room_is_left(kind, monkeypatch):
         match=r"the values that follow\) needs 2\.0 MiB.*only 1\.0 MiB \(1048576 bytes\) is free",
     ):
         make(["a", "b" * (2 << 20)])
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's, unpickling one
+def test_datetimes_and_sparse_tensors_come_back_as_they_were():
+    """Values no tensor column can hold (datetime64, sparse COO) are kept whole, exactly."""
+    items = [
+        {
+            "day": np.datetime64("2020-01-01") + i,
+            "stamps": np.array([i, i + 1], "datetime64[s]"),
+            "gap": np.timedelta64(i, "ms"),
+            "adj": (torch.eye(3) * i).to_sparse(),
+            "x": i,
+        }
+        for i in range(6)
+    ]
+    ds = sd.SharedDataset(items, progress=False)
+    loader = DataLoader(ds, batch_size=3, num_workers=2, collate_fn=list, timeout=60)
+    for got, want in zip([ds[i] for i in range(6)] + [s for b in loader for s in b], items * 2):
+        assert got["day"] == want["day"] and type(got["day"]) is np.datetime64
+        assert got["stamps"].dtype == want["stamps"].dtype
+        assert (got["stamps"] == want["stamps"]).all() and got["gap"] == want["gap"]
+        assert got["adj"].layout is torch.sparse_coo
+        assert torch.equal(got["adj"].to_dense(), want["adj"].to_dense()) and got["x"] == want["x"]

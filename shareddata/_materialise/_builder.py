@@ -89,8 +89,9 @@ class Builder:
         for leaf, value in zip(self.leaves, values):
             if leaf.kind in FIXED:
                 continue
-            size = getattr(value, "nbytes", None)
-            if size is None:
+            try:
+                size = value.nbytes
+            except (AttributeError, RuntimeError):  # none, or a sparse tensor's
                 size = 8 * len(value) if isinstance(value, (str, bytes, list)) else 64
             total += int(size)
         return total
