@@ -185,6 +185,12 @@ class ColumnDataset(Dataset):
             if array.dtype == np.bool_:
                 raise IndexTypeError(_NO_MASKS)
             if array.dtype.kind not in "iu":
+                flat = array.reshape(-1)
+                if array.dtype.hasobject and all(is_int(i) for i in flat):
+                    bad = max(flat, key=abs)  # ints beyond int64, as ds[2**64] says
+                    raise IndexOutOfRangeError(
+                        f"index {bad} is out of range for {type(self).__name__} of {self._len} rows"
+                    )
                 raise IndexTypeError(f"indices must be integers, got dtype {array.dtype}")
             array = array.reshape(-1)
             if array.dtype != np.int64:

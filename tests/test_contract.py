@@ -145,11 +145,12 @@ def test_pickles_as_a_handle(kind, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_out_of_range_is_an_index_error(kind, tmp_path):
     ds, _ = make(kind, tmp_path, rows=ROWS)
-    for bad in (ROWS, -ROWS - 1, 10**12):
-        with pytest.raises(IndexError) as info:
-            ds[bad]
-        assert isinstance(info.value, sd.SharedDataError), type(info.value).__mro__
-        assert str(bad) in str(info.value)
+    for bad in (ROWS, -ROWS - 1, 10**12, 2**64, -(2**70)):
+        for fetch in (ds.__getitem__, lambda i: ds.__getitems__([0, i])):
+            with pytest.raises(IndexError) as info:
+                fetch(bad)
+            assert isinstance(info.value, sd.SharedDataError), type(info.value).__mro__
+            assert str(bad) in str(info.value)
 
 
 @pytest.mark.parametrize("kind", KINDS)
