@@ -25,12 +25,17 @@ itself, a sample, a slice, a non-contiguous view -- as the memfd's handle
 (Note [Tensors over our memory cross by handle] in ``_reduce.py``); the storage is
 pickled once per message, however many tensors of the batch it carries. The main
 process opens ``/proc/<pid>/fd/<fd>`` itself, as ``_storage`` does for segments,
-checks device and inode, and maps it. The worker keeps each batch's descriptor
-while the batch may still be received, and never holds more than
-``MAX_UNACKNOWLEDGED`` (a DataLoader has ``prefetch_factor`` batches per worker in
-flight); beyond that the oldest is closed, and a receiver that comes later gets
-:class:`~shareddata.AttachError`. A batch that is received stays valid after its
-worker exits: the main process's mapping holds the pages. Nothing is ever named in
+checks device and inode, maps it, and counts the batch *received* (a second
+counter, next to the released one of Note [Reusing a batch's pages]). The worker
+keeps each batch's descriptor until every send of it is received, however many
+are in flight (``prefetch_factor`` batches per worker, each of them possibly many
+memfds: a ``collate_fn`` that returns samples made one by one, such as slices of a
+dataset, carries one memfd per sample); only received batches that stay pinned are
+closed, beyond ``MAX_UNACKNOWLEDGED``, which their receivers do not notice. Only
+beyond ``MAX_UNRECEIVED`` (a quarter of the descriptor limit) is an unreceived batch
+closed, and a receiver that comes later gets :class:`~shareddata.AttachError`. A
+batch that is received stays valid after its worker exits: the main process's
+mapping holds the pages. Nothing is ever named in
 ``/dev/shm``, so a small ``/dev/shm`` (Docker's 64 MiB) does not limit the batch
 size, and a killed process leaves nothing behind.
 
@@ -94,6 +99,7 @@ import ctypes
 import functools
 import math
 import os
+import resource
 import sys
 import threading
 import weakref
@@ -107,14 +113,24 @@ from ._linux import MADV_POPULATE_WRITE, PROT_READ_WRITE, file_identity, libc_mm
 from ._reduce import MAP_FAILED, guard_worker_sends, munmap, reduce_tensor, register_memory
 from .errors import AttachError
 
-__all__ = ["MAX_UNACKNOWLEDGED", "WorkerBatch", "into_one_batch", "worker_buffers", "worker_empty"]
+__all__ = [
+    "MAX_UNACKNOWLEDGED",
+    "MAX_UNRECEIVED",
+    "WorkerBatch",
+    "into_one_batch",
+    "worker_buffers",
+    "worker_empty",
+]
 
 MAX_UNACKNOWLEDGED = 64
+"""Received batches still pinned that a worker keeps open; older ones are closed."""
+MAX_UNRECEIVED = max(256, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+"""Batches not yet received that a worker keeps open (bounds its descriptors)."""
 POOL = 4
 """Released batch memfds a worker keeps for reuse (Note [Reusing a batch's pages])."""
 _ALIGN = 64
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-_COUNTER = 8  # bytes of the released counter (a uint32, padded)
+_COUNTER = 8  # bytes of the released counter and the received counter (uint32 each)
 
 
 class WorkerBatch(torch.Tensor):
@@ -135,7 +151,8 @@ class _Memfd:
     """One memfd of a worker, for one batch at a time (kept across uses by the pool)."""
 
     __slots__ = (
-        "address", "counter", "data", "fd", "handle", "ident", "length", "sends", "size", "storage",
+        "address", "counter", "data", "fd", "handle", "ident", "length", "received", "sends",
+        "size", "storage",
     )  # fmt: skip
 
     def __init__(self, total: int) -> None:
@@ -153,6 +170,7 @@ class _Memfd:
         self.data = 0  # bytes of data of the current batch; its counter follows them
         self.storage: torch.UntypedStorage | None = None  # over the data, held here
         self.counter: ctypes.c_uint32 | None = None
+        self.received: ctypes.c_uint32 | None = None
         self.handle: tuple[int, ...] = ()  # what a receiver needs, but the byte range
         self.sends = 0
 
@@ -176,10 +194,11 @@ class _Memfd:
             mapped = np.ctypeslib.as_array((ctypes.c_uint8 * data).from_address(self.address))
             self.storage = torch.from_numpy(mapped).untyped_storage()
             self.counter = ctypes.c_uint32.from_address(self.address + data)
+            self.received = ctypes.c_uint32.from_address(self.address + data + 4)
             self.data = data
             self.handle = (_PID, fd, *self.ident, total, data)
         # the counter of this use of the memfd starts at zero (a pooled one was counted)
-        self.counter.value = 0  # type: ignore[union-attr]
+        self.counter.value = self.received.value = 0  # type: ignore[union-attr]
         self.sends = 0
 
     def gone_here(self) -> bool:
@@ -195,9 +214,13 @@ class _Memfd:
         # read through this worker's mapping (it lives while the batch is pending)
         return self.sends == 0 or self.counter.value >= self.sends  # type: ignore[union-attr]
 
+    def all_received(self) -> bool:
+        """Whether every send of this batch has reached its receiver."""
+        return self.received.value >= self.sends  # type: ignore[union-attr]
+
     def unmap(self) -> None:
         """Drop this worker's mapping (nothing here may hold the batch any more)."""
-        self.storage = self.counter = None
+        self.storage = self.counter = self.received = None
         if self.address:
             munmap(self.address, self.length)
         self.address = self.length = 0
@@ -223,13 +246,16 @@ class _Outbox:
         self.pool_mapped = 0
 
     def reap(self) -> None:
-        """Pool or close every batch that is done with (and close the oldest beyond the cap).
+        """Pool or close every batch that is done with (and close the oldest beyond the caps).
 
         A batch is done once nothing in this worker holds it any more and every
         mapping of it in the receiver is released: its memfd goes to the pool (or is
-        closed when the pool is full).
+        closed when the pool is full). Beyond ``MAX_UNACKNOWLEDGED`` pending, the
+        oldest received ones are closed (their receivers keep their mappings);
+        beyond ``MAX_UNRECEIVED``, the oldest whatever they are.
         """
         excess = len(self.pending) - MAX_UNACKNOWLEDGED + 1  # room for the next batch
+        force = len(self.pending) - MAX_UNRECEIVED + 1
         keep: collections.deque[_Memfd] = collections.deque()
         for i, memfd in enumerate(self.pending):
             gone_here = memfd.gone_here()
@@ -243,7 +269,10 @@ class _Outbox:
                 else:
                     memfd.unmap()
                     memfd.close()
-            elif i < excess:  # pinned too long: close it; receivers keep their mappings
+            elif i < force or (excess > 0 and memfd.all_received()):
+                # pinned too long: close it; receivers keep their mappings (one that
+                # has not received it yet, only beyond MAX_UNRECEIVED, gets AttachError)
+                excess -= 1
                 memfd.close()
                 if gone_here:
                     self._forget(memfd)
@@ -470,8 +499,9 @@ def _receive(
 ) -> torch.UntypedStorage:
     """Unpickle a storage of a worker's batch: map the worker's memfd.
 
-    The mapping is released (the counter incremented, then kept idle or unmapped)
-    as soon as nothing holds the storage any more (Note [Reusing a batch's pages]).
+    The batch counts received at once; the mapping is released (the released
+    counter incremented, then kept idle or unmapped) as soon as nothing holds the
+    storage any more (Note [Reusing a batch's pages]).
     """
     key = (pid, fd, device, inode)
     idle = _take_idle(key)
@@ -482,6 +512,8 @@ def _receive(
             munmap(idle[0], idle[1])
         address, length = _map_batch(pid, fd, (device, inode), total), total
         mapped = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
+    with _RELEASE_LOCK:  # mapped: the worker may close its descriptor now
+        ctypes.c_uint32.from_address(address + counter_at + 4).value += 1
     view = mapped[start : start + nbytes]
     # Called once the storage below is freed: it alone holds ``view``.
     ref = weakref.ref(view, _freed)
@@ -504,7 +536,9 @@ def _map_batch(pid: int, fd: int, ident: tuple[int, int], total: int) -> int:
         if file_identity(new_fd) != tuple(ident):
             raise AttachError(
                 f"cannot receive a batch from DataLoader worker {pid}: {path} now refers to "
-                f"another file (the batch was not received within {MAX_UNACKNOWLEDGED} batches)."
+                f"another file: the worker made more than {MAX_UNRECEIVED} batch memfds that "
+                "were not received and closed the oldest. Receive batches as they come, or "
+                "lower prefetch_factor."
             )
         address = libc_mmap()(None, total, PROT_READ_WRITE, _MAP_SHARED, new_fd, 0)
         if address in (None, MAP_FAILED):

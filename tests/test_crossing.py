@@ -461,3 +461,60 @@ def test_a_smaller_batch_gathered_into_a_reused_memfd_still_crosses_by_handle():
     got = pickle.loads(ForkingPickler.dumps(smaller))
     assert _mapped_from(got) == "memfd:shareddata-batch" and _inode(got) == inode
     assert got.shape == (500, 256) and bool((got == 3).all())
+
+
+class Windows(Dataset):
+    """Sample ``i`` is rows ``[i, i + 4)`` of a dataset, made alone: a memfd of its own."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds) - 4
+
+    def __getitem__(self, i):
+        return self.ds[i : i + 4]
+
+
+def _xs(window):
+    rows = window if isinstance(window, list) else [window]  # SharedList: a list of items
+    return torch.cat([torch.as_tensor(r["x"]).reshape(-1, 4) for r in rows])
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_far_more_memfds_in_flight_than_batches_all_arrive(tmp_path, method):
+    """50 windows per batch returned as they are: hundreds of memfds not yet received.
+
+    A worker closed the oldest beyond 64 in flight, received or not: sliding windows
+    with a ``collate_fn`` that returns the samples failed with AttachError.
+    """
+    for kind in KINDS if method == "fork" else ["numpy"]:  # spawn: seconds per worker
+        ds, want = make(kind, tmp_path / kind, rows=204)
+        loader = DataLoader(
+            Windows(ds),
+            batch_size=50,
+            num_workers=2,
+            collate_fn=list,
+            multiprocessing_context=method,
+            timeout=30,
+        )
+        batches = list(loader)
+        assert len(batches) == 4, kind
+        for k, batch in enumerate(batches):
+            for j, window in enumerate(batch):
+                rows = want[50 * k + j : 50 * k + j + 4]
+                assert torch.equal(_xs(window), torch.from_numpy(np.stack([r["x"] for r in rows])))
+
+
+def test_a_prefetch_deeper_than_the_cap_with_a_slow_consumer_arrives(tmp_path):
+    """prefetch_factor=100: the worker makes 100 batches before the first is received."""
+    ds, want = make("numpy", tmp_path, rows=400)
+    loader = DataLoader(
+        ds, batch_size=2, num_workers=1, prefetch_factor=100, multiprocessing_context="fork",
+        timeout=30,
+    )  # fmt: skip
+    batches = iter(loader)
+    time.sleep(2)  # a slow first step: every prefetched batch is made and waits
+    for k, batch in enumerate(batches):
+        assert_batch(batch, want[2 * k : 2 * k + 2], "numpy")
+    assert k == 199
