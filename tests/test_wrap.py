@@ -554,3 +554,22 @@ def test_datetimes_and_sparse_tensors_come_back_as_they_were():
         assert (got["stamps"] == want["stamps"]).all() and got["gap"] == want["gap"]
         assert got["adj"].layout is torch.sparse_coo
         assert torch.equal(got["adj"].to_dense(), want["adj"].to_dense()) and got["x"] == want["x"]
+
+
+def test_fields_whose_paths_coincide_stay_apart():
+    """A key "a.b" next to {"a": {"b": ...}}, a ragged "r" next to a key "r.shape":
+    one column each (they shared one, and items lost a field or failed)."""
+    items = [
+        {"a.b": i, "a": {"b": 100 + i}, "r": torch.arange(i + 1).reshape(1, -1), "r.shape": i}
+        for i in range(6)
+    ]
+    ds = sd.SharedDataset(items, progress=False)
+    assert len(set(ds.columns)) == len(ds.columns)
+    loader = DataLoader(ds, batch_size=3, num_workers=2, collate_fn=list, timeout=60)
+    for got, want in zip([ds[i] for i in range(6)] + [s for b in loader for s in b], items * 2):
+        assert (
+            got["a.b"] == want["a.b"]
+            and got["a"] == want["a"]
+            and got["r.shape"] == want["r.shape"]
+        )
+        assert torch.equal(got["r"], want["r"])

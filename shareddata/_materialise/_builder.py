@@ -371,8 +371,23 @@ class Builder:
         shared = iter(self.alloc(layouts, what) if layouts else [])
         parts: list[Part] = []
         kinds: list[str] = []
+        taken: set[str] = set()
+
+        def unique(name: str) -> str:
+            """``name``, or ``name~2``, ``~3``... where a column has it already.
+
+            Field paths may coincide (``{"a.b": 1, "a": {"b": 2}}``; a ragged ``"r"``'s
+            shapes and a field ``"r.shape"``), and every column must stay its own.
+            """
+            made, k = name, 1
+            while made in taken:
+                k += 1
+                made = f"{name}~{k}"
+            taken.add(made)
+            return made
+
         for n, leaf in enumerate(self.leaves):
-            name = leaf.path or "value"
+            name = unique(leaf.path or "value")
             if n in self.fixed:
                 spec = ColumnSpec(name, self.rows, leaf.dtype, leaf.shape)
                 parts.append((TensorColumn, spec, {"data": self.fixed[n]}))
@@ -388,7 +403,7 @@ class Builder:
                     shapes = next(shared)
                     shapes.numpy()[:] = np.asarray(buffer.shapes, np.int64).reshape(shapes.shape)
                     spec = ColumnSpec(
-                        name + ".shape", self.rows, np.dtype(np.int64), (len(leaf.shape),)
+                        unique(name + ".shape"), self.rows, np.dtype(np.int64), (len(leaf.shape),)
                     )
                     parts.append((TensorColumn, spec, {"data": shapes}))
                 del buffer  # free the private offsets now
