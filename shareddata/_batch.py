@@ -62,7 +62,7 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from ._items import rebuild, unnest
 
-__all__ = ["Row", "RowTuple", "Samples", "collate_rows"]
+__all__ = ["Row", "RowTuple", "Samples", "collate_columns", "collate_rows"]
 
 
 class Row(dict):  # type: ignore[type-arg]
@@ -272,16 +272,9 @@ def collate_rows(
     ``default_collate`` does for plain dicts and tuples.
     """
     if isinstance(batch, Samples) and batch.intact():
-        columns = [
-            b if stacked else collate(list(b), collate_fn_map=collate_fn_map)
-            for b, stacked in zip(batch.batched, batch.stacked)
-        ]
-        if batch.nesting is not None:
-            nested = rebuild(batch.nesting, columns)
-            return list(nested.values()) if batch._tuples else nested
-        if not batch._tuples:
-            return dict(zip(batch.names, columns))
-        return columns
+        return collate_columns(
+            batch.names, batch.batched, batch.stacked, batch.nesting, batch._tuples, collate_fn_map
+        )
     elem = batch[0]
     if isinstance(elem, dict):
         return {
@@ -290,7 +283,55 @@ def collate_rows(
     size = len(elem)
     if any(len(e) != size for e in batch):
         raise RuntimeError("each element in list of batch should be of equal size")
-    return [collate(list(s), collate_fn_map=collate_fn_map) for s in zip(*batch)]
+    return [collate(s, collate_fn_map=collate_fn_map) for s in zip(*batch)]
+
+
+def collate_columns(
+    names: Sequence[str],
+    batched: Sequence[Any],
+    stacked: Sequence[bool],
+    nesting: Any,
+    tuples: bool,
+    collate_fn_map: dict[Any, Callable[..., Any]] | None = None,
+    lenient: bool = False,
+) -> Any:
+    """What ``default_collate`` makes of samples, from their columns as gathered.
+
+    A stacked column is taken as it is; the others (one value per row) are collated
+    as ``default_collate`` collates them: from a tuple sample as a tuple (a str
+    column comes out as a tuple of str), from a dict as a list; tensors of one shape
+    are stacked. Samples of ``output="tuple"`` give a list of columns, as
+    ``default_collate`` gives for tuples. ``lenient``: a column that
+    ``default_collate`` cannot collate (rows of different lengths) stays the list of
+    its rows instead of raising.
+    """
+    if nesting is None and all(stacked):  # every column as gathered
+        return list(batched) if tuples else dict(zip(names, batched))
+    if collate_fn_map is None:
+        collate_fn_map = default_collate_fn_map
+    top = _top_level(names, nesting) if tuples else ()
+    columns = []
+    for k, (b, done) in enumerate(zip(batched, stacked)):
+        if not done:
+            rows = (tuple if k in top else list)(b)
+            try:
+                b = collate(rows, collate_fn_map=collate_fn_map)
+            except (RuntimeError, TypeError):
+                if not lenient:
+                    raise
+                b = list(b)
+        columns.append(b)
+    if nesting is not None:
+        nested = rebuild(nesting, columns)
+        return list(nested.values()) if tuples else nested
+    return columns if tuples else dict(zip(names, columns))
+
+
+def _top_level(names: Sequence[str], nesting: Any) -> range | set[int]:
+    """The columns that are values of the samples themselves (not inside a nested dict)."""
+    if nesting is None:
+        return range(len(names))
+    return {child[1] for _, child in nesting[1] if child[0] == "leaf"}
 
 
 default_collate_fn_map[Row] = collate_rows

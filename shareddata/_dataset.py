@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ._batch import Samples
+from ._batch import Samples, collate_columns
 from ._columns import Column, ColumnSpec, TensorColumn
 from ._items import nest_paths, rebuild
 from ._load import Source, check_lengths
@@ -219,19 +219,25 @@ class ColumnDataset(Dataset):
         """One sample for an int; a batch (values stacked per column) for indices.
 
         ``ds[[3, 1, 4]]``, ``ds[2:10]``, ``ds[tensor]`` gather every column once and
-        return a batch shaped like the default collate's output. A ``transform`` is
-        applied per sample, then the samples are collated.
+        return the batch the default collate makes of those samples (same containers,
+        same values; ``collate_columns`` in ``_batch.py`` is the one place that says
+        how), except that a column it cannot collate (rows of different lengths)
+        stays the list of its rows. A ``transform`` is applied per sample, then the
+        samples are collated.
         """
         if is_int(index):
             i = self._check_index(index)
             sample = self._pack([c.get(i) for c in self._columns.values()])
             return sample if self.transform is None else self.transform(sample)
-        if self.transform is not None:
+        if self.transform is not None or type(self)._pack is not ColumnDataset._pack:
             from torch.utils.data import default_collate
 
             return default_collate(self.__getitems__(self._indices(index).tolist()))
         shared = get_worker_info() is not None  # leaving a worker: build it in shared memory
-        return self._pack(self._gather(index, shared)[1])
+        batched = self._gather(index, shared)[1]
+        stacked = [isinstance(b, torch.Tensor) for b in batched]
+        tuples = self.output != "dict"
+        return collate_columns(self._names, batched, stacked, self._nesting, tuples, lenient=True)
 
     def _gather(self, indices: Any, shared: bool) -> tuple[torch.Tensor, list[Any]]:
         """The checked indices and each column's gathered batch.

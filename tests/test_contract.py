@@ -67,6 +67,35 @@ def test_batches_equal_the_source(kind, tmp_path):
         assert_item(got, expected[i], kind)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_batches_are_what_the_default_collate_makes_of_the_samples(kind, tmp_path):
+    """Same containers and values as ``default_collate([ds[i] for i in order])``: a tuple
+    sample's str column is a tuple, a dict's a list; a list<float> column whose rows
+    are all of one length is stacked. From a loader with and without workers, and from
+    ``ds[indices]`` (what ``IndexBatchSampler`` batches are)."""
+    import pyarrow as pa
+    from torch.utils.data import default_collate
+
+    options = [{}]
+    if kind in COLUMN_KINDS:
+        options.append({"output": "tuple"})
+    if kind in NESTED_KINDS:
+        options += [{"nested": True}, {"nested": True, "output": "tuple"}]
+    order = [5, 0, 63, 17, 17, 2]
+    for k, kwargs in enumerate(options):
+        if kind == "arrow":  # and a list<float> column whose rows are all 3 long
+            table = pa.table({"v": [[float(i)] * 3 for i in range(ROWS)], "t": ["a"] * ROWS})
+            ds = sd.ArrowDataset(table, progress=False, **kwargs)
+        else:
+            ds, _ = make(kind, tmp_path / str(k), rows=ROWS, reuse=k > 0, **kwargs)
+        want = to_plain(default_collate([ds[i] for i in order]))
+        for workers in (0, 2):
+            loader = DataLoader(ds, batch_size=len(order), sampler=order, num_workers=workers)
+            assert to_plain(next(iter(loader))) == want, (kwargs, workers)
+        if kind != "shared_list":
+            assert to_plain(ds[order]) == want, kwargs
+
+
 @pytest.mark.parametrize("kind", COLUMN_KINDS)
 def test_tuple_output(kind, tmp_path):
     ds, expected = make(kind, tmp_path, rows=ROWS, output="tuple")
