@@ -33,7 +33,6 @@ from ._storage import to_numpy_dtype
 from .errors import (
     InvalidArgumentError,
     ItemMismatchError,
-    UnsupportedDtypeError,
 )
 
 __all__ = [
@@ -47,6 +46,7 @@ __all__ = [
     "describe_value",
     "field_name",
     "flatten",
+    "host_numpy",
     "infer_schema",
     "nest_paths",
     "numeric_list",
@@ -89,6 +89,17 @@ def describe_value(value: Any) -> str:
     return type(value).__name__
 
 
+_STORED_AS = {torch.bfloat16: torch.int16}
+"""Tensor dtypes numpy lacks, and the dtype of the same size their bits are stored as."""
+
+
+def host_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a numpy array on the host (a bfloat16 one's bits as int16)."""
+    tensor = tensor.detach().cpu()
+    stored = _STORED_AS.get(tensor.dtype)
+    return (tensor if stored is None else tensor.view(stored)).numpy()
+
+
 _PICKLED = "USVMm"
 """numpy kinds a tensor cannot hold (strings, records, datetimes): such values are pickled."""
 
@@ -96,14 +107,9 @@ _PICKLED = "USVMm"
 def classify(value: Any, path: str) -> Leaf | None:
     """The leaf for ``value``, or None when it is a structure (tuple, list, dict)."""
     if isinstance(value, torch.Tensor):
-        if value.dtype == torch.bfloat16:
-            raise UnsupportedDtypeError(
-                f"field {field_name(path)} is a bfloat16 tensor, which shared columns cannot hold "
-                "(numpy has no bfloat16); return .float() or .view(torch.int16) from the dataset."
-            )
         if value.layout is not torch.strided or value.is_quantized or value.is_nested:
             return Leaf(path, "pickle", np.dtype(np.uint8))  # sparse, quantized: kept whole
-        dtype = to_numpy_dtype(value.dtype)
+        dtype = to_numpy_dtype(_STORED_AS.get(value.dtype, value.dtype))
         return Leaf(path, "tensor", dtype, tuple(value.shape), torch_dtype=value.dtype)
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject or value.dtype.fields is not None or value.dtype.kind in _PICKLED:
@@ -279,6 +285,8 @@ def restore(kind: str, value: Any) -> Any:
     """A leaf value as the original returned it, from what its column gives."""
     if kind == "tensor":
         return value
+    if kind == "bfloat16":  # stored as its bits (int16)
+        return value.view(torch.bfloat16)
     if kind == "ndarray":
         return value.numpy()
     if kind == "npscalar":
@@ -304,9 +312,10 @@ def check_leaf(leaf: Leaf, value: Any, index: int) -> None:
     else:
         ok = got.kind == leaf.kind
         if ok and leaf.kind in ("tensor", "ndarray", "npscalar"):
-            ok = got.dtype == leaf.dtype
+            ok = got.dtype == leaf.dtype and got.torch_dtype == leaf.torch_dtype
     if not ok:
-        expected = f"{leaf.kind} {leaf.dtype}" if leaf.kind in FIXED - {"int"} else leaf.kind
+        dtype = leaf.dtype if leaf.torch_dtype is None else str(leaf.torch_dtype)[len("torch.") :]
+        expected = f"{leaf.kind} {dtype}" if leaf.kind in FIXED - {"int"} else leaf.kind
         raise ItemMismatchError(
             f"item {index}, field {field_name(leaf.path)}: expected {expected} as in item 0, "
             f"got {describe_value(value)}. Make every item return the same types (cast in the "

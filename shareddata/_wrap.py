@@ -51,9 +51,10 @@ class SharedDataset(ColumnDataset):
     Items come back with the same structure and types the original returned (a tuple
     stays a tuple, an ``int`` an ``int``, a numpy array a numpy array), so the
     default collate gives the batches the original gave. Items may hold tensors and
-    arrays (fixed or varying shape), Python numbers, ``str``, ``bytes``, lists of
-    numbers, and tuples/lists/dicts of these; any other picklable value is kept as
-    pickled bytes in a shared buffer.
+    arrays (fixed or varying shape, ``bfloat16`` too), Python numbers, ``str``,
+    ``bytes``, lists of numbers, and tuples/lists/dicts of these; any other picklable
+    value (datetimes, sparse tensors, objects) is kept as pickled bytes in a shared
+    buffer.
 
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``).

@@ -24,7 +24,7 @@ import torch
 
 from ._capacity import available_memory, full_error, resolve_storage_dir
 from ._handoff import file_size
-from ._items import Leaf
+from ._items import Leaf, host_numpy
 from ._linux import address_of, open_tmpfile
 from ._storage import Segment, SharedArray
 from ._text import format_bytes
@@ -311,7 +311,7 @@ class BlockWriter:
             except RuntimeError:  # e.g. tensors on a GPU: copy_ moves them
                 for row, value in zip(out, values):
                     row.copy_(value)
-            return out.numpy()
+            return host_numpy(out)
         if leaf.kind == "ndarray":
             stage = self._stages.get(id(target))
             if stage is None:

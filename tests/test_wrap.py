@@ -573,3 +573,27 @@ def test_fields_whose_paths_coincide_stay_apart():
             and got["r.shape"] == want["r.shape"]
         )
         assert torch.equal(got["r"], want["r"])
+
+
+def test_bfloat16_tensors_are_stored_as_their_bits_and_come_back_bfloat16():
+    """Fixed-shape and ragged bfloat16 tensors (mixed-precision features, embeddings)."""
+    g = torch.Generator().manual_seed(0)
+    items = [
+        {"emb": torch.randn(8, generator=g).bfloat16(), "r": torch.randn(i + 1, 2).bfloat16()}
+        for i in range(6)
+    ]
+    ds = sd.SharedDataset(items, progress=False)
+    assert ds.nbytes < 1024  # two bytes a value, no pickles
+    loader = DataLoader(ds, batch_size=3, num_workers=2, collate_fn=list, timeout=60)
+    for got, want in zip([ds[i] for i in range(6)] + [s for b in loader for s in b], items * 2):
+        assert got["emb"].dtype is torch.bfloat16 and torch.equal(got["emb"], want["emb"])
+        assert got["r"].dtype is torch.bfloat16 and torch.equal(got["r"], want["r"])
+    batch = next(
+        iter(DataLoader(ds, batch_size=6, collate_fn=lambda b: torch.stack([s["emb"] for s in b])))
+    )
+    assert torch.equal(batch, torch.stack([it["emb"] for it in items]))
+    # an int16 tensor is not a bfloat16 one, though both are stored as 16 bits
+    with pytest.raises(
+        sd.ItemMismatchError, match=r"item 1, field 'emb': expected tensor bfloat16"
+    ):
+        sd.SharedDataset([items[0], {"emb": torch.ones(8, dtype=torch.int16), "r": items[0]["r"]}])

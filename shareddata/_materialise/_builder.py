@@ -29,6 +29,7 @@ from .._items import (
     describe_value,
     field_name,
     flatten,
+    host_numpy,
     infer_schema,
     numeric_list,
 )
@@ -296,7 +297,7 @@ class Builder:
         buffer = self.var[n]
         if leaf.ragged:
             for value in values:
-                data = value.cpu().numpy() if isinstance(value, torch.Tensor) else value
+                data = host_numpy(value) if isinstance(value, torch.Tensor) else value
                 data = np.ascontiguousarray(data)
                 buffer.add(data.reshape(-1).view(np.uint8), data.shape)
         elif leaf.kind == "str":
@@ -407,5 +408,6 @@ class Builder:
                     )
                     parts.append((TensorColumn, spec, {"data": shapes}))
                 del buffer  # free the private offsets now
-            kinds.append(leaf.kind + ("+ragged" if leaf.ragged else ""))
+            kind = "bfloat16" if leaf.torch_dtype is torch.bfloat16 else leaf.kind
+            kinds.append(kind + ("+ragged" if leaf.ragged else ""))
         return parts, kinds
