@@ -584,6 +584,8 @@ def test_bfloat16_tensors_are_stored_as_their_bits_and_come_back_bfloat16():
     ]
     ds = sd.SharedDataset(items, progress=False)
     assert ds.nbytes < 1024  # two bytes a value, no pickles
+    read_by_workers = sd.SharedDataset(items, num_workers=2, progress=False)
+    assert all(torch.equal(read_by_workers[i]["emb"], items[i]["emb"]) for i in range(6))
     loader = DataLoader(ds, batch_size=3, num_workers=2, collate_fn=list, timeout=60)
     for got, want in zip([ds[i] for i in range(6)] + [s for b in loader for s in b], items * 2):
         assert got["emb"].dtype is torch.bfloat16 and torch.equal(got["emb"], want["emb"])
