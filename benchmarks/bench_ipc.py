@@ -20,8 +20,13 @@ IPC floor (workers return a new batch without reading anything):
 - ``memfd, reused`` (after): a batch memfd is reused once nothing maps it
   (Note [Reusing a batch's pages] in ``shareddata/_transport.py``);
 - ``samples, identity collate``: ``collate_fn=lambda b: b`` over a NumpyDataset:
-  256 sample views of one memfd, which cross as one handle (Note [Tensors over our
-  memory cross by handle] in ``shareddata/_reduce.py``).
+  the list of 256 samples, never looked at in the worker, crosses as its gathered
+  columns and is made into samples in the main process (Note [Samples made when
+  first used] in ``shareddata/_batch.py``; before, 512 tensor views of one memfd,
+  each pickled: Note [Tensors over our memory cross by handle] in
+  ``shareddata/_reduce.py``);
+- ``samples, tuple(zip(*batch))``: torchvision detection's collate: two tuples of
+  256 views of one memfd.
 
 Loaders (samples/s): ``sd.NumpyDataset`` with the default collate and with the
 ``IndexBatchSampler`` fast path, against Hugging Face ``datasets``
@@ -87,6 +92,11 @@ def identity(batch: Any) -> Any:
     return batch
 
 
+def zipped(batch: Any) -> Any:
+    """``collate_fn=lambda b: tuple(zip(*b))`` (torchvision's detection references)."""
+    return tuple(zip(*batch))
+
+
 def ipc_loaders(data: sd.NumpyDataset, n: int) -> dict[str, DataLoader]:
     """The IPC-floor loaders, each with 2 persistent fork workers."""
     kw: dict[str, Any] = {
@@ -109,6 +119,13 @@ def ipc_loaders(data: sd.NumpyDataset, n: int) -> dict[str, DataLoader]:
             batch_size=ROWS,
             sampler=range(min(n * ROWS, len(data))),
             collate_fn=identity,
+            **kw,
+        ),
+        "samples, tuple(zip(*batch))": DataLoader(
+            data,
+            batch_size=ROWS,
+            sampler=range(min(n * ROWS, len(data))),
+            collate_fn=zipped,
             **kw,
         ),
     }
@@ -202,7 +219,12 @@ def measure(loaders: dict[str, DataLoader], rounds: int, fn: Callable[[DataLoade
     return out
 
 
-AB_IPC = ("no data (an int): the DataLoader's own cost", "memfd, reused (after)")
+AB_IPC = (
+    "no data (an int): the DataLoader's own cost",
+    "memfd, reused (after)",
+    "samples, identity collate",
+    "samples, tuple(zip(*batch))",
+)
 AB_LOADERS = ("shareddata, default collate", "shareddata, IndexBatchSampler")
 
 

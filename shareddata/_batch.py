@@ -190,6 +190,12 @@ class Samples(list):  # type: ignore[type-arg]
         return list.__add__(other, list(self)) if isinstance(other, list) else NotImplemented
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        if self._pending and self._first is None:
+            # never looked at (``collate_fn=lambda b: b``): cross as the gathered
+            # columns, a few tensors instead of one per row and column; the samples
+            # are made where they are first used (Note [Samples made when first used])
+            args = (self.names, self.batched, self.stacked, self._n, self.nesting, self._tuples)
+            return _from_columns, args
         return list, (list(self),)
 
     def intact(self) -> bool:
@@ -235,6 +241,22 @@ class Samples(list):  # type: ignore[type-arg]
             if not ok or not all(o is v[j] for o, v in zip(out, values)):
                 return False
         return True
+
+
+def _from_columns(
+    names: list[str], batched: list[Any], stacked: list[bool], n: int, nesting: Any, tuples: bool
+) -> Samples:
+    """Unpickle :class:`Samples` that crossed as their columns (still to be made)."""
+    splits = [_unbind if s else _as_is for s in stacked]
+    return Samples(names, batched, stacked, splits, n, nesting, tuples)
+
+
+def _unbind(batch: Any) -> list[Any]:
+    return list(batch.unbind(0))
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
 
 
 def _forcing(name: str) -> Callable[..., Any]:

@@ -159,6 +159,25 @@ def _equal_loose(a, b):
     return _equal(a, b)
 
 
+def test_samples_never_looked_at_pickle_as_their_columns():
+    """What ``collate_fn=lambda b: b`` sends: a few tensors, not one per row and column."""
+    from multiprocessing.reduction import ForkingPickler
+
+    ds = sd.NumpyDataset({"x": np.random.rand(4096, 8), "y": np.arange(4096)}, progress=False)
+    idx = list(range(0, 4096, 16))
+    expected = [ds[i] for i in idx]
+    small = len(ForkingPickler.dumps(ds.__getitems__(idx)))
+    samples = ds.__getitems__(idx)
+    list(samples)  # looked at: crosses as the list of its samples
+    assert small * 10 < len(ForkingPickler.dumps(samples))
+    for crossed in (
+        pickle.loads(pickle.dumps(ds.__getitems__(idx))),
+        pickle.loads(ForkingPickler.dumps(ds.__getitems__(idx))),
+    ):
+        assert _equal_loose(crossed, expected)
+        assert default_collate(crossed)["x"] is crossed.batched[0]  # still the shortcut
+
+
 def test_the_default_collate_makes_no_per_row_samples(monkeypatch):
     from shareddata._columns import TensorColumn
 

@@ -96,6 +96,27 @@ def test_batches_are_what_the_default_collate_makes_of_the_samples(kind, tmp_pat
             assert to_plain(ds[order]) == want, kwargs
 
 
+def _as_they_come(samples):
+    return samples
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_samples_returned_untouched_by_the_collate_arrive(kind, tmp_path):
+    """``collate_fn=lambda b: b`` from workers: the samples arrive, equal and usable
+    (a list never looked at in the worker crosses as its columns, made on arrival)."""
+    ds, expected = make(kind, tmp_path, rows=ROWS)
+    order = [5, 0, 63, 17, 17, 2]
+    for method in ("fork", "spawn") if kind == "numpy" else ("fork",):
+        loader = DataLoader(
+            ds, batch_size=3, sampler=order, num_workers=2, collate_fn=_as_they_come,
+            multiprocessing_context=method, timeout=60,
+        )  # fmt: skip
+        got = [s for batch in loader for s in batch]
+        assert len(got) == len(order)
+        for sample, i in zip(got, order):
+            assert_item(sample, expected[i], kind)
+
+
 @pytest.mark.parametrize("kind", COLUMN_KINDS)
 def test_tuple_output(kind, tmp_path):
     ds, expected = make(kind, tmp_path, rows=ROWS, output="tuple")
