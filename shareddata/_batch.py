@@ -41,9 +41,14 @@ collate nobody ever looks at them. So a :class:`Samples` list starts empty and
 makes its samples at their first use. ``default_collate`` reads ``batch[0]`` (to
 pick its collate function by type) and ``len(batch)``: the first sample is made
 alone, from the first row of each column, and kept. Any other use (iterating,
-indexing another row, slicing, comparing, changing, pickling: every ``list``
-method is wrapped) makes all samples first, the kept first one among them, so
-what a ``collate_fn`` sees is the list ``__getitems__`` always returned.
+indexing another row, slicing, comparing, changing: every ``list`` method is
+wrapped) makes all samples first, the kept first one among them, so what a
+``collate_fn`` sees is the list ``__getitems__`` always returned. Pickling a list
+that nobody looked at (a ``collate_fn`` that returns it as it is) sends its
+gathered columns, unpickled as a :class:`Samples` again whose samples are still to
+be made: leaving a worker it costs a few tensors, not one per row and column
+(``benchmarks/bench_ipc.py``, the identity collate); any other list pickles as the
+plain list of its samples.
 :meth:`Samples.intact` then holds for a list never made if its first sample (if
 made) still holds its values. C code that reads a ``list`` subclass's items
 without its methods (``list.__add__`` in ``[x] + samples`` or ``samples +
