@@ -12,9 +12,12 @@ import errno
 import functools
 import mmap
 import os
+import threading
+import weakref
 from typing import Any
 
 __all__ = [
+    "ForkSafeLock",
     "MADV_HUGEPAGE",
     "MADV_POPULATE_WRITE",
     "MAP_PRIVATE_ANONYMOUS_FIXED",
@@ -37,6 +40,47 @@ PROT_READ_WRITE = 0x1 | 0x2
 MAP_PRIVATE_FIXED = 0x02 | 0x10
 MAP_PRIVATE_ANONYMOUS_FIXED = 0x02 | 0x20 | 0x10
 _TMPFS_MAGIC = 0x01021994
+
+
+class ForkSafeLock:
+    """A lock that a ``fork`` child always gets unlocked.
+
+    A child is forked from one thread of its parent; a lock that another thread
+    held at that moment stays held in the child forever, and its first use there
+    deadlocks (a ``multiprocessing.Pool`` forks replacement workers from its
+    worker-handler thread while its result-handler thread unpickles, and attaches,
+    what workers returned). What such a lock guards here are registries whose worst
+    state after a fork is an entry too many.
+
+    Example:
+        >>> lock = ForkSafeLock()
+        >>> with lock:
+        ...     pass
+    """
+
+    __slots__ = ("__weakref__", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        _FORK_SAFE_LOCKS.add(self)
+
+    def __enter__(self) -> ForkSafeLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+_FORK_SAFE_LOCKS: weakref.WeakSet[ForkSafeLock] = weakref.WeakSet()
+
+
+def _unlock_in_child() -> None:
+    for lock in list(_FORK_SAFE_LOCKS):
+        lock._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_in_child)
 
 
 @functools.lru_cache(maxsize=1)

@@ -318,3 +318,45 @@ def test_the_same_run_killed_midway_leaves_nothing():
     assert len(segments) == 4, run.stdout + run.stderr
     assert _gone(segments)
     assert run.leftovers == []
+
+
+def _build_in_a_fork_child():
+    a = sd.SharedArray.empty((256, 1024), "float32")  # segments, pages, registries
+    a.numpy()[:] = 1
+    ds = sd.NumpyDataset({"x": a.numpy()}, progress=False)
+    assert float(ds[3]["x"].sum()) == 1024
+
+
+def test_a_child_forked_while_another_thread_holds_the_locks_does_not_deadlock():
+    """A Pool forks a new worker (maxtasksperchild) from one thread while its
+    result thread attaches a returned array: the child must not inherit a held lock."""
+    import threading
+
+    from shareddata._storage import _pages, _segment
+    from shareddata.distributed import _node_load
+
+    locks = [_segment._ATTACH_LOCK, _pages._POPULATIONS_LOCK, _node_load._DATASETS_LOCK]
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        for lock in locks:
+            lock.__enter__()
+        held.set()
+        release.wait(30)
+        for lock in locks:
+            lock.__exit__(None, None, None)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    try:
+        child = mp.get_context("fork").Process(target=_build_in_a_fork_child)
+        child.start()
+        child.join(30)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive and child.exitcode == 0, "the child deadlocked on a lock held at fork"
+    finally:
+        release.set()
+        holder.join()

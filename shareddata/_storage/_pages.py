@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .._capacity import FULL_ERRNOS, available_memory, fallocate, full_error
-from .._linux import MADV_HUGEPAGE, MADV_POPULATE_WRITE, address_of, madvise
+from .._linux import MADV_HUGEPAGE, MADV_POPULATE_WRITE, ForkSafeLock, address_of, madvise
 
 if TYPE_CHECKING:
     from ._segment import Segment
@@ -152,7 +152,7 @@ def population_failed(error: int, fd: int, size: int, directory: str | None, wha
 # reserved before the source gets its buffers, as for any other segment.
 
 _POPULATIONS: list[Population] = []
-_POPULATIONS_LOCK = threading.Lock()
+_POPULATIONS_LOCK = ForkSafeLock()
 
 
 class Population:

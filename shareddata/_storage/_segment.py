@@ -38,7 +38,6 @@ import functools
 import mmap
 import os
 import secrets
-import threading
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -56,6 +55,7 @@ from .._linux import (
     MADV_HUGEPAGE,
     MAP_PRIVATE_FIXED,
     PROT_READ_WRITE,
+    ForkSafeLock,
     address_of,
     file_identity,
     is_tmpfs,
@@ -70,7 +70,7 @@ from ._pages import Population, populate, population_failed
 __all__ = ["Segment", "attach", "attached_segments"]
 
 _ATTACHED: weakref.WeakValueDictionary[tuple[str, bool], Segment] = weakref.WeakValueDictionary()
-_ATTACH_LOCK = threading.Lock()
+_ATTACH_LOCK = ForkSafeLock()
 
 
 class Segment:

@@ -82,6 +82,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import errors
+from .._linux import ForkSafeLock
 from ..errors import LocalRankError, LocalRankTimeoutError
 from ._context import TIMEOUT_ENV, NodeContext, Shard, Share, node_context, resolve_timeout
 from ._fingerprint import describe, fingerprint
@@ -94,7 +95,7 @@ _HEARTBEAT = 1.0  # seconds between local rank 0's "still loading" messages
 
 
 _DATASETS = itertools.count()
-_DATASETS_LOCK = threading.Lock()
+_DATASETS_LOCK = ForkSafeLock()
 
 
 def load_on_node(
