@@ -472,6 +472,8 @@ class HDF5Dataset(ColumnDataset):
                     share=share,
                     shard=shard,
                     timeout=timeout,
+                    # what ranks must agree on: the file and the columns, in order
+                    key=("HDF5Dataset", source.label, [p.name for p in source.plans]),
                 ),
                 transform=transform,
                 output=output,

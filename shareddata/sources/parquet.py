@@ -544,6 +544,14 @@ class ParquetDataset(ColumnDataset):
                 share=share,
                 shard=shard,
                 timeout=timeout,
+                # what ranks must agree on: every file, the columns in order, the options
+                key=(
+                    "ParquetDataset",
+                    list(source.paths),
+                    [c.name for c in source.columns],
+                    repr(fill_value),
+                    records,
+                ),
             ),
             transform=transform,
             output=output,

@@ -238,6 +238,32 @@ def test_local_rank_0_failing_reaches_the_other_rank(id_folder):
     assert 2.9 < absent["seconds"] < 10
 
 
+def test_ranks_that_select_differently_are_refused(tmp_path):
+    """Same file, other columns / column order / files / fill_value: a LocalRankError
+    on both ranks (the other rank got local rank 0's columns, silently)."""
+    import h5py
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with h5py.File(tmp_path / "xy.h5", "w") as f:
+        f["x"], f["y"] = np.arange(8.0), np.arange(8) * 10
+    pq.write_table(pa.table({"x": np.arange(8.0), "y": np.arange(8) * 10}), tmp_path / "xy.parquet")
+    for name, k in (("xy2", 100), ("more", 1000)):
+        table = pa.table({"x": np.arange(8.0) + k, "y": np.arange(8) + k})
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+    pq.write_table(pa.table({"n": pa.array([1, None, 3])}), tmp_path / "nulls.parquet")
+    run = torchrun(
+        "--standalone", "--nproc_per_node=2", os.path.join(SCRIPTS, "failures.py"), "selection",
+        str(tmp_path), SHAREDDATA_TIMEOUT="20",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = {(r["scenario"], r["local_rank"]): r for r in results(run.stdout)}
+    for scenario in ("hdf5 keys", "parquet columns", "parquet files", "parquet fill"):
+        for rank in (0, 1):
+            assert got[scenario, rank]["type"] == "LocalRankError", (scenario, rank, got)
+    assert got["same", 0]["type"] is None and got["same", 1]["type"] is None
+
+
 @pytest.mark.slow
 def test_local_rank_0_killed_while_loading(id_folder):
     """SIGKILL of local rank 0 mid-load: the other rank fails at once, not after a timeout."""

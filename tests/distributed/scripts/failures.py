@@ -80,10 +80,30 @@ def errors_scenario(folder):
         attempt("absent", lambda: sd.NumpyDataset(np.arange(10)))
 
 
+def selection_scenario(folder):
+    """One file, a different selection per rank: refused, never the other rank's data."""
+    path = os.path.join(folder, "{}")
+    keys = ["x", "y"] if LOCAL_RANK == 0 else ["y", "x"]
+    attempt("hdf5 keys", lambda: sd.HDF5Dataset(path.format("xy.h5"), keys, output="tuple"))
+    attempt("parquet columns", lambda: sd.ParquetDataset(path.format("xy.parquet"), keys))
+    files = [
+        path.format("xy.parquet"),
+        path.format("more.parquet" if LOCAL_RANK else "xy2.parquet"),
+    ]
+    attempt("parquet files", lambda: sd.ParquetDataset(files))
+    fill = -1 if LOCAL_RANK == 0 else -999
+    attempt(
+        "parquet fill", lambda: sd.ParquetDataset(path.format("nulls.parquet"), fill_value=fill)
+    )
+    attempt("same", lambda: sd.HDF5Dataset(path.format("xy.h5"), ["x", "y"]))  # agreed: fine
+
+
 def main():
     scenario, folder = sys.argv[1], sys.argv[2]
     if scenario == "errors":
         errors_scenario(folder)
+    elif scenario == "selection":
+        selection_scenario(folder)
     elif scenario == "dies":
         attempt("dies", lambda: build(lambda: _Dying()))
 
