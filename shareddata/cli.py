@@ -243,6 +243,13 @@ def _verify(args: argparse.Namespace) -> int:
         )
     except DuplicationError as e:
         report = e.report
+    except SharedDataError:
+        raise
+    except Exception as e:  # the user's loader failed: an error (2), not "duplicated" (1)
+        raise CommandError(
+            f"{args.target}'s DataLoader failed while verify iterated it: "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        ) from e
     if args.json:
         print(report.to_json(indent=2))
         print(verdict_line(report), file=sys.stderr)

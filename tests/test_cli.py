@@ -161,6 +161,12 @@ def test_usage_errors_are_one_line_with_exit_code_2(tmp_path, monkeypatch, capsy
         "import torch\nNOT_A_FUNCTION = 3\n"
         "def dataset():\n    return torch.utils.data.TensorDataset(torch.zeros(4))\n"
         "def broken():\n    raise RuntimeError('boom')\n"
+        "def empty():\n"
+        "    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0)))\n"
+        "class Bad(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n        return 4\n"
+        "    def __getitem__(self, i):\n        return {}['label']\n"
+        "def failing():\n    return torch.utils.data.DataLoader(Bad())\n"
     )
     (tmp_path / "needs_missing.py").write_text("import no_such_package_h4\n")
     (tmp_path / "notes.txt").write_text("not data")
@@ -173,6 +179,9 @@ def test_usage_errors_are_one_line_with_exit_code_2(tmp_path, monkeypatch, capsy
         (["verify", "factories:NOT_A_FUNCTION"], "is a int, not a function"),
         (["verify", "factories:dataset"], "returned a TensorDataset, not a torch"),
         (["verify", "factories:broken"], "factories:broken() raised RuntimeError"),
+        # a loader that yields nothing, or fails, is an error (2), never "duplicated" (1)
+        (["verify", "factories:empty"], "the DataLoader yielded no batch"),
+        (["verify", "factories:failing"], "failed while verify iterated it: KeyError"),
         (["info", "missing.h5"], "missing.h5 does not exist"),
         (["info", "notes.txt"], "notes.txt: not a format shareddata reads"),
         (["info", "x.npy", "--columns", "nope"], "nope"),

@@ -137,7 +137,7 @@ from typing import Any
 import psutil
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..errors import DuplicationError
+from ..errors import ArgumentTypeError, DuplicationError, InvalidArgumentError
 from ._account import account, batch_nbytes, resolution
 from ._baseline import probe_baseline
 from ._node import node_verifier
@@ -194,12 +194,16 @@ def verify(
         (0, ['main'])
     """
     if not isinstance(loader, DataLoader):
-        raise TypeError(f"verify() takes a torch.utils.data.DataLoader, got {type(loader)!r}")
+        raise ArgumentTypeError(
+            f"verify() takes a torch.utils.data.DataLoader, got {type(loader)!r}"
+        )
     if batches is not None and int(batches) < 1:
-        raise ValueError(f"batches must be a positive number of batches or None, got {batches!r}")
+        raise InvalidArgumentError(
+            f"batches must be a positive number of batches or None, got {batches!r}"
+        )
     nbytes = dataset_nbytes(loader.dataset) if dataset_bytes is None else int(dataset_bytes)
     if nbytes < 0:
-        raise ValueError(f"dataset_bytes must be >= 0, got {dataset_bytes!r}")
+        raise InvalidArgumentError(f"dataset_bytes must be >= 0, got {dataset_bytes!r}")
     num_workers = int(loader.num_workers)
 
     start_method = _start_method(loader)
@@ -327,7 +331,7 @@ def _run_and_measure(
     every = target is None or isinstance(loader.dataset, IterableDataset)
     if getattr(measurer, "node_wide", False):  # one meeting, at a last batch known ahead
         if target is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "verify() across local ranks needs batches= for a loader without len()"
             )
         every = False
@@ -354,7 +358,10 @@ def _run_and_measure(
         # A persistent loader keeps its workers; the next iter(loader) resets them.
         del iterator
     if not rows:
-        raise ValueError("the DataLoader yielded no batch: there is nothing to measure")
+        raise InvalidArgumentError(
+            "the DataLoader yielded no batch: there is nothing to measure (an empty dataset, "
+            "or a sampler with no indices); verify a loader that yields at least one batch"
+        )
     return rows, received, batch_bytes
 
 
