@@ -147,7 +147,7 @@ def load_on_node(
     with _DATASETS_LOCK:
         number = next(_DATASETS)
     wanted = fingerprint((key, shard))
-    label = describe(key)
+    label = describe(key) if shard is None else f"{describe(key)} with shard={shard!r}"
     name = socket_name(ctx, "dataset", number)
     if ctx.local_rank == 0:
         return _publish(ctx, name, number, wanted, label, here, limit)

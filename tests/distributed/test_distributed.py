@@ -258,9 +258,11 @@ def test_ranks_that_select_differently_are_refused(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
     got = {(r["scenario"], r["local_rank"]): r for r in results(run.stdout)}
-    for scenario in ("hdf5 keys", "parquet columns", "parquet files", "parquet fill"):
+    for scenario in ("hdf5 keys", "parquet columns", "parquet files", "parquet fill", "shard"):
         for rank in (0, 1):
             assert got[scenario, rank]["type"] == "LocalRankError", (scenario, rank, got)
+    shard = got["shard", 1]["message"]  # says what differs, not "in-memory data"
+    assert "shard='node'" in shard and "in-memory data differs" not in shard, shard
     assert got["same", 0]["type"] is None and got["same", 1]["type"] is None
 
 

@@ -95,6 +95,8 @@ def selection_scenario(folder):
     attempt(
         "parquet fill", lambda: sd.ParquetDataset(path.format("nulls.parquet"), fill_value=fill)
     )
+    shard = "node" if LOCAL_RANK == 0 else None
+    attempt("shard", lambda: sd.HDF5Dataset(path.format("xy.h5"), ["x"], shard=shard))
     attempt("same", lambda: sd.HDF5Dataset(path.format("xy.h5"), ["x", "y"]))  # agreed: fine
 
 
