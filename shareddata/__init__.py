@@ -7,9 +7,15 @@ Example:
     {'data': tensor([0., 1.])}
 """
 
-from ._sampler import IndexBatchSampler
-from ._storage import SharedArray
-from ._wrap import SharedDataset, SharedList
+from .crossing import IndexBatchSampler
+from .datasets import (
+    ArrowDataset,
+    HDF5Dataset,
+    NumpyDataset,
+    ParquetDataset,
+    SharedDataset,
+    SharedList,
+)
 from .distributed import NodeShardSampler
 from .errors import (
     ArgumentTypeError,
@@ -37,10 +43,7 @@ from .errors import (
     UnsupportedDtypeError,
 )
 from .memory import MemoryReport, ProcessMemory, verify
-from .sources.arrow import ArrowDataset
-from .sources.hdf5 import HDF5Dataset
-from .sources.npy import NumpyDataset
-from .sources.parquet import ParquetDataset
+from .storage import SharedArray
 
 __version__ = "0.1.0"
 

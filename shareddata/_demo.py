@@ -136,7 +136,7 @@ def run_demo(options: DemoOptions) -> int:
         path = os.path.join(tmp, "features.npy")
         _write(path, rows)
         naive = _run(options, "[1/2] naive numpy Dataset", lambda: NaiveDataset(path), seen)
-        from .sources.npy import NumpyDataset
+        from .datasets import NumpyDataset
 
         shared = _run(options, "[2/2] shareddata.NumpyDataset", lambda: NumpyDataset(path), seen)
     finally:

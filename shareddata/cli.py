@@ -17,10 +17,10 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from ._capacity import available_memory
-from ._columns import ColumnSpec
 from ._text import format_bytes, parse_size, plural
+from .columns._columns import ColumnSpec
 from .errors import DuplicationError, SharedDataError
+from .storage._capacity import available_memory
 
 __all__ = ["build_parser", "main", "open_source"]
 
@@ -280,7 +280,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _clean(args: argparse.Namespace) -> int:
-    from ._sweep import sweep
+    from .storage._sweep import sweep
 
     if not os.path.isdir(args.dir):
         raise CommandError(f"{args.dir} is not a folder")

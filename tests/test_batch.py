@@ -179,7 +179,7 @@ def test_samples_never_looked_at_pickle_as_their_columns():
 
 
 def test_the_default_collate_makes_no_per_row_samples(monkeypatch):
-    from shareddata._columns import TensorColumn
+    from shareddata.columns._columns import TensorColumn
 
     cuts = []
     split = TensorColumn.split

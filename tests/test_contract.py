@@ -224,12 +224,14 @@ def test_bad_share_and_shard_arguments(kind, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_arguments_are_refused_before_anything_is_loaded(kind, tmp_path, monkeypatch):
     """A wrong transform, output, nested, share, timeout or storage_dir costs no load."""
-    import shareddata._load
+    import shareddata.datasets._load
 
     make(kind, tmp_path, rows=ROWS)  # the files, before the spy counts loads
     loads = []
-    load_here = shareddata._load._load_here
-    monkeypatch.setattr(shareddata._load, "_load_here", lambda *a: loads.append(a) or load_here(*a))
+    load_here = shareddata.datasets._load._load_here
+    monkeypatch.setattr(
+        shareddata.datasets._load, "_load_here", lambda *a: loads.append(a) or load_here(*a)
+    )
     bad: list[dict] = [
         {"share": "everywhere"},
         {"timeout": -1},

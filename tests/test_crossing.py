@@ -4,7 +4,7 @@ One ``collate_fn`` returns every shape at once (the samples themselves, a list o
 sample values, slices and non-contiguous views of the collated batch, nested
 dicts, the default collate, torchvision's ``tuple(zip(*batch))``), for every
 dataset kind at once, so that each worker start checks every shape on every kind.
-Note [Tensors over our memory cross by handle] in ``shareddata/_reduce.py``.
+Note [Tensors over our memory cross by handle] in ``shareddata/crossing/_reduce.py``.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def _count_receptions(monkeypatch):
     """Count in RECEIVED how the main process receives each shared segment."""
     from torch.multiprocessing import reductions
 
-    from shareddata import _reduce, _transport
+    from shareddata.crossing import _reduce, _transport
 
     for module, name in [
         (reductions, "rebuild_storage_fd"),  # a torch segment, sent as a descriptor
@@ -449,7 +449,7 @@ def test_a_smaller_batch_gathered_into_a_reused_memfd_still_crosses_by_handle():
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from shareddata import _transport
+    from shareddata.crossing import _transport
 
     first = _transport.worker_empty((1000, 256), torch.float32)
     inode = _inode(first)

@@ -55,7 +55,7 @@ def test_every_class_of_errors_py_is_in_its_all():
 
 
 def test_old_import_locations_still_work():
-    from shareddata._materialise import ItemMismatchError, ItemValueError
+    from shareddata.datasets._materialise import ItemMismatchError, ItemValueError
 
     assert ItemMismatchError is errors.ItemMismatchError
     assert ItemValueError is errors.ItemValueError

@@ -1,6 +1,6 @@
 """Arrays and datasets made in pool workers and returned to the parent arrive with their data.
 
-Note [Handing a segment over] in shareddata/_handoff.py: the worker keeps what it
+Note [Handing a segment over] in shareddata/storage/_handoff.py: the worker keeps what it
 sent until the parent has opened it, whether it drops it at once, keeps running, or
 exits right after the task.
 """
@@ -332,8 +332,8 @@ def test_a_child_forked_while_another_thread_holds_the_locks_does_not_deadlock()
     result thread attaches a returned array: the child must not inherit a held lock."""
     import threading
 
-    from shareddata._storage import _pages, _segment
     from shareddata.distributed import _node_load
+    from shareddata.storage import _pages, _segment
 
     locks = [_segment._ATTACH_LOCK, _pages._POPULATIONS_LOCK, _node_load._DATASETS_LOCK]
     held, release = threading.Event(), threading.Event()

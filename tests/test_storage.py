@@ -10,8 +10,8 @@ import torch
 from conftest import START_METHODS, holders, open_fds, run_isolated
 
 import shareddata as sd
-from shareddata._capacity import available_memory
-from shareddata._storage import Segment
+from shareddata.storage import Segment
+from shareddata.storage._capacity import available_memory
 
 
 def _fill(arr, start, stop, value):
@@ -132,7 +132,7 @@ def test_too_large_raises_before_allocating():
 
 def test_the_memory_cgroup_of_this_process_limits_it_not_only_the_root(tmp_path, monkeypatch):
     """A limit on the job's own cgroup (Slurm, systemd; cgroup v1 or v2) counts, the root's too."""
-    from shareddata import _capacity
+    from shareddata.storage import _capacity
 
     with open("/proc/self/cgroup") as f:
         lines = [line.split(":", 2) for line in f.read().splitlines()]
@@ -201,7 +201,7 @@ def test_a_multiprocessing_pickle_keeps_the_segment_until_it_is_received():
     # Note [Handing a segment over]: ForkingPickler (queues, pools) draws a ticket
     from multiprocessing.reduction import ForkingPickler
 
-    from shareddata import _handoff
+    from shareddata.storage import _handoff
 
     a = sd.SharedArray.from_array(np.arange(5))
     data, fd = ForkingPickler.dumps(a), a.segment.fd

@@ -8,7 +8,7 @@ import time
 import pytest
 from conftest import REPO, can_unshare, run_isolated
 
-from shareddata._sweep import leftovers, sweep
+from shareddata.storage._sweep import leftovers, sweep
 
 
 def _dead_pid() -> int:

@@ -360,7 +360,7 @@ class Mixed(Dataset):
 def test_a_failure_mid_way_stops_the_writer_and_frees_everything(failure, monkeypatch):
     import errno
 
-    from shareddata import _writer
+    from shareddata.storage import _writer
 
     class Big(Dataset):
         def __len__(self):
@@ -514,7 +514,7 @@ def test_small_text_fits_where_little_room_is_left(kind, monkeypatch):
 
     (The room was checked 64 MiB at a time, so any text needed 64 MiB free.)
     """
-    from shareddata import _writer
+    from shareddata.storage import _writer
 
     monkeypatch.setattr(_writer, "available_memory", lambda directory=None: 1 << 20)
 

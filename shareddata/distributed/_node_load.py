@@ -82,8 +82,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import errors
-from .._linux import ForkSafeLock
 from ..errors import LocalRankError, LocalRankTimeoutError
+from ..storage._linux import ForkSafeLock
 from ._context import TIMEOUT_ENV, NodeContext, Shard, Share, node_context, resolve_timeout
 from ._fingerprint import describe, fingerprint
 from ._wire import Closed, connect, error_info, listen, peer, rebuild_error, recv, send, socket_name

@@ -1,7 +1,7 @@
 """Arrow columns -> shared buffers: a selected column's sizing pass and its copy.
 
-What :class:`~shareddata.sources.arrow.ArrowDataset` (in-memory tables) and
-:class:`~shareddata.sources.parquet.ParquetDataset` (decoded Parquet batches) share:
+What :class:`~shareddata.ArrowDataset` (in-memory tables) and
+:class:`~shareddata.ParquetDataset` (decoded Parquet batches) share:
 a selected column (:class:`ArrowColumn`: its kind from ``_arrow_types.py``, its fill
 value and null handling), its sizing pass (:class:`Sizer`) and its copy into the
 buffers (:class:`Writer`, only through ``Buffer.rows``); see Note [Reading Parquet
@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from .._columns import ColumnSpec
-from .._load import Buffer
-from .._nested import NestedSpec
+from ..columns._columns import ColumnSpec
+from ..columns._nested import NestedSpec
 from ..errors import NullValuesError, SourceReadError, UnsupportedDtypeError
 from ._arrow_nested import Parts, decoded, parts
 from ._arrow_types import classify, normalize, pyarrow_module
+from ._source import Buffer
 
 __all__ = ["ArrowColumn", "Sizer", "Writer", "rebase_offsets"]
 

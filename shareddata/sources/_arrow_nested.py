@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .._nested import Level, children
+from ..columns._nested import Level, children
 from ..errors import UnsupportedDtypeError
 
 __all__ = ["Parts", "Refused", "decoded", "level_of", "parts"]

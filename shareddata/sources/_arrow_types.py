@@ -1,7 +1,7 @@
 """Arrow types -> column kinds: which kind a type is stored as, and its physical form.
 
-What :class:`~shareddata.sources.arrow.ArrowDataset` and
-:class:`~shareddata.sources.parquet.ParquetDataset` share about types: a column's
+What :class:`~shareddata.ArrowDataset` and
+:class:`~shareddata.ParquetDataset` share about types: a column's
 kind (:func:`classify`, or an :class:`UnsupportedDtypeError` naming the column, the
 type and the fix) and a chunk normalised to the few physical layouts the copy in
 ``_arrow_columns.py`` understands (:func:`normalize`).
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .._nested import Level
+from ..columns._nested import Level
 from ..errors import UnsupportedDtypeError, missing_dependency
 from ._arrow_nested import Refused, decoded, level_of, temporal_storage
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .._load import Buffer
 from ..errors import SourceReadError
+from ._source import Buffer
 
 __all__ = ["copy_field", "copy_raw", "inflatable", "inflate", "raw_offset", "record_runs"]
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .._load import Buffer
 from ..errors import SourceReadError
 from ._hdf5_layout import Plan
+from ._source import Buffer
 
 __all__ = ["VariableReader"]
 

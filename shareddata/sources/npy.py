@@ -15,14 +15,12 @@ import reprlib
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from .._columns import ColumnSpec
-from .._dataset import ColumnDataset, Output
-from .._load import Buffer, build
+from ..columns._columns import ColumnSpec
 from ..errors import (
     ArgumentTypeError,
     EmptySelectionError,
@@ -32,8 +30,9 @@ from ..errors import (
     UnsupportedDtypeError,
 )
 from ._io import read_into
+from ._source import Buffer
 
-__all__ = ["NumpyDataset", "NumpySource"]
+__all__ = ["NumpySource"]
 
 _CHUNK = 64 << 20
 PathLike = str | os.PathLike
@@ -398,69 +397,3 @@ class NumpySource:
         for archive in self._archives:
             archive.close()
         self._archives.clear()
-
-
-class NumpyDataset(ColumnDataset):
-    """A dataset of NumPy arrays, loaded once into shared memory.
-
-    Args:
-        source: a ``.npy`` or ``.npz`` path, a folder of ``.npy`` files (one column
-            per file, named by its stem, in sorted order), a numpy array or tensor
-            (column ``"data"``), or a mapping ``{column: array | tensor | path}``.
-        columns: names of the columns to load, in sample order (default: all).
-        transform: applied to each sample in the worker, after indexing.
-        output: ``"dict"`` (``{column: tensor}``) or ``"tuple"`` (column order).
-        storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
-            anonymous file there, mapped shared (for a small RAM or memory limit).
-        progress: show a progress bar for loads longer than ~2 s.
-        share: under torchrun, ``"node"`` (the default there) loads once per node
-            and the other local ranks attach; ``"process"`` loads in every process.
-        shard: ``"node"`` loads only this node's contiguous share of the rows
-            (``ds.node_shard`` says which; sample with ``sd.NodeShardSampler``).
-        timeout: seconds to wait for another local rank (default
-            ``$SHAREDDATA_TIMEOUT``, else 300).
-
-    Raises:
-        FileNotFoundError: a path does not exist.
-        KeyError: a requested column does not exist (the message lists those that do).
-        ValueError: columns have different lengths.
-        TypeError: a column's dtype cannot be stored (object, structured, strings).
-        MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
-
-    Example:
-        >>> import numpy as np, shareddata as sd
-        >>> ds = sd.NumpyDataset({"x": np.ones((4, 3), np.float32), "y": np.arange(4)},
-        ...                      output="tuple")
-        >>> len(ds), ds.columns
-        (4, ['x', 'y'])
-        >>> x, y = ds[-1]
-        >>> x.shape, int(y)
-        (torch.Size([3]), 3)
-    """
-
-    def __init__(
-        self,
-        source: Any,
-        *,
-        columns: Sequence[str] | None = None,
-        transform: Callable[[Any], Any] | None = None,
-        output: Output = "dict",
-        storage_dir: str | os.PathLike[str] | None = None,
-        progress: bool = True,
-        share: Literal["node", "process"] | None = None,
-        shard: Literal["node"] | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        super().__init__(
-            lambda: build(  # after the arguments are checked
-                lambda: NumpySource(source, columns),  # only where the data is loaded
-                storage_dir=storage_dir,
-                progress=progress,
-                share=share,
-                shard=shard,
-                key=("NumpyDataset", source, columns),
-                timeout=timeout,
-            ),
-            transform=transform,
-            output=output,
-        )

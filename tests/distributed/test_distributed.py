@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader
 
 import shareddata as sd
 from shareddata import distributed
-from shareddata._columns import ColumnSpec
-from shareddata._load import build
+from shareddata.columns._columns import ColumnSpec
+from shareddata.datasets._load import build
 from shareddata.distributed import (
     LocalRankError,
     LocalRankTimeoutError,

@@ -291,7 +291,7 @@ def _sample_value(value):
 
 def run_case(fmt: str, path: str) -> dict:
     import shareddata as sd
-    from shareddata.sources.parquet import ParquetDataset
+    from shareddata import ParquetDataset
 
     loaders = {
         "npy": sd.NumpyDataset,

@@ -20,7 +20,7 @@ import torch
 from faultlib import run_scenario
 
 import shareddata as sd
-from shareddata.sources.parquet import ArrowDataset, ParquetDataset
+from shareddata import ArrowDataset, ParquetDataset
 
 
 def _ours() -> tuple[int, int, int]:

@@ -11,7 +11,7 @@ from faultlib import run_scenario
 def test_memory_filling_up_while_loading_a_second_dataset():
     run = run_scenario(
         """
-        import numpy as np, shareddata as sd, shareddata._capacity as storage
+        import numpy as np, shareddata as sd, shareddata.storage._capacity as storage
         from torch.utils.data import DataLoader
 
         rows = 32 * 256  # 32 MiB of 4 KiB rows
@@ -102,7 +102,7 @@ def tiny_dev_shm():
         del loader
         gc.collect()  # the failed iterator (in a cycle with its traceback) stops its workers
         print("@@LEFT", len([n for n in os.listdir("/dev/shm") if n.startswith("torch_")]))
-        from shareddata._sweep import sweep
+        from shareddata.storage._sweep import sweep
         print("@@SWEPT", len(sweep(min_age=0)), flush=True)
         """,
         shm_size="2m",
@@ -120,7 +120,7 @@ def test_a_full_dev_shm_under_worker_batches_gives_a_clear_error(tiny_dev_shm):
 
 def test_a_full_dev_shm_under_worker_batches_leaves_no_name_once_swept(tiny_dev_shm):
     # torch leaves the name of each batch that hit ENOSPC (0 bytes); the sweep of the
-    # next start (Note in shareddata/_sweep.py) removes every one of them
+    # next start (Note in shareddata/storage/_sweep.py) removes every one of them
     run = tiny_dev_shm
     assert run.returncode == 0, run.describe()
     left, swept = int(run.value("@@LEFT")), int(run.value("@@SWEPT"))
@@ -144,7 +144,7 @@ def test_200_create_iterate_destroy_cycles_do_not_grow_anything(tmp_path):
     run = run_scenario(
         f"""
         import pickle, numpy as np, pyarrow as pa, shareddata as sd
-        from shareddata.sources.parquet import ArrowDataset, ParquetDataset
+        from shareddata import ArrowDataset, ParquetDataset
         from torch.utils.data import DataLoader
         import psutil
         rows = 1024
@@ -271,7 +271,7 @@ def test_rlimit_nofile_256_default_sharing_strategy(rlimit_run):
     # torch would pass each of a batch's 50 tensors as its own descriptor (4 workers x 2
     # prefetched batches x 50 > 256: "received 0 items of ancdata"); a batch gathered by
     # shareddata leaves its worker as one memfd for all its columns
-    # (Note [How a batch leaves a worker] in shareddata/_transport.py)
+    # (Note [How a batch leaves a worker] in shareddata/crossing/_transport.py)
     run = rlimit_run
     assert run.returncode == 0, run.describe()
     assert run.value("@@DEFAULT") == "OK True", run.describe()

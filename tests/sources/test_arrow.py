@@ -16,8 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import shareddata as sd
-from shareddata.sources.arrow import ArrowDataset
-from shareddata.sources.parquet import ParquetDataset
+from shareddata import ArrowDataset, ParquetDataset
 
 
 def plain(value):
@@ -309,7 +308,7 @@ def test_nested_items_and_batches_are_what_to_pylist_gives(tmp_path):
 
 
 def test_nested_paths_that_collide_are_refused():
-    from shareddata._items import nest_paths
+    from shareddata.columns._items import nest_paths
 
     with pytest.raises(sd.errors.InvalidArgumentError, match="'a/b'.*'a'"):
         nest_paths(["a", "a/b"], [("a",), ("a", "b")])

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import shareddata as sd
-from shareddata.sources.hdf5 import HDF5Dataset
+from shareddata import HDF5Dataset
 
 tables = pytest.importorskip("tables")
 pd = pytest.importorskip("pandas")

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import shareddata as sd
-from shareddata.sources.parquet import ArrowDataset, ParquetDataset
+from shareddata import ArrowDataset, ParquetDataset
 
 EXAMPLES = int(os.environ.get("SHAREDDATA_FUZZ_EXAMPLES", "25"))
 CASES = int(os.environ.get("SHAREDDATA_FUZZ_CASES", "30"))

@@ -17,10 +17,12 @@ from conftest import REPO, START_METHODS, open_fds
 from torch.utils.data import DataLoader, default_collate
 
 import shareddata as sd
-from shareddata._load import Buffer, build
+from shareddata import HDF5Dataset
+from shareddata.datasets._load import build
 from shareddata.sources import _hdf5_chunks, _hdf5_values, hdf5
 from shareddata.sources._hdf5_values import VariableReader
-from shareddata.sources.hdf5 import HDF5Dataset, HDF5Source
+from shareddata.sources._source import Buffer
+from shareddata.sources.hdf5 import HDF5Source
 
 ROWS = 300
 LONGEST = [  # what keys=None selects, in h5py's visit order
@@ -174,7 +176,7 @@ def test_exact_sizes_in_specs(h5path):
 
 
 def test_progress_reports_every_byte_of_every_buffer(h5path):
-    from shareddata._columns import COLUMN_KINDS
+    from shareddata.columns._columns import COLUMN_KINDS
 
     with HDF5Source(h5path) as source:
         for spec in source.specs():
@@ -188,7 +190,7 @@ def test_progress_reports_every_byte_of_every_buffer(h5path):
 
 
 def test_progress_counts_every_byte_of_records_and_frames(tmp_path):
-    from shareddata._columns import COLUMN_KINDS
+    from shareddata.columns._columns import COLUMN_KINDS
 
     pd = pytest.importorskip("pandas")
     path = tmp_path / "rec.h5"

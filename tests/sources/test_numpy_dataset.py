@@ -350,8 +350,8 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     # Note [Filling while the pages are allocated]: threads allocate and map the
     # segment in address order while the file is read into its first pages; a read
     # waits until the pages it fills are in
-    from shareddata._storage import _pages
     from shareddata.sources import _io
+    from shareddata.storage import _pages
 
     nbytes = 160 << 20
     np.save(tmp_path / "x.npy", np.ones(nbytes // 4, np.float32))
@@ -378,7 +378,7 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
 
 
 def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkeypatch):
-    from shareddata._storage import _pages
+    from shareddata.storage import _pages
 
     np.save(tmp_path / "x.npy", np.ones((128 << 20) // 4, np.float32))
     real = _pages.madvise
@@ -402,7 +402,7 @@ def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkey
 
 
 def test_populating_stops_every_thread_at_the_first_error(monkeypatch):
-    from shareddata._storage import _pages
+    from shareddata.storage import _pages
 
     calls = []
 
@@ -419,7 +419,7 @@ def test_populating_stops_every_thread_at_the_first_error(monkeypatch):
 
 
 def test_a_segment_dropped_while_its_pages_are_allocated_stops_the_threads():
-    from shareddata._storage import Segment, _pages
+    from shareddata.storage import Segment, _pages
 
     segment = Segment.create(256 << 20, ahead=True)
     assert len(_pages._POPULATIONS) == 1

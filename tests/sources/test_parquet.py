@@ -14,15 +14,12 @@ from conftest import REPO, START_METHODS, open_fds
 from torch.utils.data import DataLoader, default_collate
 
 import shareddata as sd
-from shareddata._load import as_buffer, build
+from shareddata import ArrowDataset, ParquetDataset
+from shareddata.datasets._load import build
 from shareddata.sources import parquet as sp
-from shareddata.sources.parquet import (
-    ArrowDataset,
-    ArrowSource,
-    ParquetDataset,
-    ParquetSource,
-    rebase_offsets,
-)
+from shareddata.sources._source import as_buffer
+from shareddata.sources.arrow import ArrowSource
+from shareddata.sources.parquet import ParquetSource, rebase_offsets
 
 N = 23  # rows; not a multiple of the row group size
 
@@ -682,7 +679,7 @@ def test_arrow_memory_goes_back_after_a_load(tmp_path):
     code = textwrap.dedent(
         f"""
         import gc, numpy as np, pyarrow as pa, pyarrow.parquet as pq
-        from shareddata.sources.parquet import ParquetDataset
+        from shareddata import ParquetDataset
 
         def anon():
             for line in open("/proc/self/status"):
@@ -764,10 +761,10 @@ def test_arrow_tables_are_told_apart_across_ranks():
     # Under torchrun ranks match datasets by a fingerprint of their arguments; every
     # ArrowDataset has the same label, so the key must come from the table itself.
     from shareddata.distributed import fingerprint
-    from shareddata.sources.arrow import ArrowSource, _table_key
+    from shareddata.sources.arrow import ArrowSource, table_key
 
     def key(table):
-        return fingerprint(_table_key(ArrowSource(table), None))
+        return fingerprint(table_key(ArrowSource(table), None))
 
     a = pa.table({"x": list(range(1000)), "s": [str(i) for i in range(1000)]})
     assert key(a) == key(pa.table({"x": list(range(1000)), "s": [str(i) for i in range(1000)]}))
@@ -789,7 +786,7 @@ def test_invalid_utf8_in_a_string_column_is_refused_naming_file_and_column(tmp_p
 
 def test_select_rows_reads_a_range_across_files_and_row_groups(tmp_path):
     """What shard="node" loads: rows [start, stop) of the files together, any cut."""
-    from shareddata._dataset import ColumnDataset
+    from shareddata.datasets._dataset import ColumnDataset
     from shareddata.sources.parquet import ParquetSource
 
     n = 1000

@@ -56,7 +56,7 @@ ABLATIONS = [  # (format, what is switched off, the patch that does it)
     (
         "npy",
         "as before: posix_fallocate, then 1 thread maps the pages, then the read",
-        NO_AHEAD + "from shareddata._linux import address_of\n"
+        NO_AHEAD + "from shareddata.storage._linux import address_of\n"
         "def _reserve(self, by_faults, directory, what):\n"
         "    os.posix_fallocate(self.fd, 0, self.size)\n"
         "    _storage.populate(address_of(self.mmap), self.size, threads=1)\n"
@@ -66,7 +66,7 @@ ABLATIONS = [  # (format, what is switched off, the patch that does it)
     (
         "npy",
         "1 allocating thread ahead of the read (instead of one per core)",
-        "from shareddata._storage import _pages\n_pages._POPULATE_MAX_THREADS = 1",
+        "from shareddata.storage import _pages\n_pages._POPULATE_MAX_THREADS = 1",
     ),
     (
         "hdf5 contiguous",

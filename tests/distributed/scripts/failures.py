@@ -18,8 +18,8 @@ import time
 import numpy as np
 
 import shareddata as sd
-from shareddata._columns import ColumnSpec
-from shareddata._load import build
+from shareddata.columns._columns import ColumnSpec
+from shareddata.datasets._load import build
 
 LOCAL_RANK = int(os.environ["LOCAL_RANK"])
 

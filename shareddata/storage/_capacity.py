@@ -12,8 +12,8 @@ from __future__ import annotations
 import errno
 import os
 
-from ._text import format_bytes
-from .errors import ArgumentTypeError, MissingFileError, SharedMemoryFullError
+from .._text import format_bytes
+from ..errors import ArgumentTypeError, MissingFileError, SharedMemoryFullError
 
 __all__ = [
     "FULL_ERRNOS",

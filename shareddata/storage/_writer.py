@@ -22,15 +22,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._capacity import available_memory, full_error, resolve_storage_dir
-from ._handoff import file_size
-from ._items import Leaf, host_numpy
-from ._linux import address_of, open_tmpfile
-from ._storage import Segment, SharedArray
-from ._text import format_bytes
-from .errors import (
+from .._text import format_bytes
+from ..columns._items import Leaf, host_numpy
+from ..errors import (
     SharedMemoryFullError,
 )
+from . import Segment, SharedArray
+from ._capacity import available_memory, full_error, resolve_storage_dir
+from ._handoff import file_size
+from ._linux import address_of, open_tmpfile
 
 __all__ = ["BlockWriter", "VarStore", "Writer", "chunk_rows"]
 

@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._storage import to_numpy_dtype
-from .errors import (
+from ..errors import (
     InvalidArgumentError,
     ItemMismatchError,
 )
+from ..storage import to_numpy_dtype
 
 __all__ = [
     "FIXED",

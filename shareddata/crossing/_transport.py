@@ -109,9 +109,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ._linux import MADV_POPULATE_WRITE, PROT_READ_WRITE, file_identity, libc_mmap, madvise
+from ..errors import AttachError
+from ..storage._linux import MADV_POPULATE_WRITE, PROT_READ_WRITE, file_identity, libc_mmap, madvise
 from ._reduce import MAP_FAILED, guard_worker_sends, munmap, reduce_tensor, register_memory
-from .errors import AttachError
 
 __all__ = [
     "MAX_UNACKNOWLEDGED",

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..crossing._transport import worker_empty
+from ..storage import SharedArray
 from ._columns import COLUMN_KINDS, Column, ColumnSpec, gather_rows
-from ._storage import SharedArray
-from ._transport import worker_empty
 
 __all__ = ["Level", "NestedColumn", "NestedSpec", "children"]
 

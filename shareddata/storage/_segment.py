@@ -42,8 +42,9 @@ import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from .. import _handoff
-from .._capacity import (
+from ..errors import AttachError
+from . import _handoff
+from ._capacity import (
     FULL_ERRNOS,
     available_memory,
     check_capacity,
@@ -51,7 +52,7 @@ from .._capacity import (
     full_error,
     resolve_storage_dir,
 )
-from .._linux import (
+from ._linux import (
     MADV_HUGEPAGE,
     MAP_PRIVATE_FIXED,
     PROT_READ_WRITE,
@@ -64,7 +65,6 @@ from .._linux import (
     open_tmpfile,
     replace_with_anonymous,
 )
-from ..errors import AttachError
 from ._pages import Population, populate, population_failed
 
 __all__ = ["Segment", "attach", "attached_segments"]

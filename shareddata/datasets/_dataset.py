@@ -15,13 +15,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ._batch import Samples, collate_columns
-from ._columns import Column, ColumnSpec, TensorColumn
-from ._items import nest_paths, rebuild
+from .._text import format_bytes
+from ..columns._columns import Column, ColumnSpec, TensorColumn
+from ..columns._items import nest_paths, rebuild
+from ..crossing._batch import Samples, collate_columns
+from ..crossing._transport import worker_buffers
+from ..errors import ArgumentTypeError, IndexOutOfRangeError, IndexTypeError, InvalidArgumentError
 from ._load import Source, check_lengths
-from ._text import format_bytes
-from ._transport import worker_buffers
-from .errors import ArgumentTypeError, IndexOutOfRangeError, IndexTypeError, InvalidArgumentError
 
 __all__ = ["ColumnDataset", "Source"]
 

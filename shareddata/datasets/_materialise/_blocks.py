@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .._items import Leaf, compile_fast_path
-from .._storage import SharedArray
-from .._writer import BlockWriter
-from ..errors import SharedDataError
+from ...columns._items import Leaf, compile_fast_path
+from ...errors import SharedDataError
+from ...storage import SharedArray
+from ...storage._writer import BlockWriter
 
 if TYPE_CHECKING:
     from ._builder import Builder

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ...errors import InvalidArgumentError
 from .._load import Allocator, Part, progress_bar
-from ..errors import InvalidArgumentError
 from ._blocks import fetch
 from ._builder import Builder
 
@@ -64,7 +64,7 @@ def build_columns(
 class DatasetProducer:
     """What ``SharedDataset`` hands the loader: the items of a map-style dataset.
 
-    A :class:`~shareddata._load.Producer`: the sizes of variable-length fields are
+    A :class:`~shareddata.datasets._load.Producer`: the sizes of variable-length fields are
     known only once every item is read, so it asks the loader for segments as it goes.
     """
 

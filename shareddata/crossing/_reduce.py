@@ -76,9 +76,9 @@ import numpy as np
 import torch
 from torch.multiprocessing import reductions as _torch
 
-from . import _storage
-from ._linux import PROT_READ_WRITE, address_of, libc_mmap
-from .errors import BatchSendError
+from .. import storage as _storage
+from ..errors import BatchSendError
+from ..storage._linux import PROT_READ_WRITE, address_of, libc_mmap
 
 __all__ = ["guard_worker_sends", "reduce_storage", "reduce_tensor", "register_memory"]
 

@@ -65,7 +65,7 @@ from typing import Any
 
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-from ._items import rebuild, unnest
+from ..columns._items import rebuild, unnest
 
 __all__ = ["Row", "RowTuple", "Samples", "collate_columns", "collate_rows"]
 

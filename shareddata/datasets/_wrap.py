@@ -19,17 +19,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 
-from ._columns import BytesColumn, Column, ColumnSpec
-from ._dataset import ColumnDataset, is_int
-from ._items import rebuild, restore
-from ._load import Allocator, Part, Shard, Share, build, progress_bar
-from ._materialise import DatasetProducer
-from ._storage import SharedArray
-from ._text import format_bytes
-from ._transport import into_one_batch
-from ._writer import VarStore
-from .distributed import NodeShard
-from .errors import (
+from .._text import format_bytes
+from ..columns._columns import BytesColumn, Column, ColumnSpec
+from ..columns._items import rebuild, restore
+from ..crossing._transport import into_one_batch
+from ..distributed import NodeShard
+from ..errors import (
     ArgumentTypeError,
     IndexOutOfRangeError,
     IndexTypeError,
@@ -37,6 +32,11 @@ from .errors import (
     ShardingNotSupportedError,
     UnpicklableItemError,
 )
+from ..storage import SharedArray
+from ..storage._writer import VarStore
+from ._dataset import ColumnDataset, is_int
+from ._load import Allocator, Part, Shard, Share, build, progress_bar
+from ._materialise import DatasetProducer
 
 __all__ = ["SharedDataset", "SharedList"]
 

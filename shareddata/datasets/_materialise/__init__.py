@@ -25,7 +25,7 @@ Modules, one job each:
   (Note [Materialising with workers]).
 """
 
-from ..errors import ItemMismatchError, ItemValueError  # their old import location
+from ...errors import ItemMismatchError, ItemValueError  # their old import location
 from ._producer import DatasetProducer, build_columns
 
 __all__ = ["DatasetProducer", "ItemMismatchError", "ItemValueError", "build_columns"]

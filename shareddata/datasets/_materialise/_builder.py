@@ -18,8 +18,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .._columns import BytesColumn, ColumnSpec, RaggedColumn, StringColumn, TensorColumn
-from .._items import (
+from ...columns._columns import BytesColumn, ColumnSpec, RaggedColumn, StringColumn, TensorColumn
+from ...columns._items import (
     FIXED,
     INT64_MAX,
     INT64_MIN,
@@ -33,10 +33,10 @@ from .._items import (
     infer_schema,
     numeric_list,
 )
+from ...errors import ItemMismatchError, ItemValueError, UnpicklableItemError
+from ...storage import SharedArray
+from ...storage._writer import VarStore, Writer, chunk_rows
 from .._load import Allocator, Part
-from .._storage import SharedArray
-from .._writer import VarStore, Writer, chunk_rows
-from ..errors import ItemMismatchError, ItemValueError, UnpicklableItemError
 from ._blocks import Block, BlockReader, identity, unbox
 
 __all__ = ["Builder"]

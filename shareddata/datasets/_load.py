@@ -21,31 +21,32 @@ formats, ``SharedList``) or a :class:`Producer` (sizes known only while reading:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-import numpy as np
-
-from ._capacity import resolve_storage_dir
-from ._columns import COLUMN_KINDS, Column, ColumnSpec
-from ._storage import SharedArray, allocate, ready, seal
-from ._sweep import auto_sweep
-from ._text import format_bytes
-from .distributed import NodeShard, load_on_node, node_rows, resolve_timeout
-from .errors import ColumnLengthError, ShardingNotSupportedError
+from .._text import format_bytes
+from ..columns._columns import COLUMN_KINDS, Column, ColumnSpec
+from ..distributed import NodeShard, load_on_node, node_rows, resolve_timeout
+from ..errors import ColumnLengthError, ShardingNotSupportedError
+from ..sources._source import Source, as_buffer
+from ..storage import SharedArray, allocate, seal
+from ..storage._capacity import resolve_storage_dir
+from ..storage._sweep import auto_sweep
 
 __all__ = [
     "Allocator",
-    "Buffer",
     "Columns",
+    "LoadOptions",
     "Part",
     "Producer",
     "Share",
     "Shard",
-    "Source",
     "build",
     "check_lengths",
     "progress_bar",
@@ -55,39 +56,6 @@ Share = Literal["node", "process"]
 Shard = Literal["node"]
 Part = tuple[type[Column], ColumnSpec, dict[str, SharedArray]]
 """One column as a producer made it: its class, spec and filled arrays."""
-
-
-class Buffer(np.ndarray):
-    """A shared buffer a source fills: write only through :meth:`rows`.
-
-    An ``ndarray`` subclass, so code that indexes it like an array keeps working;
-    :meth:`rows` is the sink: it returns a plain writable view once the pages under
-    it are allocated (the loader allocates them in background threads while the
-    source fills the first ones: Note [Filling while the pages are allocated] in
-    ``_storage/_pages.py``).
-
-    Example:
-        >>> buf = np.zeros((4, 2), np.int64).view(Buffer)
-        >>> buf.rows(1, 3)[...] = 7
-        >>> buf.tolist()
-        [[0, 0], [7, 7], [7, 7], [0, 0]]
-    """
-
-    def rows(self, start: int, stop: int) -> np.ndarray:
-        """A writable view of elements ``[start, stop)`` along the first axis, pages ready.
-
-        Raises:
-            SharedMemoryFullError: a page under the view could not be allocated.
-        """
-        view = self.view(np.ndarray)[start:stop]
-        if view.size:
-            ready(view)
-        return view
-
-
-def as_buffer(array: np.ndarray) -> Buffer:
-    """``array`` (a view of shared pages) as a :class:`Buffer`."""
-    return array.view(Buffer)
 
 
 class Columns(dict):  # type: ignore[type-arg]
@@ -103,38 +71,6 @@ class Columns(dict):  # type: ignore[type-arg]
 
     node_shard: NodeShard | None = None
     meta: Any = None
-
-
-class Source(Protocol):
-    """What a format module implements: size the columns, then fill given buffers.
-
-    Sharing, indexing and pickling are not a source's business; see :func:`build`.
-
-    Optional: ``select_rows(start, stop)``; from then on ``specs()`` and ``read()``
-    describe and fill only rows ``[start, stop)`` (what ``shard="node"`` needs), and
-    ``total_rows()``, the rows before any selection (default: from ``specs()``).
-    """
-
-    label: str
-    """The file (or object) the data comes from, for messages."""
-
-    def specs(self) -> list[ColumnSpec]:
-        """Describe every selected column, with exact sizes, before any allocation."""
-        ...
-
-    def read(
-        self, spec: ColumnSpec, buffers: dict[str, Any], progress: Callable[[int], None]
-    ) -> None:
-        """Fill ``buffers``: :class:`Buffer` s laid out as ``COLUMN_KINDS[spec.kind].layout(spec)``.
-
-        Write only through ``buffer.rows(start, stop)``; call ``progress(nbytes)`` as
-        data arrives.
-        """
-        ...
-
-    def close(self) -> None:
-        """Release file handles (called after loading, also on error)."""
-        ...
 
 
 class Producer(Protocol):
@@ -266,6 +202,7 @@ def build(
         rows they hold with ``shard="node"``, ``.meta`` is a producer's metadata.
 
     Example:
+        >>> import numpy as np
         >>> from shareddata.sources.npy import NumpySource
         >>> cols = build(NumpySource(np.arange(6)), share="process", progress=False)
         >>> cols["data"].get(5).item(), cols.node_shard
@@ -284,6 +221,44 @@ def build(
 
     close = None if factory else source.close  # type: ignore[union-attr]
     return load_on_node(load, share=share, shard=shard, key=key, close=close, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a dataset is loaded: the arguments every dataset kind takes, held once.
+
+    Attributes:
+        storage_dir: ``None`` for RAM; a directory for file-backed storage.
+        progress: show a progress bar for loads longer than ~2 s (on a terminal).
+        share: ``"node"`` (one copy per node; the default under torchrun) or
+            ``"process"`` (this process loads its own copy).
+        shard: ``"node"`` loads only this node's contiguous share of the rows.
+        timeout: seconds to wait for another local rank.
+
+    Example:
+        >>> import numpy as np
+        >>> from shareddata.sources.npy import NumpySource
+        >>> load = LoadOptions(share="process", progress=False).loader(
+        ...     lambda: NumpySource(np.arange(3)), key=("example",))
+        >>> load()["data"].get(2).item()
+        2
+    """
+
+    storage_dir: str | os.PathLike[str] | None = None
+    progress: bool = True
+    share: Share | None = None
+    shard: Shard | None = None
+    timeout: float | None = None
+
+    def loader(
+        self, source: Source | Producer | Callable[[], Source | Producer], key: Any
+    ) -> Callable[[], Columns]:
+        """The load of ``source`` with these options, for ``ColumnDataset`` to call.
+
+        ``ColumnDataset`` checks its own arguments first and calls it after: a bad
+        ``output`` or ``transform`` is refused before anything is read.
+        """
+        return functools.partial(build, source, key=key, **dataclasses.asdict(self))
 
 
 def _load_here(

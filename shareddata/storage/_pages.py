@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._capacity import FULL_ERRNOS, available_memory, fallocate, full_error
-from .._linux import MADV_HUGEPAGE, MADV_POPULATE_WRITE, ForkSafeLock, address_of, madvise
+from ._capacity import FULL_ERRNOS, available_memory, fallocate, full_error
+from ._linux import MADV_HUGEPAGE, MADV_POPULATE_WRITE, ForkSafeLock, address_of, madvise
 
 if TYPE_CHECKING:
     from ._segment import Segment

@@ -30,9 +30,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ._storage import SharedArray, to_numpy_dtype
-from ._transport import worker_empty
-from .errors import AttachError
+from ..crossing._transport import worker_empty
+from ..errors import AttachError
+from ..storage import SharedArray, to_numpy_dtype
 
 __all__ = [
     "COLUMN_KINDS",
