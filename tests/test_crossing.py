@@ -4,14 +4,13 @@ One ``collate_fn`` returns every shape at once (the samples themselves, a list o
 sample values, slices and non-contiguous views of the collated batch, nested
 dicts, the default collate, torchvision's ``tuple(zip(*batch))``), for every
 dataset kind at once, so that each worker start checks every shape on every kind.
-Note [Tensors over our memory cross by handle] in ``shareddata/crossing/_reduce.py``.
+Note [Tensors over our memory cross by handle] in ``shareddata/storage/_tensor.py``.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
 
 import numpy as np
@@ -188,13 +187,14 @@ def _count_receptions(monkeypatch):
     """Count in RECEIVED how the main process receives each shared segment."""
     from torch.multiprocessing import reductions
 
-    from shareddata.crossing import _reduce, _transport
+    from shareddata.crossing import _inbox
+    from shareddata.storage import _tensor
 
     for module, name in [
         (reductions, "rebuild_storage_fd"),  # a torch segment, sent as a descriptor
         (reductions, "rebuild_storage_filename"),  # a torch segment, sent by name
-        (_transport, "_receive"),  # a worker's batch memfd
-        (_reduce, "_rebuild_segment_storage"),  # a dataset's segment
+        (_inbox, "receive"),  # a worker's batch memfd
+        (_tensor, "_rebuild_segment_storage"),  # a dataset's segment
     ]:
         monkeypatch.setattr(module, name, _counting(module, name))
     RECEIVED.clear()
@@ -258,7 +258,7 @@ def test_a_batch_of_ragged_rows_leaves_a_worker_as_one_memfd_for_every_kind(
         batches += 1
     assert batches == ROWS // BATCH
     # one descriptor per kind per batch, none of torch's
-    assert {"_receive": len(KINDS) * batches} == RECEIVED, RECEIVED
+    assert {"receive": len(KINDS) * batches} == RECEIVED, RECEIVED
     del loader, out
 
 
@@ -322,7 +322,7 @@ def test_a_batch_of_nested_lists_and_nested_items_leaves_a_worker_as_one_memfd(
             _assert_one_memfd(got, f"{name} ({method})")
         batches += 1
     assert batches == ROWS // BATCH
-    assert {"_receive": len(datasets) * batches} == RECEIVED, RECEIVED
+    assert {"receive": len(datasets) * batches} == RECEIVED, RECEIVED
     del loader, out
 
 
@@ -372,22 +372,89 @@ def test_views_of_shared_memory_cross_without_a_copy():
     assert shm_names() == before
 
 
-def unpicklable(batch):
-    return {"x": default_collate(batch)["x"], "lock": threading.Lock()}
+class BrokenHandle(Dataset):
+    """Samples that are views of a SharedArray whose handle cannot be made in the worker."""
+
+    def __init__(self):
+        self.array = sd.SharedArray.from_array(np.arange(32.0).reshape(8, 4))
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        from shareddata.storage import _segment
+
+        def broken(*args, **kwargs):
+            raise OSError(9, "Bad file descriptor (the segment was closed)")
+
+        _segment.Segment.handle = broken  # in this worker only (fork: the parent is untouched)
+        return self.array.torch()[i]
 
 
-@pytest.mark.parametrize("method", ["fork"])
-def test_a_batch_that_cannot_be_sent_is_an_error_in_the_main_process(method):
-    ds = sd.NumpyDataset({"x": np.zeros((32, 4), np.float32)})
+def test_a_tensor_of_ours_that_cannot_be_sent_is_an_error_in_the_main_process():
+    # our reducer never raises in a worker's queue feeder (the batch would be dropped
+    # and the main process would wait forever): the failure crosses, and is raised
+    # where the batch was expected (Note [Tensors over our memory cross by handle])
     loader = DataLoader(
-        ds, batch_size=8, num_workers=1, collate_fn=unpicklable, timeout=30,
-        multiprocessing_context=method,
-    )  # fmt: skip
+        BrokenHandle(), batch_size=None, num_workers=1, timeout=30, multiprocessing_context="fork"
+    )
     t0 = time.monotonic()
-    with pytest.raises(BatchSendError, match="worker process 0 could not send batch 0") as info:
+    with pytest.raises(BatchSendError, match="could not be pickled.*Bad file descriptor") as info:
         next(iter(loader))
-    assert isinstance(info.value, RuntimeError)
-    assert "lock" in str(info.value) and time.monotonic() - t0 < 25  # not the timeout
+    assert isinstance(info.value, RuntimeError) and time.monotonic() - t0 < 25  # not the timeout
+
+
+def test_import_leaves_torch_reducers_and_collate_registry_as_they_were():
+    # issue 21: only shareddata's own types get reducers and collate entries
+    import subprocess
+    import sys
+
+    code = """
+import torch, torch.multiprocessing
+from multiprocessing.reduction import ForkingPickler
+from torch.multiprocessing import reductions
+from torch.utils.data._utils.collate import default_collate_fn_map
+types = (torch.Tensor, torch.UntypedStorage, torch.nn.Parameter)
+before = {t: ForkingPickler._extra_reducers.get(t) for t in types}
+collate_before = dict(default_collate_fn_map)
+import shareddata
+after = {t: ForkingPickler._extra_reducers.get(t) for t in types}
+assert before == after, (before, after)
+assert ForkingPickler._extra_reducers[torch.Tensor] is reductions.reduce_tensor
+assert ForkingPickler._extra_reducers[torch.UntypedStorage] is reductions.reduce_storage
+added = set(default_collate_fn_map) - set(collate_before)
+assert all(t.__module__.startswith("shareddata.") for t in added), added
+assert all(default_collate_fn_map[t] is f for t, f in collate_before.items())
+ours = [t for t in ForkingPickler._extra_reducers if t.__module__.startswith("shareddata.")]
+print(sorted(t.__name__ for t in ours))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "SharedTensor" in done.stdout, done.stdout
+
+
+def test_a_plain_tensor_pickles_as_torch_pickles_it():
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    t = torch.arange(4)
+    assert ForkingPickler(__import__("io").BytesIO()).dispatch_table[torch.Tensor] is (
+        reductions.reduce_tensor
+    )
+    view = sd.SharedArray.from_array(np.arange(4)).torch()[1:]
+    assert type(view).__name__ == "SharedTensor"
+    assert type(view + 1) is torch.Tensor and type(t) is torch.Tensor
+
+
+def test_the_package_source_walks_no_stack_frames():
+    import pathlib
+
+    import shareddata
+
+    root = pathlib.Path(shareddata.__file__).parent
+    found = [str(p) for p in root.rglob("*.py") if "_getframe" in p.read_text()]
+    assert not found, found
 
 
 def test_a_held_sample_is_never_overwritten_and_dropped_batches_are_reused():
@@ -449,14 +516,14 @@ def test_a_smaller_batch_gathered_into_a_reused_memfd_still_crosses_by_handle():
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from shareddata.crossing import _transport
+    from shareddata.crossing import _outbox
 
-    first = _transport.worker_empty((1000, 256), torch.float32)
+    first = _outbox.worker_empty((1000, 256), torch.float32)
     inode = _inode(first)
     received = pickle.loads(ForkingPickler.dumps(first))
     del first, received
     gc.collect()
-    smaller = _transport.worker_empty((500, 256), torch.float32).fill_(3)
+    smaller = _outbox.worker_empty((500, 256), torch.float32).fill_(3)
     assert _inode(smaller) == inode  # the pooled memfd, reused
     got = pickle.loads(ForkingPickler.dumps(smaller))
     assert _mapped_from(got) == "memfd:shareddata-batch" and _inode(got) == inode

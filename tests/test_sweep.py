@@ -60,9 +60,10 @@ def test_clean_command_lists_then_removes(tmp_path):
 
 
 @pytest.mark.skipif(not can_unshare(), reason="needs root for a private /dev/shm")
-def test_loading_a_dataset_sweeps_what_a_killed_job_left():
+def test_loading_a_dataset_sweeps_what_a_killed_job_left_only_when_asked():
     # a whole-job SIGKILL while a worker was creating a batch leaves torch's name: the
-    # next load removes it (unless SHAREDDATA_NO_SWEEP is set)
+    # next load removes it with SHAREDDATA_SWEEP=1, and leaves other programs' files
+    # alone by default (a /dev/shm shared across PID namespaces: issue 21)
     run = run_isolated(
         """
         import os, subprocess, sys, time
@@ -74,10 +75,9 @@ def test_loading_a_dataset_sweeps_what_a_killed_job_left():
             os.utime(path, (time.time() - 60,) * 2)
             return path
         kept = make(f"torch_{proc.pid}_1_0")
-        os.environ["SHAREDDATA_NO_SWEEP"] = "1"
         sd.NumpyDataset(np.zeros(4))
         print("@@KEPT", os.path.exists(kept))
-        del os.environ["SHAREDDATA_NO_SWEEP"]
+        os.environ["SHAREDDATA_SWEEP"] = "1"
         sd.NumpyDataset(np.zeros(4))
         print("@@SWEPT", not os.path.exists(kept))
         """

@@ -24,18 +24,19 @@ from __future__ import annotations
 import math
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from ..crossing._transport import worker_empty
 from ..errors import AttachError
 from ..storage import SharedArray, to_numpy_dtype
 
 __all__ = [
     "COLUMN_KINDS",
+    "Alloc",
     "BytesColumn",
     "Column",
     "ColumnSpec",
@@ -43,8 +44,11 @@ __all__ = [
     "StringColumn",
     "TensorColumn",
     "gather_rows",
-    "shared_empty",
 ]
+
+
+Alloc = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
+"""Makes empty tensors of the given ``(shape, dtype)`` parts: where a batch is gathered."""
 
 
 @dataclass(frozen=True)
@@ -104,12 +108,14 @@ class Column(ABC):
         """The value of row ``index`` (0 <= index < len)."""
 
     @abstractmethod
-    def gather(self, indices: torch.Tensor, shared: bool = False) -> Any:
+    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
         """The batched values of rows ``indices`` (int64, in range).
 
         Args:
             indices: 1-D int64 tensor of row numbers.
-            shared: put the batch where it can leave a worker without another copy.
+            alloc: where the batch's tensors go (the buffers of :meth:`batch_parts`,
+                all at once); ``None``: fresh private memory. A DataLoader worker passes
+                its batch allocator, so the batch leaves the worker without another copy.
         """
 
     @abstractmethod
@@ -120,14 +126,14 @@ class Column(ABC):
         """The buffers (shape, dtype) that :meth:`gather_into` fills for rows ``indices``.
 
         A worker allocates the parts of every column of a batch in ONE memfd (Note
-        [How a batch leaves a worker] in ``_transport.py``). Empty: the column's rows
-        are Python objects (text, bytes), which cross by value.
+        [How a batch leaves a worker] in ``crossing/_outbox.py``). Empty: the column's
+        rows are Python objects (text, bytes), which cross by value.
         """
         return []
 
     def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
         """:meth:`gather` into the buffers of :meth:`batch_parts` (same order)."""
-        return self.gather(indices, shared=True)
+        return self.gather(indices)
 
     @property
     def name(self) -> str:
@@ -182,18 +188,6 @@ class Column(ABC):
         return f"{type(self).__name__}({self.name!r}, {self.spec.describe()}, rows={len(self)})"
 
 
-def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor in torch's shared memory, as ``default_collate`` makes in workers.
-
-    A batch built there travels from a DataLoader worker to the main process
-    without another copy.
-    """
-    numel = math.prod(shape)
-    proto = torch.empty(0, dtype=dtype)
-    storage = proto._typed_storage()._new_shared(numel, device="cpu")
-    return proto.new(storage).view(shape) if numel else torch.empty(shape, dtype=dtype)
-
-
 def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():  # torch warns that the numpy buffer is read-only
         warnings.simplefilter("ignore", UserWarning)
@@ -237,19 +231,22 @@ class TensorColumn(Column):
         return self._data[index].clone()
 
     def gather(
-        self, indices: torch.Tensor, shared: bool = False, out: torch.Tensor | None = None
+        self, indices: torch.Tensor, alloc: Alloc | None = None, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Rows ``indices`` stacked, in one ``index_select`` (into ``out`` when given).
 
         Raises ``IndexError`` for an index outside ``[0, len)`` (negatives too),
         like ``index_select`` itself; ``ColumnDataset`` relies on it.
         """
-        if out is None and shared:
-            # Leaving a worker: Note [How a batch leaves a worker] in _transport.py.
-            out = worker_empty(self.batch_shape(len(indices)), self._data.dtype)
+        if out is None and alloc is not None:
+            out = alloc(self.batch_parts(indices))[0]
         if self._torch_gather:
             try:
-                return torch.index_select(self._data, 0, indices, out=out)
+                if out is None:
+                    return torch.index_select(self._data, 0, indices)
+                # into the plain alias of ``out``: no Python dispatch of its type
+                torch.index_select(self._data, 0, indices, out=out.as_subclass(torch.Tensor))
+                return out
             except (RuntimeError, NotImplementedError):  # dtype without a torch kernel
                 self._torch_gather = False
         idx = indices.numpy()
@@ -258,7 +255,8 @@ class TensorColumn(Column):
         batch = torch.from_numpy(np.take(self._np, idx, axis=0))
         if out is None:
             return batch
-        return out.copy_(batch)
+        out.as_subclass(torch.Tensor).copy_(batch)
+        return out
 
     def batch_shape(self, n: int) -> tuple[int, ...]:
         """The shape of a batch of ``n`` rows."""
@@ -298,7 +296,7 @@ class _VarColumn(Column):
         start, stop = self._offsets[index], self._offsets[index + 1]
         return self._make(self._values[start:stop].copy())
 
-    def gather(self, indices: torch.Tensor, shared: bool = False) -> list[Any]:
+    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> list[Any]:
         """The rows ``indices`` as a list: one vectorised offsets lookup, one slice per row.
 
         Each row becomes its own Python object (a ``str``, ``bytes`` or tensor) anyway,
@@ -345,17 +343,17 @@ class RaggedColumn(_VarColumn):
     def _make(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values)
 
-    def gather(self, indices: torch.Tensor, shared: bool = False) -> list[Any]:
+    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> list[Any]:
         """The rows ``indices``, each a 1-D tensor.
 
-        With ``shared`` (in a DataLoader worker) the rows are views of ONE buffer,
+        With ``alloc`` (in a DataLoader worker) the rows are views of ONE buffer,
         where they are copied side by side: the batch leaves the worker as one memfd
         however many rows it has (Note [How a batch leaves a worker] in
-        ``_transport.py``), not as one shared segment per row.
+        ``crossing/_outbox.py``), not as one shared segment per row.
         """
-        if not shared:
+        if alloc is None:
             return super().gather(indices)
-        return self.gather_into(indices, [worker_empty(*self.batch_parts(indices)[0])])
+        return self.gather_into(indices, alloc(self.batch_parts(indices)))
 
     def batch_parts(self, indices: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """One buffer: the rows' values side by side."""
@@ -388,13 +386,12 @@ def gather_rows(
         >>> gather_rows(values, np.array([6, 0]), np.array([8, 1]), out)
         [tensor([6, 7], dtype=torch.int32), tensor([0], dtype=torch.int32)]
     """
-    plain = out.as_subclass(torch.Tensor)
-    flat, at = plain.numpy(), 0
+    flat, at = out.as_subclass(torch.Tensor).numpy(), 0
     lengths = (stops - starts).tolist()
     for start, length in zip(starts.tolist(), lengths):
         flat[at : at + length] = values[start : start + length]
         at += length
-    return list(plain[:at].split(lengths))
+    return list(out[:at].split(lengths))  # views of ``out``, of its type
 
 
 class StringColumn(_VarColumn):

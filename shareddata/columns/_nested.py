@@ -35,9 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..crossing._transport import worker_empty
 from ..storage import SharedArray
-from ._columns import COLUMN_KINDS, Column, ColumnSpec, gather_rows
+from ._columns import COLUMN_KINDS, Alloc, Column, ColumnSpec, gather_rows
 
 __all__ = ["Level", "NestedColumn", "NestedSpec", "children"]
 
@@ -229,15 +228,14 @@ class NestedColumn(Column):
         """The value of row ``index``."""
         return self._range(0, index, index + 1)[0]
 
-    def gather(self, indices: torch.Tensor, shared: bool = False) -> list[Any]:
+    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> list[Any]:
         """The rows ``indices``, one Python value each.
 
-        With ``shared`` (in a DataLoader worker) the tensors of lists of numbers are
+        With ``alloc`` (in a DataLoader worker) the tensors of lists of numbers are
         views of buffers made to leave the worker (:meth:`gather_into`).
         """
-        if shared and self._tensor_levels:
-            outs = [worker_empty(*part) for part in self.batch_parts(indices)]
-            return self.gather_into(indices, outs)
+        if alloc is not None and self._tensor_levels:
+            return self.gather_into(indices, alloc(self.batch_parts(indices)))
         arrow = self._as_arrow() if self._arrow_ok else None
         if arrow is not None:
             import pyarrow as pa
@@ -268,7 +266,7 @@ class NestedColumn(Column):
 
         Text and records are Python objects (they cross by value); the tensors of
         lists of numbers are views of these buffers, so that a batch leaves a worker
-        in one memfd (Note [How a batch leaves a worker] in ``_transport.py``).
+        in one memfd (Note [How a batch leaves a worker] in ``crossing/_outbox.py``).
         """
         if not self._tensor_levels:
             return []
@@ -291,7 +289,7 @@ class NestedColumn(Column):
         for (i, k), out in zip(self._tensor_levels, outs):
             # the rows' numbers side by side, then split into one tensor per list
             rows = gather_rows(self._np[f"{k}.data"], *ranges[k], out)
-            flat = out.as_subclass(torch.Tensor)[: sum(len(r) for r in rows)]
+            flat = out[: sum(len(r) for r in rows)]  # views of ``out``, of its type
             offsets = self._np[f"{i}.offsets"]
             lists = _elements(*ranges[i])
             supply[i] = iter(flat.split((offsets[lists + 1] - offsets[lists]).tolist()))

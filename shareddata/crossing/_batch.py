@@ -63,8 +63,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
-
+from .._compat import collate, default_collate_fn_map
 from ..columns._items import rebuild, unnest
 
 __all__ = ["Row", "RowTuple", "Samples", "collate_columns", "collate_rows"]

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from .._compat import disabled_torch_function
+
 __all__ = ["IndexBatchSampler"]
 
 
@@ -17,13 +19,13 @@ class BatchIndices(torch.Tensor):
 
     torch sends a plain tensor to a worker through shared memory: a new ``/dev/shm``
     segment per batch, whose descriptor the worker then fetches from the main
-    process over a socket (Note [How a batch leaves a worker] in ``_transport.py``
+    process over a socket (Note [How a batch leaves a worker] in ``_outbox.py``
     measures the same round trip the other way). For a few KiB of indices, copying
     the values into the pickle is far cheaper. Every operation on it returns a
     plain tensor.
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = disabled_torch_function  # type: ignore[assignment]
 
 
 def _indices_from(

@@ -19,7 +19,7 @@ from .._text import format_bytes
 from ..columns._columns import Column, ColumnSpec, TensorColumn
 from ..columns._items import nest_paths, rebuild
 from ..crossing._batch import Samples, collate_columns
-from ..crossing._transport import worker_buffers
+from ..crossing._outbox import worker_buffers
 from ..errors import ArgumentTypeError, IndexOutOfRangeError, IndexTypeError, InvalidArgumentError
 from ._load import Source, check_lengths
 
@@ -262,7 +262,7 @@ class ColumnDataset(Dataset):
         if not shared:
             return [c.gather(idx) for c in columns]
         # Leaving a worker: every numeric column of the batch (fixed-shape and ragged)
-        # in one memfd (Note [How a batch leaves a worker] in _transport.py).
+        # in one memfd (Note [How a batch leaves a worker] in crossing/_outbox.py).
         parts = [c.batch_parts(idx) for c in columns]
         outs = iter(worker_buffers([p for ps in parts for p in ps]))
         return [c.gather_into(idx, [next(outs) for _ in ps]) for c, ps in zip(columns, parts)]

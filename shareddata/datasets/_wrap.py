@@ -22,7 +22,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 from .._text import format_bytes
 from ..columns._columns import BytesColumn, Column, ColumnSpec
 from ..columns._items import rebuild, restore
-from ..crossing._transport import into_one_batch
+from ..crossing._outbox import into_one_batch
 from ..distributed import NodeShard
 from ..errors import (
     ArgumentTypeError,
@@ -260,7 +260,7 @@ class SharedList(Sequence):
 
         In a DataLoader worker the tensors of the batch's items are copied into one
         batch memfd, which leaves the worker as one handle (``into_one_batch`` in
-        ``_transport.py``), not as one shared segment per tensor.
+        ``crossing/_outbox.py``), not as one shared segment per tensor.
         """
         items = [self[i] for i in indices]
         return into_one_batch(items) if get_worker_info() is not None else items

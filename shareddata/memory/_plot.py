@@ -11,12 +11,9 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import MissingDependencyError
-
-if TYPE_CHECKING:
-    from ._report import MemoryReport
 
 _MIB = 1024 * 1024
 PRIVATE_COLOR = "#d62728"
@@ -34,7 +31,7 @@ def figure_class() -> Any:
     return Figure
 
 
-def figure(panels: Sequence[tuple[str, MemoryReport]]) -> Any:
+def figure(panels: Sequence[tuple[str, Any]]) -> Any:
     """Draw one panel per report: a stacked bar per process, private below, shared above.
 
     A bar's private part is the process's USS (pages only it maps: a copy of the data
@@ -78,7 +75,7 @@ def figure(panels: Sequence[tuple[str, MemoryReport]]) -> Any:
     return fig
 
 
-def save(panels: Sequence[tuple[str, MemoryReport]], path: str | os.PathLike[str]) -> pathlib.Path:
+def save(panels: Sequence[tuple[str, Any]], path: str | os.PathLike[str]) -> pathlib.Path:
     """Write :func:`figure` of ``panels`` to ``path`` as a PNG; returns the path."""
     fig = figure(panels)
     out = pathlib.Path(path)

@@ -9,6 +9,8 @@ Modules, one job each (lower ones never import higher ones):
   handle, attached in another process, sealed against ``fork`` children, freed
   (Note [How shared segments are made, shared and freed], Note [Sealed segments],
   Note [Freeing a failed load]);
+- ``_tensor``: :class:`SharedTensor`, the tensor type over our memory, and how it
+  crosses processes by handle (Note [Tensors over our memory cross by handle]);
 - ``_array``: :class:`SharedArray` over a segment, :func:`allocate` of several arrays
   in one segment, :func:`seal` of a filled dataset's arrays.
 
@@ -20,10 +22,13 @@ room left and the errors for a full memory are ``_capacity.py``; the libc calls 
 from ._array import SharedArray, allocate, seal, to_numpy_dtype
 from ._pages import populate, population_threads, ready
 from ._segment import Segment, attach, attached_segments
+from ._tensor import MemoryRef, SharedTensor, shared_tensor
 
 __all__ = [
+    "MemoryRef",
     "Segment",
     "SharedArray",
+    "SharedTensor",
     "allocate",
     "attach",
     "attached_segments",
@@ -31,5 +36,6 @@ __all__ = [
     "population_threads",
     "ready",
     "seal",
+    "shared_tensor",
     "to_numpy_dtype",
 ]

@@ -21,6 +21,7 @@ import torch
 from ..errors import AttachError, UnsupportedDtypeError
 from ._pages import ready
 from ._segment import Segment, attach
+from ._tensor import SegmentRef, shared_tensor
 
 __all__ = ["SharedArray", "aligned", "allocate", "copy_chunked", "seal", "to_numpy_dtype"]
 
@@ -119,9 +120,10 @@ class SharedArray:
             )
         raw = np.frombuffer(segment.mmap, self.dtype, count, self.offset)
         # Every view of this array (a numpy slice, a torch tensor over it) has ``raw`` as
-        # its base: the segment lives as long as any of them, so a view still crosses by
-        # handle after the array itself is dropped (a pool worker returning a slice of
-        # its own SharedArray; Note [Tensors over our memory cross by handle] in _reduce).
+        # its base: the segment lives as long as any of them, so a view of ``torch()``
+        # still crosses by handle after the array itself is dropped (a pool worker
+        # returning a slice of its own SharedArray; Note [Tensors over our memory cross
+        # by handle] in ``_tensor.py``).
         weakref.finalize(raw, _hold, segment).atexit = False
         array = raw.reshape(self.shape)
         if not writable:
@@ -202,16 +204,24 @@ class SharedArray:
         return self._data()
 
     def torch(self) -> torch.Tensor:
-        """A zero-copy ``torch.Tensor`` view (do not write to it if the array is read-only)."""
-        if self._tensor is None:
-            if self.writable:
-                self._tensor = torch.from_numpy(self._data())
-            else:
-                import warnings
+        """A zero-copy tensor view (do not write to it if the array is read-only).
 
-                with warnings.catch_warnings():  # torch warns that the buffer is read-only
-                    warnings.simplefilter("ignore", UserWarning)
-                    self._tensor = torch.from_numpy(self._data())
+        It is a :class:`~shareddata.storage.SharedTensor` (a ``torch.Tensor``), and so
+        are its views: sent to another process through ``multiprocessing`` (a
+        DataLoader's queues, a pool), it crosses as this array's handle, not as a copy.
+        """
+        if self._tensor is None:
+            import warnings
+
+            array = self._data()
+            with warnings.catch_warnings():  # torch warns that a read-only buffer is read-only
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.from_numpy(array)
+            if tensor.numel():
+                address = tensor.untyped_storage().data_ptr()
+                ref = SegmentRef(self.segment, self.offset, self.nbytes, address, self.writable)
+                tensor = shared_tensor(tensor, ref)
+            self._tensor = tensor
         return self._tensor
 
     @property

@@ -16,6 +16,12 @@ The sender does not close a descriptor with a ticket outstanding: a dropped segm
 for the tickets of the segments it created (``multiprocessing.util.Finalize``: pool
 children end with ``os._exit`` after running those).
 
+The Segment's finalizer only closes a descriptor that has no ticket, or queues it
+for the reaper thread (Note [One lock rule] in ``_linux.py``); the reaper, once a
+ticket was drawn, runs for the life of the process (every ``POLL`` seconds while
+tickets are outstanding, every ``IDLE_POLL`` seconds otherwise). A ticket's slot is
+never one that another ticket of the same descriptor still waits on.
+
 Limits: only ``multiprocessing``'s pickler draws tickets (queues, pipes, pools, process
 arguments, torch's and the DataLoader's): after a plain ``pickle.dumps`` the sender
 must keep the array alive. A ticket covers the first receiver of one pickle. Two
@@ -27,13 +33,14 @@ when it first uses the array (unpickling itself never raises).
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 
-from ._linux import close_fd
+from ._linux import ForkSafeLock, close_fd
 
 __all__ = [
     "EXIT_WAIT",
@@ -57,6 +64,7 @@ EXIT_WAIT = 10.0
 ``$SHAREDDATA_HANDOFF_TIMEOUT``)."""
 _EXIT_WAIT_ENV = "SHAREDDATA_HANDOFF_TIMEOUT"
 POLL = 0.05
+IDLE_POLL = 1.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -86,7 +94,8 @@ class _Sent:
 
 
 _SENT: dict[int, _Sent] = {}
-_LOCK = threading.RLock()  # a finalizer may run release() in a thread holding it
+_DROPPED: collections.deque[int] = collections.deque()  # queued by finalizers, for the reaper
+_LOCK = ForkSafeLock()
 _STATE = {"reaper": 0, "exit_hook": 0}  # pid that started the reaper / registered the hook
 
 
@@ -102,14 +111,18 @@ def ticket(fd: int, size: int, created: bool) -> tuple[int, int]:
         0
         >>> release(fd)  # no ticket left: closed at once
     """
-    slot, nonce = secrets.randbelow(SLOTS), secrets.randbits(63) | 1
+    nonce = secrets.randbits(63) | 1
     with _LOCK:
         sent = _SENT.get(fd)
         if sent is None:
             sent = _SENT[fd] = _Sent(size, created)
         if len(sent.pending) >= 64:  # a segment pickled often by a live holder
             _reap_one(fd, sent, time.monotonic())
+        slot = secrets.randbelow(SLOTS)
+        while slot in sent.pending:  # never overwrite a ticket still outstanding
+            slot = secrets.randbelow(SLOTS)
         sent.pending[slot] = (nonce.to_bytes(8, "little"), time.monotonic() + HOLD)
+        _start_reaper()
     _register_exit_hook()
     return slot, nonce
 
@@ -131,6 +144,7 @@ def acknowledge(fd: int, size: int, slot: int, nonce: int) -> None:
 def outstanding(fd: int) -> int:
     """Tickets of ``fd`` not yet acknowledged (checked now)."""
     with _LOCK:
+        _take_dropped()
         sent = _SENT.get(fd)
         if sent is None:
             return 0
@@ -140,16 +154,16 @@ def outstanding(fd: int) -> int:
 
 
 def release(fd: int) -> None:
-    """The segment of ``fd`` is gone from this process: close ``fd``, or hold it for receivers."""
-    with _LOCK:
-        sent = _SENT.get(fd)
-        if sent is not None:
-            sent.dropped = True
-            _reap_one(fd, sent, time.monotonic())
-            if fd in _SENT:
-                _start_reaper()
-                return
-    close_fd(fd)
+    """The segment of ``fd`` is gone from this process: close ``fd``, or hold it for receivers.
+
+    The Segment's finalizer: it takes no lock (Note [One lock rule] in ``_linux.py``).
+    A descriptor with tickets is queued for the reaper, which started with the first
+    ticket and closes it once its receivers hold the file.
+    """
+    if fd in _SENT:  # (atomic under the GIL; no new ticket is drawn for a dropped segment)
+        _DROPPED.append(fd)
+    else:
+        close_fd(fd)
 
 
 def forget(fd: int) -> None:
@@ -161,7 +175,19 @@ def forget(fd: int) -> None:
 def held() -> int:
     """Descriptors this process holds only for receivers that have not come yet."""
     with _LOCK:
+        _take_dropped()
         return sum(1 for sent in _SENT.values() if sent.dropped)
+
+
+def _take_dropped() -> None:
+    """Mark the descriptors that finalizers queued as dropped; the caller holds ``_LOCK``."""
+    while _DROPPED:
+        fd = _DROPPED.popleft()
+        sent = _SENT.get(fd)
+        if sent is None:  # its tickets were all acknowledged meanwhile
+            close_fd(fd)
+        else:
+            sent.dropped = True
 
 
 def _reap_one(fd: int, sent: _Sent, now: float) -> None:
@@ -184,6 +210,7 @@ def _reap(created_only: bool = False) -> int:
     """Reap every descriptor; how many tickets are still outstanding (of created segments)."""
     now, left = time.monotonic(), 0
     with _LOCK:
+        _take_dropped()
         for fd, sent in list(_SENT.items()):
             _reap_one(fd, sent, now)
             if fd in _SENT and (sent.created or not created_only):
@@ -192,16 +219,14 @@ def _reap(created_only: bool = False) -> int:
 
 
 def _reaper() -> None:
-    while True:
-        time.sleep(POLL)
+    pid = os.getpid()
+    while _STATE["reaper"] == pid:
+        time.sleep(POLL if _SENT or _DROPPED else IDLE_POLL)
         _reap()
-        with _LOCK:
-            if not any(sent.dropped for sent in _SENT.values()):
-                _STATE["reaper"] = 0
-                return
 
 
 def _start_reaper() -> None:
+    """Start the reaper thread of this process, once; the caller holds ``_LOCK``."""
     if _STATE["reaper"] != os.getpid():
         _STATE["reaper"] = os.getpid()
         threading.Thread(target=_reaper, name="shareddata-handoff", daemon=True).start()
@@ -231,12 +256,11 @@ def _register_exit_hook() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _LOCK
-    _LOCK = threading.RLock()
     for fd, sent in list(_SENT.items()):
-        if sent.dropped:  # the parent's held descriptor: not this process's to keep
+        if sent.dropped or fd in _DROPPED:  # the parent's held descriptor: not ours to keep
             close_fd(fd)
     _SENT.clear()
+    _DROPPED.clear()
     _STATE["reaper"] = _STATE["exit_hook"] = 0
 
 

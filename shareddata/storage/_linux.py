@@ -19,43 +19,66 @@ from typing import Any
 __all__ = [
     "ForkSafeLock",
     "MADV_HUGEPAGE",
+    "MADV_POPULATE_READ",
     "MADV_POPULATE_WRITE",
     "MAP_PRIVATE_ANONYMOUS_FIXED",
     "MAP_PRIVATE_FIXED",
     "PROT_READ_WRITE",
     "address_of",
+    "array_at",
     "close_fd",
     "file_identity",
     "is_tmpfs",
     "libc",
-    "libc_mmap",
+    "map_fd",
+    "page_floor",
+    "unmap",
     "madvise",
     "open_tmpfile",
     "replace_with_anonymous",
 ]
 
 MADV_HUGEPAGE = 14
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14; the mmap module names it only on 3.13+
+MADV_POPULATE_READ = 22  # Linux >= 5.14; the mmap module names them only on 3.13+
+MADV_POPULATE_WRITE = 23
 PROT_READ_WRITE = 0x1 | 0x2
 MAP_PRIVATE_FIXED = 0x02 | 0x10
 MAP_PRIVATE_ANONYMOUS_FIXED = 0x02 | 0x20 | 0x10
 _TMPFS_MAGIC = 0x01021994
 
 
-class ForkSafeLock:
-    """A lock that a ``fork`` child always gets unlocked.
+# Note [One lock rule]
+# ====================
+# Every lock of the package is a :class:`ForkSafeLock` (a ``threading.Condition`` is
+# built over one), and three rules hold wherever one is used:
+#
+# * a ``fork`` child gets every lock unlocked: a child is forked from one thread, and
+#   a lock another thread held at that moment would stay held in the child forever
+#   (a ``multiprocessing.Pool`` forks replacement workers from one thread while its
+#   result thread attaches what workers returned). What the locks guard are
+#   registries whose worst state after a fork is an entry too many, and each module
+#   resets its own registries in the child (``os.register_at_fork``);
+# * a weakref callback or a finalizer never takes a lock: it may run inside any code
+#   of the process, when a garbage collection frees an object, also while that code
+#   holds the very lock. Callbacks only queue work (a ``deque.append``) or do what
+#   needs no lock (close a descriptor nobody else knows, unmap a range only they
+#   own); the queued work is done by the next caller that takes the lock;
+# * every wait has a bound (a timeout, or a check that the awaited thread still
+#   runs): nothing shareddata does may hang a program.
 
-    A child is forked from one thread of its parent; a lock that another thread
-    held at that moment stays held in the child forever, and its first use there
-    deadlocks (a ``multiprocessing.Pool`` forks replacement workers from its
-    worker-handler thread while its result-handler thread unpickles, and attaches,
-    what workers returned). What such a lock guards here are registries whose worst
-    state after a fork is an entry too many.
+
+class ForkSafeLock:
+    """A lock that a ``fork`` child always gets unlocked (Note [One lock rule]).
 
     Example:
         >>> lock = ForkSafeLock()
         >>> with lock:
         ...     pass
+        >>> import threading
+        >>> ready = threading.Condition(ForkSafeLock())
+        >>> with ready:
+        ...     ready.wait(0.01)
+        False
     """
 
     __slots__ = ("__weakref__", "_lock")
@@ -63,6 +86,14 @@ class ForkSafeLock:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         _FORK_SAFE_LOCKS.add(self)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """As ``threading.Lock.acquire``."""
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        """As ``threading.Lock.release``."""
+        self._lock.release()
 
     def __enter__(self) -> ForkSafeLock:
         self._lock.acquire()
@@ -85,10 +116,11 @@ os.register_at_fork(after_in_child=_unlock_in_child)
 
 @functools.lru_cache(maxsize=1)
 def libc() -> Any:
-    """The C library, with ``madvise`` and ``mmap`` typed (looked up once).
+    """The C library, with ``mmap``, ``munmap`` and ``madvise`` typed: the package's one ``CDLL``.
 
-    Look it up before forking: a fork child must not ``dlopen`` (the loader's lock
-    may be held by a thread that does not exist in the child).
+    Looked up when this module is imported, so before any fork: a fork child must
+    not ``dlopen`` (the loader's lock may be held by a thread that does not exist in
+    the child). ctypes releases the GIL during each call.
 
     Example:
         >>> libc().getpid() == os.getpid()
@@ -97,6 +129,8 @@ def libc() -> Any:
     lib = ctypes.CDLL(None, use_errno=True)
     lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     lib.madvise.restype = ctypes.c_int
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.munmap.restype = ctypes.c_int
     lib.mmap.restype = ctypes.c_void_p
     lib.mmap.argtypes = [
         ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
@@ -104,9 +138,58 @@ def libc() -> Any:
     return lib
 
 
-def libc_mmap() -> Any:
-    """The C library's ``mmap(addr, length, prot, flags, fd, offset)``, returning the address."""
-    return libc().mmap
+libc()
+
+MAP_SHARED = 0x01
+MAP_PRIVATE = 0x02
+_MAP_FIXED = 0x10
+_MAP_FAILED = 2**64 - 1  # (void *) -1 as ctypes returns it
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def map_fd(
+    fd: int, length: int, offset: int = 0, *, private: bool = False, at: int | None = None
+) -> int:
+    """Map ``length`` bytes of ``fd`` from ``offset`` (a multiple of the page size); the address.
+
+    The package's one ``mmap`` wrapper: the mapping holds no descriptor and no Python
+    object (unmap it with :func:`unmap`). ``private``: copy-on-write (reads share the
+    file's pages; a write copies the page into this process). ``at``: replace the
+    pages mapped at that address (``MAP_FIXED``).
+
+    Raises:
+        OSError: the kernel refused (``ENOMEM``: no address space or over ``ulimit -v``).
+
+    Example:
+        >>> fd = os.memfd_create("probe"); os.ftruncate(fd, 4096)
+        >>> address = map_fd(fd, 4096)
+        >>> array_at(address, 4)[:] = 65; os.pread(fd, 4, 0)
+        b'AAAA'
+        >>> unmap(address, 4096); os.close(fd)
+    """
+    flags = (MAP_PRIVATE if private else MAP_SHARED) | (_MAP_FIXED if at is not None else 0)
+    address = libc().mmap(at, length, PROT_READ_WRITE, flags, fd, offset)
+    if address in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
+    return int(address)
+
+
+def unmap(address: int, length: int) -> None:
+    """Unmap ``[address, address + length)`` (mapped by :func:`map_fd`)."""
+    libc().munmap(address, length)
+
+
+def array_at(address: int, length: int) -> Any:
+    """A ``uint8`` numpy array over ``length`` bytes at ``address`` (it does not own them)."""
+    import numpy as np
+
+    return np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
+
+
+def page_floor(offset: int) -> int:
+    """``offset`` rounded down to a page boundary (what ``mmap`` offsets must be)."""
+    return offset - offset % _PAGE
 
 
 def madvise(address: int, length: int, advice: int) -> int:
@@ -199,7 +282,7 @@ def replace_with_anonymous(mapped: mmap.mmap, size: int, ident: tuple[int, int])
         True on success; False if the mapping could not be replaced.
     """
     address = address_of(mapped)
-    result = libc_mmap()(address, size, PROT_READ_WRITE, MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0)
+    result = libc().mmap(address, size, PROT_READ_WRITE, MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0)
     if result != address:
         return False
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)

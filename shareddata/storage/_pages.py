@@ -12,15 +12,12 @@ import errno
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from ._capacity import FULL_ERRNOS, available_memory, fallocate, full_error
 from ._linux import MADV_HUGEPAGE, MADV_POPULATE_WRITE, ForkSafeLock, address_of, madvise
-
-if TYPE_CHECKING:
-    from ._segment import Segment
 
 __all__ = ["Population", "populate", "population_failed", "population_threads", "ready"]
 
@@ -85,7 +82,7 @@ def populate(address: int, nbytes: int, threads: int | None = None) -> int:
     """
     threads = population_threads(nbytes) if threads is None else max(1, threads)
     steps = iter(range(0, nbytes, _POPULATE_STEP))
-    lock = threading.Lock()
+    lock = ForkSafeLock()
     errors: list[int] = []
 
     def work() -> None:
@@ -152,13 +149,15 @@ def population_failed(error: int, fd: int, size: int, directory: str | None, wha
 # reserved before the source gets its buffers, as for any other segment.
 
 _POPULATIONS: list[Population] = []
+_WAIT_STEP = 1.0  # seconds between checks that the population threads still run
 _POPULATIONS_LOCK = ForkSafeLock()
 
 
 class Population:
     """The pages of a new segment, allocated and mapped by threads in address order."""
 
-    def __init__(self, segment: Segment, directory: str | None, what: str) -> None:
+    def __init__(self, segment: Any, directory: str | None, what: str) -> None:
+        """Start allocating the pages of ``segment`` (a ``Segment``, which imports this module)."""
         self.fd, self.size = segment.fd, segment.size
         self.base = address_of(segment.mmap)
         self.directory, self.what = directory, what
@@ -168,12 +167,13 @@ class Population:
         self._next = 0
         self._error = 0
         self._stopped = False
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(ForkSafeLock())
         madvise(self.base, self.size, MADV_HUGEPAGE)  # a hint; may do nothing
         with _POPULATIONS_LOCK:
             _POPULATIONS.append(self)
-        # a segment dropped without finish()/stop(): end the threads before it unmaps
-        self._finalizer = weakref.finalize(segment, self.stop)
+        # a segment dropped without finish()/stop(): its threads stop at their next step
+        # (a finalizer takes no lock: Note [One lock rule] in _linux.py)
+        self._finalizer = weakref.finalize(segment, setattr, self, "_stopped", True)
         self._threads = [
             threading.Thread(target=self._work, name="shareddata-populate", daemon=True)
             for _ in range(population_threads(self.size))
@@ -199,18 +199,40 @@ class Population:
                 self._cond.notify_all()
 
     def wait(self, end: int) -> None:
-        """Return once bytes ``[0, end)`` are allocated and mapped; raise if that failed."""
+        """Return once bytes ``[0, end)`` are allocated and mapped; raise if that failed.
+
+        Bounded: if every thread has ended (stopped) with the range not done, the
+        range is allocated here, in this thread.
+        """
         need = min(self.steps, -(-end // _POPULATE_STEP))
         with self._cond:
             while self._ready < need and not self._error:
-                self._cond.wait()
+                if not self._cond.wait(_WAIT_STEP) and not self._running():
+                    break
             error = self._error
+            missing = [s for s in range(need) if not self._done[s]] if not error else []
+        for step in missing:  # the threads ended: allocate what is left here
+            start = step * _POPULATE_STEP
+            length = min(_POPULATE_STEP, self.size - start)
+            error = madvise(self.base + start, length, MADV_POPULATE_WRITE)
+            if error:
+                break
+            with self._cond:
+                self._done[step] = True
+                while self._ready < self.steps and self._done[self._ready]:
+                    self._ready += 1
+        if missing and error:
+            with self._cond:
+                self._error = self._error or error
         if error:
             self._stop_threads()
             with self._cond:
                 if self._error:  # the first waiter handles it; an old kernel falls back
                     population_failed(error, self.fd, self.size, self.directory, self.what)
                     self._error, self._ready = 0, self.steps
+
+    def _running(self) -> bool:
+        return any(thread.is_alive() for thread in self._threads)
 
     def finish(self) -> None:
         self.wait(self.size)
@@ -265,3 +287,10 @@ def ready(array: np.ndarray, nbytes: int | None = None) -> None:
         if population.base <= start < population.base + population.size:
             population.wait(end - population.base)
             return
+
+
+def _forget_populations_in_child() -> None:
+    _POPULATIONS.clear()  # their threads are the parent's: none runs in a fork child
+
+
+os.register_at_fork(after_in_child=_forget_populations_in_child)

@@ -54,14 +54,12 @@ from ._capacity import (
 )
 from ._linux import (
     MADV_HUGEPAGE,
-    MAP_PRIVATE_FIXED,
-    PROT_READ_WRITE,
     ForkSafeLock,
     address_of,
     file_identity,
     is_tmpfs,
-    libc_mmap,
     madvise,
+    map_fd,
     open_tmpfile,
     replace_with_anonymous,
 )
@@ -221,7 +219,6 @@ class Segment:
         For a dataset's segment once it is filled: nothing writes to it any more,
         and no forked DataLoader worker can write through to the others.
         """
-        libc_mmap()  # looked up here: a fork child must not dlopen (the loader's lock)
         with _ATTACH_LOCK:
             _SEALED.add(self)
 
@@ -293,13 +290,15 @@ _SEALED: weakref.WeakSet[Segment] = weakref.WeakSet()
 def _remap_sealed_in_child() -> None:
     if not _SEALED:
         return
-    mmap_at = libc_mmap()
     for segment in list(_SEALED):
         try:
             address = address_of(segment.mmap)
         except (ValueError, TypeError):  # closed meanwhile
             continue
-        mmap_at(address, segment.size, PROT_READ_WRITE, MAP_PRIVATE_FIXED, segment.fd, 0)
+        try:
+            map_fd(segment.fd, segment.size, private=True, at=address)
+        except OSError:  # no address space left: this child keeps the shared mapping
+            pass
 
 
 os.register_at_fork(after_in_child=_remap_sealed_in_child)
@@ -368,7 +367,8 @@ def attach(
 
 def attached_segments() -> list[Segment]:
     """Every segment mapped in this process (each once, however many arrays use it)."""
-    return list(_ATTACHED.values())  # no lock: called while pickling, maybe inside attach()
+    with _ATTACH_LOCK:
+        return list(_ATTACHED.values())
 
 
 def _open_for_attach(path: str, writable: bool) -> int:

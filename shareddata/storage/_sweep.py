@@ -2,7 +2,7 @@
 
 Note [What can be left behind, and the sweeper]
 ================================================
-shareddata's own segments have no name (Note in ``_storage/_segment.py``), so they cannot
+shareddata's own segments have no name (Note in ``storage/_segment.py``), so they cannot
 be left behind. The batches that DataLoader workers send to the main process do
 pass through named files: torch's ``file_descriptor`` sharing strategy (the
 default) creates ``/dev/shm/torch_<pid>_<random>_<n>``, reserves its pages and
@@ -17,13 +17,15 @@ such a name, and its pages, behind for good:
 A torch name under the default strategy is meant to exist for microseconds. One
 whose creating process is gone, that is older than a few seconds and that no
 process holds (as a descriptor or a mapping) is garbage. :func:`sweep` removes
-those; it runs when a dataset is loaded (the "next start"), and
-``python -m shareddata clean [--dry-run]`` runs it by hand. It never touches a name
-of a live process, nor one that any process of this machine still holds, nor
-anything under ``file_system`` sharing (where names legitimately outlive their
-creator) unless asked by hand. Set ``SHAREDDATA_NO_SWEEP=1`` to turn the automatic
-sweep off (e.g. when ``/dev/shm`` is shared with other PID namespaces, whose
-processes this one cannot see).
+those when asked: ``python -m shareddata clean [--dry-run]`` by hand, or at every
+dataset load with ``SHAREDDATA_SWEEP=1`` (the "next start" of a job that was killed).
+It is never on by default: these are torch's files, not shareddata's, and a process
+cannot prove another program's file is garbage -- a ``/dev/shm`` shared with other
+PID namespaces (containers) holds names whose creators this process cannot see, and
+root passes any ownership check. It never touches a name of a process alive here,
+nor one that any process of this machine still holds, nor anything under
+``file_system`` sharing (where names legitimately outlive their creator) unless
+asked by hand.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 __all__ = ["Leftover", "auto_sweep", "leftovers", "sweep"]
 
 _TORCH_NAME = re.compile(r"^torch_(\d+)_")
-_NO_SWEEP_ENV = "SHAREDDATA_NO_SWEEP"
+_SWEEP_ENV = "SHAREDDATA_SWEEP"
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,8 @@ def sweep(
 
 
 def auto_sweep() -> None:
-    """The sweep run when a dataset is loaded: default strategy only, never raises."""
-    if os.environ.get(_NO_SWEEP_ENV, "") not in ("", "0"):
+    """The sweep at a dataset's load, if ``SHAREDDATA_SWEEP=1`` asks for it; never raises."""
+    if os.environ.get(_SWEEP_ENV, "") in ("", "0"):
         return
     try:
         import torch.multiprocessing

@@ -65,7 +65,7 @@ def test_sigkill_of_the_whole_process_group_during_an_epoch():
     assert run.returncode == 0, run.describe()
     assert run.value("@@RC") == "-9"
     # a worker killed while torch was creating a batch's /dev/shm name leaves it
-    # behind (Note in shareddata/storage/_sweep.py): the sweep of the next start removes it
+    # behind (Note in shareddata/storage/_sweep.py): `shareddata clean` removes it
     print(f"torch names left by the kill and swept: {run.lines('@@SWEPT')}")
     run.assert_clean()
     # multiprocessing's own semaphores (sem.mp-*, 32 B each) die with no one to unlink

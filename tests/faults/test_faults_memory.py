@@ -87,7 +87,7 @@ def tiny_dev_shm():
         from torch.utils.data import DataLoader, TensorDataset
         ds = sd.NumpyDataset(np.ones((256, 256, 256), np.uint8))  # 64 KiB rows
         announce()
-        # shareddata's batches leave workers in memfds, not /dev/shm (_transport.py)
+        # shareddata's batches leave workers in memfds, not /dev/shm (crossing/_outbox.py)
         ours = DataLoader(ds, batch_size=64, num_workers=2, multiprocessing_context="fork")
         print("@@OURS", sum(len(b["data"]) for b in ours), flush=True)
         # torch's own batches (default collate of a TensorDataset) go through /dev/shm
@@ -120,7 +120,7 @@ def test_a_full_dev_shm_under_worker_batches_gives_a_clear_error(tiny_dev_shm):
 
 def test_a_full_dev_shm_under_worker_batches_leaves_no_name_once_swept(tiny_dev_shm):
     # torch leaves the name of each batch that hit ENOSPC (0 bytes); the sweep of the
-    # next start (Note in shareddata/storage/_sweep.py) removes every one of them
+    # `shareddata clean` (Note in shareddata/storage/_sweep.py) removes every one of them
     run = tiny_dev_shm
     assert run.returncode == 0, run.describe()
     left, swept = int(run.value("@@LEFT")), int(run.value("@@SWEPT"))
@@ -271,7 +271,7 @@ def test_rlimit_nofile_256_default_sharing_strategy(rlimit_run):
     # torch would pass each of a batch's 50 tensors as its own descriptor (4 workers x 2
     # prefetched batches x 50 > 256: "received 0 items of ancdata"); a batch gathered by
     # shareddata leaves its worker as one memfd for all its columns
-    # (Note [How a batch leaves a worker] in shareddata/crossing/_transport.py)
+    # (Note [How a batch leaves a worker] in shareddata/crossing/_outbox.py)
     run = rlimit_run
     assert run.returncode == 0, run.describe()
     assert run.value("@@DEFAULT") == "OK True", run.describe()

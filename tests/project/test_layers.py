@@ -1,4 +1,4 @@
-"""The package's layers: no import circle, no private name used across modules.
+"""The package's layers: no import circle, no private name used across modules, data flows one way.
 
 What import-linter would check, from the source alone: every module-level import of
 one ``shareddata`` module by another is an edge of a graph that must have no cycle
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import pathlib
 from collections.abc import Iterator
 
 from conftest import REPO
@@ -59,27 +60,14 @@ def _imports(module: str, path: str, modules: dict[str, str]) -> Iterator[tuple[
                     yield target, alias.name, node.lineno
 
 
-def _under_type_checking(path: str) -> set[int]:
-    """Lines of imports under ``if TYPE_CHECKING:`` (annotations only, not run)."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for inner in node.body:
-                for sub in ast.walk(inner):
-                    if hasattr(sub, "lineno"):
-                        lines.add(sub.lineno)
-    return lines
-
-
 def test_no_import_circle():
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
-        skip = _under_type_checking(path)
-        for target, _, line in _imports(module, path, modules):
-            if line in skip or target == module:
+        # imports under TYPE_CHECKING count too: a circle for the type checker is a
+        # circle for the reader (issue 21)
+        for target, _, _ in _imports(module, path, modules):
+            if target == module:
                 continue
             # importing a package runs its __init__; a module inside it depends on it
             if target in modules and not module.startswith(target + "."):
@@ -113,3 +101,48 @@ def test_no_private_name_imported_across_modules():
             if name.startswith("_") and not name.startswith("__") and target != module:
                 found.append(f"{os.path.relpath(path, REPO)}:{line} imports {target}.{name}")
     assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+LAYERS = [
+    ["shareddata.errors", "shareddata._text", "shareddata._compat"],
+    ["shareddata.storage"],
+    ["shareddata.columns"],
+    ["shareddata.sources", "shareddata.crossing", "shareddata.distributed"],
+    ["shareddata.datasets"],
+    ["shareddata.memory"],
+    ["shareddata._demo", "shareddata.testing", "shareddata"],
+    ["shareddata.cli"],
+    ["shareddata.__main__"],
+]
+"""The folders (and top-level modules) from the bottom up, as docs/how-it-works.md draws them:
+a module imports only from lower layers and from its own folder."""
+
+
+def _unit(module: str) -> str:
+    """The folder (or top-level module) a module belongs to."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def test_every_import_goes_down_the_layers():
+    rank = {unit: k for k, units in enumerate(LAYERS) for unit in units}
+    modules = _modules()
+    missing = sorted({_unit(m) for m in modules} - set(rank))
+    assert not missing, f"not in LAYERS (add them where they belong): {missing}"
+    found = []
+    for module, path in modules.items():
+        here = _unit(module)
+        for target, _, line in _imports(module, path, modules):
+            there = _unit(target)
+            if there != here and rank[there] >= rank[here]:
+                found.append(f"{os.path.relpath(path, REPO)}:{line}: {here} imports {there}")
+    assert not found, "imports that go up or sideways:\n" + "\n".join(found)
+
+
+def test_no_module_is_over_500_lines():
+    long = {
+        os.path.relpath(path, REPO): n
+        for path in _modules().values()
+        if (n := len(pathlib.Path(path).read_text().splitlines())) > 500
+    }
+    assert not long, f"modules over 500 lines: {long}"

@@ -65,8 +65,9 @@ class ReadyBatches(Dataset):
     def __getitem__(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         from torch.utils.data import get_worker_info
 
-        from shareddata.columns._columns import shared_empty
-        from shareddata.crossing._transport import worker_empty
+        from harness.transport import shared_empty, transport
+
+        worker_empty = transport().worker_empty
 
         shape = (len(index), *self.row_shape)
         if get_worker_info() is None:

@@ -127,7 +127,7 @@ def _shared_without_pages(ds: Dataset) -> None:
     handing blocks over) with no kernel page work on the other core. Its main-thread
     CPU next to ``shared``'s shows what that page work costs the iteration itself.
     """
-    from shareddata.storage import _writer
+    from shareddata.datasets._materialise import _writer
 
     write, populate = _writer.BlockWriter.write, _writer.Writer._map
     _writer.BlockWriter.write = lambda self, *args: None  # type: ignore[method-assign]

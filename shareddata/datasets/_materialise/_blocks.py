@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,10 +16,7 @@ import torch
 from ...columns._items import Leaf, compile_fast_path
 from ...errors import SharedDataError
 from ...storage import SharedArray
-from ...storage._writer import BlockWriter
-
-if TYPE_CHECKING:
-    from ._builder import Builder
+from ._writer import BlockWriter
 
 __all__ = ["Block", "BlockReader", "box", "fetch", "identity", "unbox"]
 
@@ -118,16 +115,18 @@ class BlockReader:
         leaves: list[Leaf],
         fixed: dict[int, SharedArray],
         chunk: int,
-        builder: Builder,
+        rows: int,
+        storage_dir: Any,
+        what: str,
     ) -> None:
         self.dataset = dataset
         self.schema = schema
         self.leaves = [dataclasses.replace(leaf) for leaf in leaves]  # as they are now
         self.fixed = dict(fixed)
         self.chunk = chunk
-        self.rows = builder.rows
-        self.storage_dir = builder.storage_dir
-        self.what = builder.what
+        self.rows = rows
+        self.storage_dir = storage_dir
+        self.what = what
         self.offset = 0  # index in ``dataset`` of row 0
         self._fast: Callable[[Any], bool] | None = None
         self._sinks: list[list[Any]] = []

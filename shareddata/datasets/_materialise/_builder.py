@@ -35,9 +35,10 @@ from ...columns._items import (
 )
 from ...errors import ItemMismatchError, ItemValueError, UnpicklableItemError
 from ...storage import SharedArray
-from ...storage._writer import VarStore, Writer, chunk_rows
+from ...storage._writer import VarStore
 from .._load import Allocator, Part
 from ._blocks import Block, BlockReader, identity, unbox
+from ._writer import Writer, chunk_rows
 
 __all__ = ["Builder"]
 
@@ -124,7 +125,10 @@ class Builder:
         from torch.utils.data import DataLoader, Dataset
 
         snapshot = [(leaf.kind, leaf.ragged) for leaf in self.leaves]
-        reader = BlockReader(dataset, self.schema, self.leaves, self.fixed, self.chunk, self)
+        reader = BlockReader(
+            dataset, self.schema, self.leaves, self.fixed, self.chunk,
+            self.rows, self.storage_dir, self.what,
+        )  # fmt: skip
         reader.offset = offset
         loader: DataLoader[Any] = DataLoader(
             cast("Dataset[Any]", reader), batch_size=None, num_workers=workers, collate_fn=identity

@@ -1,0 +1,100 @@
+"""Every private torch, numpy and CPython name shareddata uses, in one place.
+
+A library should leave torch as it found it and build on its public API; where the
+public API has no way to do what is needed, the private name is reached here, and
+only here, each with what it is for and what happens without it. Each one is
+checked by ``tests/test_compat.py``, which fails loudly, naming the surface, when a
+release changes it; ``scripts/compat.sh`` runs the suite against the oldest and
+newest torch this package claims.
+
+Nothing here changes torch: no reducer of torch's types is replaced, no function
+of torch's is patched, no entry is added to a torch registry for a type that is not
+shareddata's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DisableTorchFunctionSubclass",
+    "collate",
+    "default_collate_fn_map",
+    "disabled_torch_function",
+    "read_npy_header_3",
+    "stop_dataloader_workers",
+    "storage_use_count",
+]
+
+disabled_torch_function = torch._C._disabled_torch_function_impl
+"""The ``__torch_function__`` that makes every operation on a tensor subclass return a
+plain tensor, at C speed (``torch.Tensor`` subclasses that only mark a type, such as
+``BatchIndices``). torch documents it for this use in "Extending torch with a Tensor
+subclass"; it lives in ``torch._C``."""
+
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+"""Context manager under which a tensor subclass's ``__torch_function__`` runs the
+plain operation (what ``torch.Tensor.__torch_function__`` itself uses; documented in
+"Extending torch" but in ``torch._C``)."""
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many tensors and storage objects hold ``storage``'s memory (its C++ use count).
+
+    A DataLoader worker reuses a batch's memory once nothing in the worker holds it
+    any more (Note [Reusing a batch's pages] in ``crossing/_outbox.py``); no public
+    API says whether a storage still has tensors over it. Without it, no batch
+    memory would ever be reused (each batch would cost fresh pages).
+
+    Example:
+        >>> t = torch.zeros(4)
+        >>> s = t.untyped_storage()
+        >>> before = storage_use_count(s)
+        >>> v = t[1:]
+        >>> storage_use_count(s) == before + 1
+        True
+    """
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+# ``default_collate`` dispatches on a registry of types, and its docstring documents
+# registering a type there ("Option 2"); the registry and the generic ``collate`` live
+# in ``torch.utils.data._utils.collate``. shareddata registers only its own types
+# (``Row``, ``RowTuple``: Note [The default collate's shortcut] in ``crossing/_batch.py``).
+from torch.utils.data._utils.collate import collate, default_collate_fn_map  # noqa: E402
+
+
+def read_npy_header_3(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """The header of a version 3.0 ``.npy`` file (utf-8 field names), ``f`` after the magic.
+
+    numpy reads versions 1.0 and 2.0 publicly (``read_array_header_1_0``/``2_0``);
+    3.0 only through its private ``_read_array_header`` (moved to
+    ``numpy.lib._format_impl`` in numpy 2).
+    """
+    impl = getattr(np.lib, "_format_impl", np.lib.format)
+    return impl._read_array_header(f, (3, 0))  # type: ignore[no-any-return]
+
+
+def stop_dataloader_workers(loader: Any) -> None:
+    """Shut down the workers a persistent ``DataLoader`` keeps between epochs.
+
+    ``verify`` measures a loader's processes from a known start; a persistent loader
+    keeps its workers (and their memory) in ``loader._iterator``, with no public way
+    to end them but dropping the loader. Without it, ``verify`` would measure the
+    workers of an earlier epoch.
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
+def dataloader_progress(loader: Any) -> tuple[int, int] | None:
+    """``(batches yielded, batches per epoch)`` of a persistent loader's live iterator."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is None or not getattr(iterator, "_workers", None):
+        return None
+    return getattr(iterator, "_num_yielded", 0), len(iterator)

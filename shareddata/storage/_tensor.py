@@ -1,0 +1,234 @@
+"""SharedTensor: the tensor type over shareddata's memory, and how it crosses processes.
+
+Note [Tensors over our memory cross by handle]
+----------------------------------------------
+``ForkingPickler`` (what a DataLoader's queues, ``torch.multiprocessing`` and
+``multiprocessing`` pools pickle with) hands a plain tensor to torch's reducer, which
+moves its whole storage into a new shared segment and sends that segment's
+descriptor. For memory that is shareddata's own that is a copy too many: a view of a
+dataset's column has the whole column as its storage, and a worker's batch already
+lives in shared memory (a memfd) that the main process can map. So tensors over our
+memory are instances of our own type, :class:`SharedTensor`, and only that type gets
+a reducer of ours; torch's own types keep torch's reducers, untouched.
+
+A :class:`SharedTensor` carries a *reference* to the memory its storage covers
+(``_shared``): a :class:`SegmentRef` for a segment (a ``SharedArray``, a dataset's
+column) or a worker's batch reference (``crossing/_outbox.py``). It pickles as that
+reference plus its dtype, offset, shape and stride: any view, slice or
+non-contiguous view crosses with its layout, and the reference is pickled once per
+message however many tensors share it (the pickler's memo), so a batch's samples
+cross as one handle. The reference unpickles into a storage over the same pages:
+a writable ``SharedArray``'s pages are shared (a write reaches every process);
+a read-only segment's range gets a copy-on-write mapping of its own, so a receiver
+that writes to what it received never changes the data. What a process receives is
+a plain ``torch.Tensor``.
+
+Operations keep the type where they make a view of our memory (indexing, slicing,
+``view``, ``unbind``, ``t()``...): every other result is a plain tensor, so a model
+that receives one never runs Python code per operation. Plain ``pickle`` and
+``torch.save`` see a :class:`SharedTensor` as a plain tensor, by value, and
+``copy.deepcopy`` copies it into private memory. A ``SharedTensor`` that cannot
+cross by handle (``requires_grad`` set, a conjugate view) crosses as torch crosses a
+copy of it. A failure inside these reducers (the tensor's and its reference's) never raises in
+the sender (a DataLoader worker's queue feeder would drop the batch and the main
+process would wait forever): it unpickles as :class:`~shareddata.errors.BatchSendError`,
+raised in the main process where the batch was expected.
+"""
+
+from __future__ import annotations
+
+import weakref
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch.multiprocessing import reductions as torch_reductions
+
+from .._compat import DisableTorchFunctionSubclass
+from ..errors import BatchSendError
+from ._linux import array_at, map_fd, page_floor, unmap
+from ._segment import Segment, attach
+
+__all__ = ["MemoryRef", "SegmentRef", "SharedTensor", "rebuild_tensor", "shared_tensor"]
+
+
+class MemoryRef(Protocol):
+    """What a :class:`SharedTensor` views: pickles as something that unpickles to a storage."""
+
+    address: int
+    """Where the storage of the tensors over this memory starts, in this process."""
+    nbytes: int
+    """Bytes of that storage."""
+
+    def __reduce__(self) -> tuple[Any, ...]: ...
+
+
+class SharedTensor(torch.Tensor):
+    """A tensor over shareddata's shared memory; it crosses processes by handle, not by copy.
+
+    ``SharedArray.torch()`` returns one, and so do a DataLoader worker's batches made
+    by shareddata; views of it are ``SharedTensor`` s too, any other result is a plain
+    tensor. Note [Tensors over our memory cross by handle].
+
+    Example:
+        >>> import shareddata as sd
+        >>> t = sd.SharedArray.from_array(np.arange(6.0)).torch()
+        >>> type(t).__name__, type(t[2:]).__name__, type(t * 2).__name__
+        ('SharedTensor', 'SharedTensor', 'Tensor')
+        >>> t[2:]
+        SharedTensor([2., 3., 4., 5.], dtype=torch.float64)
+    """
+
+    _shared: MemoryRef
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            return out if type(out) is not torch.Tensor else _keep_view(out, args)
+        if type(out) in (tuple, list) and out and type(out[0]) is torch.Tensor:
+            return type(out)(_keep_view(o, args) if type(o) is torch.Tensor else o for o in out)
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # plain pickle and torch.save: an ordinary tensor, by value
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor).__deepcopy__(memo)
+
+
+def _keep_view(out: torch.Tensor, args: Any) -> torch.Tensor:
+    """``out`` as a :class:`SharedTensor` if it views the memory of a SharedTensor in ``args``."""
+    for arg in args:
+        if isinstance(arg, SharedTensor):
+            ref = arg.__dict__.get("_shared")
+            if ref is not None and out.untyped_storage().data_ptr() == ref.address:
+                return shared_tensor(out, ref)
+    return out
+
+
+def shared_tensor(tensor: torch.Tensor, ref: MemoryRef) -> SharedTensor:
+    """``tensor`` (whose storage is the memory of ``ref``) as a :class:`SharedTensor`."""
+    shared = tensor.as_subclass(SharedTensor)
+    shared._shared = ref
+    return shared
+
+
+def reduce_shared_tensor(tensor: SharedTensor) -> Any:
+    """``ForkingPickler``'s reducer of :class:`SharedTensor`: by handle, else a copy by torch."""
+    try:
+        plain = tensor.as_subclass(torch.Tensor)
+        ref = tensor.__dict__.get("_shared")
+        if (
+            ref is not None
+            and not plain.requires_grad
+            and not plain.is_conj()
+            and not plain.is_neg()
+            and plain.untyped_storage().data_ptr() == ref.address
+        ):
+            shape, stride = tuple(plain.shape), plain.stride()
+            return rebuild_tensor, (
+                ref,
+                DTYPE_NAMES[plain.dtype],
+                plain.storage_offset(),
+                shape,
+                stride,
+            )
+        # not ours to send by handle: a copy, the way torch sends any tensor (never the
+        # original: torch would move a SharedArray's storage out of the segment, in place)
+        copy = plain.detach().clone().requires_grad_(plain.requires_grad)
+        return torch_reductions.reduce_tensor(copy)
+    except Exception as e:  # never let a queue's feeder thread drop a batch silently
+        return raise_send_error, (describe_failure(e, "a tensor over shared memory"),)
+
+
+# a dtype crosses as its name in ``torch``: cheaper to pickle and to unpickle than itself
+DTYPE_NAMES = {
+    dtype: name
+    for name in dir(torch)
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+}
+
+
+def rebuild_tensor(
+    storage: torch.UntypedStorage,
+    dtype: str,
+    offset: int,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+) -> torch.Tensor:
+    """Unpickle a tensor: ``storage`` (what its reference unpickled into) with its layout."""
+    empty = torch.empty(0, dtype=getattr(torch, dtype))
+    return empty.set_(storage, offset, shape, stride)  # type: ignore[call-overload]
+
+
+def raise_send_error(message: str) -> Any:
+    """Unpickle a failure of the sender's reducer: raise it where the data was expected."""
+    raise BatchSendError(message)
+
+
+def describe_failure(error: BaseException, what: str) -> str:
+    """What :func:`raise_send_error` says of ``error``."""
+    return f"{what} could not be pickled for another process: {type(error).__name__}: {error}"
+
+
+ForkingPickler.register(SharedTensor, reduce_shared_tensor)
+
+
+class SegmentRef:
+    """The memory of a ``SharedArray``: ``nbytes`` at ``offset`` of a segment.
+
+    Pickled by ``multiprocessing`` with a ticket (the sender keeps the segment until
+    the receiver holds it: Note [Handing a segment over] in ``_handoff.py``).
+    """
+
+    __slots__ = ("address", "nbytes", "offset", "segment", "writable")
+
+    def __init__(self, segment: Segment, offset: int, nbytes: int, address: int, writable: bool):
+        self.segment, self.offset, self.nbytes = segment, offset, nbytes
+        self.address, self.writable = address, writable
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        try:
+            # a read-only (or sealed) segment crosses copy-on-write; a SharedArray shared
+            writable = self.writable and self.segment.writable and not self.segment.sealed
+            handle = (*self.segment.handle(ticket=True), writable)
+        except Exception as e:  # never raise in a queue's feeder thread (see the Note)
+            return raise_send_error, (describe_failure(e, "a SharedArray's memory"),)
+        return _rebuild_segment_storage, (handle, self.offset, self.nbytes)
+
+
+def _rebuild_segment_storage(
+    handle: tuple[Any, ...], offset: int, nbytes: int
+) -> torch.UntypedStorage:
+    """The storage over ``nbytes`` at ``offset`` of the segment ``handle`` (unpickling).
+
+    A read-only segment's range gets a copy-on-write mapping of its own: a receiver
+    that writes to what it received changes neither the data nor another sample
+    it received (the pages stay shared until written).
+    """
+    writable = handle[-1]
+    segment = attach(*handle)
+    if writable:
+        array = np.frombuffer(segment.mmap, np.uint8, nbytes, offset)
+        weakref.finalize(array, _keep, segment)  # the segment lives as long as the array
+    else:
+        array = _private_mapping(segment.fd, offset, nbytes)
+    return torch.from_numpy(array).untyped_storage()
+
+
+def _keep(segment: Any) -> None:
+    """Nothing: a finalizer's argument is held until the object it watches is gone."""
+
+
+def _private_mapping(fd: int, offset: int, nbytes: int) -> np.ndarray:
+    """A copy-on-write mapping of ``nbytes`` at ``offset`` of ``fd``, unmapped when garbage."""
+    start = page_floor(offset)
+    length = offset + nbytes - start
+    mapped = array_at(map_fd(fd, length, start, private=True), length)
+    address = mapped.ctypes.data
+    weakref.finalize(mapped, unmap, address, length).atexit = False
+    return mapped[offset - start : offset - start + nbytes]
