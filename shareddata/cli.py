@@ -2,8 +2,8 @@
 
 Each command prints what it found in words; usage errors (a missing file, a file
 shareddata cannot read, a ``MODULE:FUNCTION`` that does not give a DataLoader) are
-one line on stderr and exit code 2. ``verify`` exits 1 when the data is duplicated,
-``info`` when the file does not fit in memory.
+one line on stderr and exit code 2. ``verify`` exits 1 when the data is duplicated
+and 3 when it cannot tell; ``info`` exits 1 when the file does not fit in memory.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from ._capacity import available_memory
 from ._columns import ColumnSpec
 from ._text import format_bytes, parse_size, plural
-from .errors import DuplicationError, SharedDataError
+from .errors import DuplicationError, InconclusiveError, SharedDataError
 
 __all__ = ["build_parser", "main", "open_source"]
 
@@ -32,6 +32,10 @@ _FORMATS = ".npy, .npz, .h5/.hdf5, .parquet, or a folder of .npy or .parquet fil
 
 class CommandError(Exception):
     """A usage error: printed as one ``error:`` line, exit code 2."""
+
+
+#: ``verify``'s exit codes: held once, duplicated, a usage error, cannot tell.
+VERIFY_OK, VERIFY_DUPLICATED, VERIFY_ERROR, VERIFY_CANNOT_TELL = 0, 1, 2, 3
 
 
 def open_source(path: str, names: Sequence[str] | None = None) -> Any:
@@ -207,7 +211,7 @@ def _make_loader(target: str) -> Any:
 
 
 def verdict_line(report: Any) -> str:
-    """``OK: ...`` or ``FAIL: ...``, the verdict of a :class:`~shareddata.MemoryReport` in words."""
+    """``OK: ...``, ``FAIL: ...`` or ``CANNOT TELL: ...``: a report's verdict in words."""
     own = getattr(report, "verdict_line", None)
     if callable(own):
         return str(own())
@@ -241,7 +245,7 @@ def _verify(args: argparse.Namespace) -> int:
             max_duplication=args.max_duplication,
             dataset_bytes=args.dataset_size,
         )
-    except DuplicationError as e:
+    except (DuplicationError, InconclusiveError) as e:
         report = e.report
     except SharedDataError:
         raise
@@ -258,7 +262,11 @@ def _verify(args: argparse.Namespace) -> int:
         print(text)
         if not text.rstrip().endswith(line):  # the table may end with it already
             print(line)
-    return 0 if report.passed else 1
+    if report.passed:
+        return VERIFY_OK
+    if getattr(report, "status", "duplicated") == "inconclusive":
+        return VERIFY_CANNOT_TELL
+    return VERIFY_DUPLICATED
 
 
 # -- demo and clean ------------------------------------------------------------------------
@@ -419,8 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run your DataLoader and check that the dataset is held once",
         description="Import MODULE from the current folder, call FUNCTION() to build the "
         "DataLoader you train with, iterate it, measure every process (main and workers) "
-        "and say how many times the dataset is held in memory. Exit code 0 when within "
-        "--max-duplication, 1 when the data is duplicated, 2 on a usage error.",
+        "and say how many times the dataset is held in memory. Exit code 0 when it is held "
+        "once (within --max-duplication), 1 when the data is duplicated, 2 on a usage "
+        "error, 3 when the measurement cannot tell (the dataset is too small for what it "
+        "resolves, or no worker could be measured: the last line says what would decide).",
         epilog="examples:\n"
         "  python -m shareddata verify train:make_loader\n"
         "  python -m shareddata verify train:make_loader --batches 50 --max-duplication 1.2\n"
