@@ -41,9 +41,9 @@ class Account:
             baseline: an estimate.
         resolution: the working memory the estimate cannot tell from a copy of the
             data; an ``excess`` within it is not counted as duplication.
-        attributed: bytes counted as copies of the dataset: ``copies``, plus the
-            larger of ``counted`` and ``excess`` (when it exceeds ``resolution``, up
-            to one copy per process of the part of the dataset outside
+        attributed: bytes counted as copies of the dataset: ``copies`` and
+            ``counted``, plus the rest of ``excess`` when that exceeds ``resolution``
+            (up to one copy per process of the part of the dataset outside
             shareddata's segments).
         counted: copies outside shareddata's segments counted exactly: what
             ``spawn``/``forkserver`` workers received by value, or the pages of the
@@ -104,11 +104,16 @@ def account(
         >>> account([row], [row, grown], baselines=10, tolerance=100, plain_bytes=99,
         ...         counted=80).attributed
         80
+        >>> account([row], [row, grown], baselines=10, tolerance=5, plain_bytes=99,
+        ...         counted=80).attributed  # 10 more than counted, beyond the resolution
+        90
     """
     copies = max(sum(p.data_copied for p in after) - sum(p.data_copied for p in before), 0)
     excess = sum(p.working for p in after) - sum(p.working for p in before) - baselines
-    estimated = min(excess, plain_bytes * len(after)) if excess > tolerance else 0
-    attributed = copies + max(estimated, counted, 0)
+    # the counted copies explain part of the growth: only the rest is an estimate
+    rest = excess - counted
+    estimated = min(rest, plain_bytes * len(after) - counted) if rest > tolerance else 0
+    attributed = copies + counted + max(estimated, 0)
     return Account(
         copies=copies, excess=excess, resolution=tolerance, attributed=attributed, counted=counted
     )

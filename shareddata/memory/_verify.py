@@ -50,8 +50,9 @@ objects copied on write). Two mechanisms of copying it are counted exactly:
 The rest of working memory can only be estimated, from its growth::
 
     excess = working_after - working_before - n_workers * baseline
-    duplication = 1 + (copied + max(counted, estimated)) / dataset_bytes
-    estimated = min(excess, plain_bytes * processes) if excess > resolution else 0
+    duplication = 1 + (copied + counted + estimated) / dataset_bytes
+    estimated = min(rest, plain_bytes * processes - counted) if rest > resolution else 0
+    rest = excess - counted  # the counted copies are part of the growth
 
 - ``working_after``: summed over the main process and every worker, measured right
   after the last batch arrives (workers of a non-persistent loader exit at
