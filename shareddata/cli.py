@@ -34,10 +34,6 @@ class CommandError(Exception):
     """A usage error: printed as one ``error:`` line, exit code 2."""
 
 
-#: ``verify``'s exit codes: held once, duplicated, a usage error, cannot tell.
-VERIFY_OK, VERIFY_DUPLICATED, VERIFY_ERROR, VERIFY_CANNOT_TELL = 0, 1, 2, 3
-
-
 def open_source(path: str, names: Sequence[str] | None = None) -> Any:
     """The source reader for a file or folder, chosen by its extension (metadata only).
 
@@ -262,11 +258,8 @@ def _verify(args: argparse.Namespace) -> int:
         print(text)
         if not text.rstrip().endswith(line):  # the table may end with it already
             print(line)
-    if report.passed:
-        return VERIFY_OK
-    if getattr(report, "status", "duplicated") == "inconclusive":
-        return VERIFY_CANNOT_TELL
-    return VERIFY_DUPLICATED
+    codes = {"ok": 0, "duplicated": 1, "inconclusive": 3}  # 2: a usage error
+    return codes["ok" if report.passed else report.status]
 
 
 # -- demo and clean ------------------------------------------------------------------------
@@ -427,10 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run your DataLoader and check that the dataset is held once",
         description="Import MODULE from the current folder, call FUNCTION() to build the "
         "DataLoader you train with, iterate it, measure every process (main and workers) "
-        "and say how many times the dataset is held in memory. Exit code 0 when it is held "
-        "once (within --max-duplication), 1 when the data is duplicated, 2 on a usage "
-        "error, 3 when the measurement cannot tell (the dataset is too small for what it "
-        "resolves, or no worker could be measured: the last line says what would decide).",
+        "and say how many times the dataset is held in memory. Exit code 0 when held once, "
+        "1 when duplicated, 2 on a usage error, 3 when it cannot tell (and says what would).",
         epilog="examples:\n"
         "  python -m shareddata verify train:make_loader\n"
         "  python -m shareddata verify train:make_loader --batches 50 --max-duplication 1.2\n"
