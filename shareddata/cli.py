@@ -2,8 +2,8 @@
 
 Each command prints what it found in words; usage errors (a missing file, a file
 shareddata cannot read, a ``MODULE:FUNCTION`` that does not give a DataLoader) are
-one line on stderr and exit code 2. ``verify`` exits 1 when the data is duplicated,
-``info`` when the file does not fit in memory.
+one line on stderr and exit code 2. ``verify`` exits 1 when the data is duplicated
+and 3 when it cannot tell; ``info`` exits 1 when the file does not fit in memory.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from ._text import format_bytes, parse_size, plural
 from .columns._columns import ColumnSpec
-from .errors import DuplicationError, SharedDataError
+from .errors import DuplicationError, InconclusiveError, SharedDataError
 from .storage._capacity import available_memory
 
 __all__ = ["build_parser", "main", "open_source"]
@@ -207,7 +207,7 @@ def _make_loader(target: str) -> Any:
 
 
 def verdict_line(report: Any) -> str:
-    """``OK: ...`` or ``FAIL: ...``, the verdict of a :class:`~shareddata.MemoryReport` in words."""
+    """``OK: ...``, ``FAIL: ...`` or ``CANNOT TELL: ...``: a report's verdict in words."""
     own = getattr(report, "verdict_line", None)
     if callable(own):
         return str(own())
@@ -241,7 +241,7 @@ def _verify(args: argparse.Namespace) -> int:
             max_duplication=args.max_duplication,
             dataset_bytes=args.dataset_size,
         )
-    except DuplicationError as e:
+    except (DuplicationError, InconclusiveError) as e:
         report = e.report
     except SharedDataError:
         raise
@@ -258,7 +258,8 @@ def _verify(args: argparse.Namespace) -> int:
         print(text)
         if not text.rstrip().endswith(line):  # the table may end with it already
             print(line)
-    return 0 if report.passed else 1
+    codes = {"ok": 0, "duplicated": 1, "inconclusive": 3}  # 2: a usage error
+    return codes["ok" if report.passed else report.status]
 
 
 # -- demo and clean ------------------------------------------------------------------------
@@ -419,8 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run your DataLoader and check that the dataset is held once",
         description="Import MODULE from the current folder, call FUNCTION() to build the "
         "DataLoader you train with, iterate it, measure every process (main and workers) "
-        "and say how many times the dataset is held in memory. Exit code 0 when within "
-        "--max-duplication, 1 when the data is duplicated, 2 on a usage error.",
+        "and say how many times the dataset is held in memory. Exit code 0 when held once, "
+        "1 when duplicated, 2 on a usage error, 3 when it cannot tell (and says what would).",
         epilog="examples:\n"
         "  python -m shareddata verify train:make_loader\n"
         "  python -m shareddata verify train:make_loader --batches 50 --max-duplication 1.2\n"

@@ -17,6 +17,7 @@ working::
     ├── SharedMemoryFullError   (+ MemoryError)        not enough room, raised before loading
     ├── AttachError             (+ OSError)            a process cannot map a segment
     ├── DuplicationError        (+ AssertionError)     verify() found duplicated data
+    ├── InconclusiveError       (+ AssertionError)     verify() cannot tell: below its resolution
     ├── InvalidArgumentError    (+ ValueError)         an argument's value is not allowed
     ├── ArgumentTypeError       (+ TypeError)          an argument has the wrong type
     ├── IndexOutOfRangeError    (+ IndexError)         an index beyond the rows
@@ -46,6 +47,7 @@ __all__ = [
     "ColumnLengthError",
     "DuplicationError",
     "EmptySelectionError",
+    "InconclusiveError",
     "IndexOutOfRangeError",
     "IndexTypeError",
     "InvalidArgumentError",
@@ -122,6 +124,24 @@ class DuplicationError(SharedDataError, AssertionError):
 
     Attributes:
         report: the :class:`shareddata.MemoryReport` that failed.
+    """
+
+    def __init__(self, message: str, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class InconclusiveError(SharedDataError, AssertionError):
+    """:func:`shareddata.verify` cannot tell whether the dataset is held once.
+
+    The part of the dataset whose copies are not counted exactly is within the
+    resolution of the estimate (a copy of it would not show), or the loader has
+    workers and none could be measured. Not a pass: the message says what would
+    decide (a larger dataset, workers, a shareddata dataset).
+
+    Attributes:
+        report: the :class:`shareddata.MemoryReport` measured
+            (``report.status == "inconclusive"``).
     """
 
     def __init__(self, message: str, report: Any = None) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from .errors import DuplicationError
+from .errors import DuplicationError, InconclusiveError
 from .memory import MemoryReport, verify
 
 __all__ = ["SharedMemoryCheck", "assert_shared"]
@@ -52,11 +52,14 @@ def assert_shared(
     begins with the verdict in words (``FAIL: the dataset is duplicated ...: <fix>``).
 
     A shareddata dataset is judged exactly at any size (its pages are counted
-    mapping by mapping). For other datasets the copies are estimated from the
-    processes' growth, and growth within ``report.resolution`` (the working memory
-    iterating adds: a few MiB per process and the batches in flight) is not counted,
-    so a correct loader never fails on noise; a plain dataset much smaller than that
-    resolution cannot be judged and passes.
+    mapping by mapping), and so are the copies ``spawn`` workers receive and the
+    pages ``fork`` workers copy of a plain dataset's arrays. Other copies are
+    estimated from the processes' growth, and growth within ``report.resolution``
+    (the working memory iterating adds: a few MiB per process and the batches in
+    flight) is not counted, so a correct loader never fails on noise. Where a copy
+    could hide within that resolution, the check cannot tell and fails with
+    :class:`shareddata.InconclusiveError` (an ``AssertionError`` too), saying what
+    would decide: never a pass.
 
     Args:
         loader: the DataLoader your training code builds (with its workers).
@@ -125,13 +128,14 @@ class SharedMemoryCheck:
         Raises:
             DuplicationError: the dataset is held more often than the limit (an
                 ``AssertionError``, so pytest reports a failure, not an error).
+            InconclusiveError: the measurement cannot tell (an ``AssertionError``).
         """
         limit = self.max_duplication if max_duplication is None else max_duplication
         try:
             report = assert_shared(
                 loader, max_duplication=limit, batches=batches, dataset_bytes=dataset_bytes
             )
-        except DuplicationError as e:
+        except (DuplicationError, InconclusiveError) as e:
             if isinstance(e.report, MemoryReport):
                 self._record(e.report)
             raise

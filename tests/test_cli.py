@@ -91,7 +91,14 @@ def _in_process(argv: list[str]) -> tuple[int, str]:
 def test_transcripts_in_the_docs_match_the_commands(tmp_path, monkeypatch):
     page = PAGE.read_text()
     transcripts = {m["name"]: m for m in TRANSCRIPT.finditer(page)}
-    assert set(transcripts) >= {"demo", "info-h5", "verify-ok", "verify-fail", "clean"}
+    assert set(transcripts) >= {
+        "demo",
+        "info-h5",
+        "verify-ok",
+        "verify-fail",
+        "verify-unsure",
+        "clean",
+    }
     monkeypatch.chdir(tmp_path)
     _make_files(tmp_path, tmp_path / "shm")
     commands = {}
@@ -115,7 +122,7 @@ def test_transcripts_in_the_docs_match_the_commands(tmp_path, monkeypatch):
     for name, proc in running.items():
         out, _ = proc.communicate(timeout=300)
         results[name] = (proc.returncode, out)
-    expected_codes = {"verify-fail": 1, "verify-typo": 2, "info-error": 2}
+    expected_codes = {"verify-fail": 1, "verify-typo": 2, "info-error": 2, "verify-unsure": 3}
     fresh = {}
     for name, (code, out) in results.items():
         assert code == expected_codes.get(name, 0), f"{name} exited {code}:\n{out}"
@@ -144,6 +151,11 @@ def test_transcripts_in_the_docs_match_the_commands(tmp_path, monkeypatch):
     assert held[0] > 2.5 and held[1] < 1.3, demo
     assert "OK: the dataset is held" in results["verify-ok"][1]
     assert "FAIL: the dataset is duplicated" in results["verify-fail"][1]
+    unsure = results["verify-unsure"][1].strip().splitlines()[-1]
+    assert (
+        unsure.startswith("CANNOT TELL: 2.0 MiB of the dataset's 2.0 MiB")
+        and "num_workers" in unsure
+    )
     info = results["info-h5"][1]
     assert "4 columns, 1,000 rows" in info and "ragged int32" in info and " str " in info
     assert "(32, 32, 3)" in info and "fits: yes" in info
@@ -204,7 +216,7 @@ def test_help_has_descriptions_defaults_and_examples(capsys):
     for command, words in [
         ("demo", ["(default: 256MiB)", "(default: 2)", "examples:", "--plot"]),
         ("info", ["--keys NAME[,NAME...], --columns", "examples:"]),
-        ("verify", ["(default: 1.1)", "--json", "examples:", "Exit code"]),
+        ("verify", ["(default: 1.1)", "--json", "examples:", "Exit code", "3 when"]),
         ("clean", ["(default: /dev/shm)", "--dry-run", "examples:"]),
     ]:
         with pytest.raises(SystemExit) as done:
@@ -224,14 +236,28 @@ def test_verify_json_is_the_report(tmp_path, monkeypatch, capsys):
     (tmp_path / "loaders.py").write_text(
         "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
         "def plain():\n"
-        "    return DataLoader(TensorDataset(torch.zeros(4096, 256)), batch_size=64)\n"
+        "    return DataLoader(TensorDataset(torch.zeros(8192, 256)), batch_size=64)\n"
+        "def tiny():\n"
+        "    return DataLoader(TensorDataset(torch.zeros(1024, 256)), batch_size=64)\n"
     )
     try:
         assert main(["verify", "loaders.py:plain", "--json", "--batches", "4"]) == 0
+        out, err = capsys.readouterr()
+        # 1 MiB without workers: within the estimate's resolution, cannot tell (exit 3)
+        assert main(["verify", "loaders.py:tiny", "--json", "--batches", "4"]) == 3
+        tiny_out, tiny_err = capsys.readouterr()
+        # and duplicated (exit 1): more than half a copy is over a limit of 0.5
+        assert (
+            main(["verify", "loaders.py:plain", "--batches", "2", "--max-duplication", "0.5"]) == 1
+        )
     finally:
         sys.modules.pop("loaders", None)
-    out, err = capsys.readouterr()
     report = json.loads(out)
-    assert report["passed"] is True and abs(report["dataset_bytes"] - 4096 * 256 * 4) < 4096
+    assert report["passed"] is True and abs(report["dataset_bytes"] - 8192 * 256 * 4) < 4096
     assert [p["role"] for p in report["processes"]] == ["main"] and report["batches"] == 4
+    assert report["status"] == "ok" and report["conclusive"] is True
     assert err.strip().splitlines()[-1].startswith("OK: the dataset is held")
+    tiny = json.loads(tiny_out)
+    assert tiny["status"] == "inconclusive" and tiny["passed"] is False
+    assert tiny["needed_bytes"] > tiny["resolution"] > tiny["dataset_bytes"]
+    assert tiny_err.strip().splitlines()[-1].startswith("CANNOT TELL: 1.0 MiB of the dataset's")

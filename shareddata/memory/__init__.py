@@ -10,7 +10,11 @@ Modules, one job each:
 - ``_process``: measuring one process (:class:`ProcessMemory`, :func:`measure`);
 - ``_size``: the dataset's size (``nbytes`` or an estimate from its object graph);
 - ``_baseline``: the private memory of a worker that holds no data;
-- ``_report``: :class:`MemoryReport`, its table and its verdict;
+- ``_received``: what ``spawn``/``forkserver`` workers receive of the dataset by value;
+- ``_buffers``: the pages of the dataset's arrays that ``fork`` workers copied;
+- ``_account``: the copies between two measurements, and whether they decide;
+- ``_report``: :class:`MemoryReport`, its table and its verdict (ok, duplicated,
+  cannot tell);
 - ``_verify``: :func:`verify` (Note [How duplication is measured]);
 - ``_node``: the same measurement across the local ranks of a node;
 - ``_plot``: the report as a bar chart.

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..distributed import NodeContext, exchange, node_context, resolve_timeout, socket_name
-from ._account import account
+from ._account import account, judge
 from ._process import ProcessMemory, Segments, measure_all
 from ._report import MemoryReport
 from ._shared import dataset_identity
@@ -88,6 +88,10 @@ class NodeVerify:
             "resolution": report.resolution,
             "shared_bytes": report.shared_bytes,
             "batch_bytes": report.batch_bytes,
+            "counted": report.counted_bytes,
+            "exact": report.dataset_bytes - report.unresolved_bytes,
+            "received": report.received_bytes,
+            "buffer_bytes": report.buffer_bytes,
         }
 
         def respond(infos: list[dict[str, Any]]) -> list[Any]:
@@ -101,8 +105,18 @@ class NodeVerify:
                 sum(i["workers"] * i["baseline"] for i in infos),
                 sum(i["resolution"] for i in infos),
                 max(nbytes - infos[0]["shared_bytes"], 0),
+                sum(i["counted"] for i in infos),
             )
             duplication = copies + found.attributed / nbytes if nbytes > 0 else float(copies)
+            verdict = judge(
+                dataset_bytes=nbytes,
+                exact_bytes=min(i["exact"] for i in infos),
+                resolution=found.resolution,
+                processes=len(after),
+                duplication=duplication,
+                limit=report.max_duplication,
+                workers_missing=any(i["num_workers"] and not i["workers"] for i in infos),
+            )
             node = MemoryReport(
                 dataset_bytes=nbytes,
                 total_pss=sum(p.pss for p in after),
@@ -122,6 +136,12 @@ class NodeVerify:
                 working_bytes=found.excess,
                 resolution=found.resolution,
                 batch_bytes=max(i["batch_bytes"] for i in infos),
+                received_bytes=infos[0]["received"],
+                buffer_bytes=infos[0]["buffer_bytes"],
+                counted_bytes=sum(i["counted"] for i in infos),
+                conclusive=verdict.conclusive,
+                unresolved_bytes=verdict.unresolved,
+                needed_bytes=verdict.needed,
             )
             return [node] * len(infos)
 

@@ -1,4 +1,9 @@
-"""The report :func:`~shareddata.verify` returns: :class:`MemoryReport`, its table and verdict."""
+"""The report :func:`~shareddata.verify` returns: :class:`MemoryReport`, its table and verdict.
+
+A verdict is one of three answers (:attr:`MemoryReport.status`): ``"ok"`` (held
+once), ``"duplicated"`` (above the limit) or ``"inconclusive"`` (cannot tell: a copy
+could hide within the measurement's resolution, or no worker was measured).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
+from .._text import format_bytes
 from ._process import MIB, ProcessMemory
 
 
@@ -43,6 +49,20 @@ class MemoryReport:
             (per process and per batch in flight); a :attr:`working_bytes` within
             it is not counted as a copy.
         batch_bytes: bytes of the largest batch received.
+        received_bytes: under ``spawn``/``forkserver``, the bytes of the dataset each
+            worker received by value when it started (its pickle; each worker holds
+            them); ``None`` when not counted (``fork``, no workers, or a dataset
+            only ``multiprocessing``'s pickler can send).
+        buffer_bytes: under ``fork``, the bytes of the dataset's numpy and torch
+            arrays in private memory whose pages were checked in every worker.
+        counted_bytes: copies outside shareddata's segments counted exactly: the
+            workers' :attr:`received_bytes` or the pages of :attr:`buffer_bytes`
+            they copied (they are in :attr:`working_bytes` too).
+        conclusive: whether the measurement decides (see :attr:`status`).
+        unresolved_bytes: the part of the dataset whose copies are not counted
+            exactly, only estimated.
+        needed_bytes: when inconclusive, the dataset size from which the
+            estimate would see a copy (0 when no size would do).
     """
 
     dataset_bytes: int
@@ -63,6 +83,12 @@ class MemoryReport:
     working_bytes: int = 0
     resolution: int = 0
     batch_bytes: int = 0
+    received_bytes: int | None = None
+    buffer_bytes: int = 0
+    counted_bytes: int = 0
+    conclusive: bool = True
+    unresolved_bytes: int = 0
+    needed_bytes: int = 0
 
     def _workers(self) -> int:
         return sum(1 for p in self.processes if "worker" in p.role.split())
@@ -75,8 +101,23 @@ class MemoryReport:
 
     @property
     def passed(self) -> bool:
-        """Whether :attr:`duplication` is within :attr:`max_duplication` (or no limit)."""
-        return self.max_duplication is None or self.duplication <= self.max_duplication
+        """Whether the dataset is held once: :attr:`status` is ``"ok"`` (or there is no limit)."""
+        return self.max_duplication is None or self.status == "ok"
+
+    @property
+    def status(self) -> str:
+        """The answer: ``"ok"``, ``"duplicated"`` or ``"inconclusive"``.
+
+        ``"duplicated"``: :attr:`duplication` exceeds :attr:`max_duplication`.
+        ``"inconclusive"`` (cannot tell, never a pass): a copy of the
+        :attr:`unresolved_bytes` would be within :attr:`resolution`, or the loader
+        has workers and none was measured; :meth:`verdict_line` says what would
+        decide. ``"ok"``: held within the limit, and any copy would have shown.
+        """
+        limit = self.max_duplication
+        if limit is not None and self.duplication > limit:
+            return "duplicated"
+        return "ok" if self.conclusive else "inconclusive"
 
     @property
     def resolution_fraction(self) -> float:
@@ -88,10 +129,18 @@ class MemoryReport:
 
     def verdict(self) -> str:
         """Return the short verdict, e.g. ``"dataset held 1.02x (limit 1.10)"``."""
+        if self.status == "inconclusive":
+            return (
+                f"dataset held {self.duplication:.2f}x as far as measured, cannot tell "
+                f"({self._limit()})"
+            )
         return f"dataset held {self.duplication:.2f}x ({self._limit()})"
 
     def verdict_line(self) -> str:
         """Return the verdict in words: ``OK: ...`` or ``FAIL: ...`` with the fix.
+
+        ``CANNOT TELL: ...`` when :attr:`status` is ``"inconclusive"``, with what
+        would decide.
 
         Example:
             >>> r = MemoryReport(dataset_bytes=100, total_pss=0, duplication=3.0, processes=[],
@@ -103,12 +152,42 @@ class MemoryReport:
             >>> r.verdict_line()
             'OK: the dataset is held 1.01x (limit 1.10)'
         """
+        if self.status == "inconclusive":
+            return f"CANNOT TELL: {self._undecided()}"
         if self.passed:
             return f"OK: the dataset is held {self.duplication:.2f}x ({self._limit()})"
         return (
             f"FAIL: the dataset is duplicated {self.duplication:.2f}x {self._across()} "
             f"({self._limit()}): {self.fix()}"
         )
+
+    def _undecided(self) -> str:
+        """Why the measurement does not decide, and what would."""
+        measured = f"held {self.duplication:.2f}x as far as measured ({self._limit()})"
+        if self.num_workers and not self._workers():
+            return (
+                f"the DataLoader has num_workers={self.num_workers} but no worker was alive "
+                f"when measured, after the last batch; {measured}. To decide, verify it with "
+                "batches= within the epoch, or an iterable dataset whose workers all yield "
+                "until its end"
+            )
+        needed = -(-self.needed_bytes // MIB) * MIB
+        size = f"a dataset of at least {format_bytes(needed)}" if needed else "a larger dataset"
+        text = (
+            f"{format_bytes(self.unresolved_bytes)} of the dataset's "
+            f"{format_bytes(self.dataset_bytes)} is not counted exactly, and a copy of it "
+            f"would be within the resolution of the estimate "
+            f"({format_bytes(self.resolution)}); {measured}. To decide, verify over {size} "
+            "(more rows, the same batch_size), or load it with a shareddata dataset "
+            "(sd.NumpyDataset, sd.HDF5Dataset, sd.ParquetDataset, sd.ArrowDataset, or "
+            "sd.SharedDataset(dataset)), whose copies are counted exactly at any size"
+        )
+        if not self.num_workers:
+            text += (
+                "; with num_workers=0 only the main process is measured: verify the "
+                "DataLoader with the num_workers and start method you train with"
+            )
+        return text
 
     def _across(self) -> str:
         workers = f"{self.num_workers} worker{'s' if self.num_workers != 1 else ''}"
@@ -124,7 +203,8 @@ class MemoryReport:
                 "dataset with a shareddata dataset and share='node' so that local rank 0 loads "
                 "it and the other ranks attach to its segments"
             )
-        if self.copied_bytes > max(self.extra_bytes - self.copied_bytes, 0):
+        written = self.copied_bytes + (self.counted_bytes if self.buffer_bytes else 0)
+        if written > max(self.extra_bytes - written, 0):
             return (
                 "the workers write into the dataset's shared pages, and each write copies "
                 "a page into the writing process; do not modify items in place (copy an "
@@ -160,6 +240,13 @@ class MemoryReport:
             "local_ranks": int(self.local_ranks),
             "rank_copies": int(self.rank_copies),
             "passed": self.passed,
+            "status": self.status,
+            "conclusive": bool(self.conclusive),
+            "unresolved_bytes": int(self.unresolved_bytes),
+            "needed_bytes": int(self.needed_bytes),
+            "received_bytes": self.received_bytes,
+            "buffer_bytes": int(self.buffer_bytes),
+            "counted_bytes": int(self.counted_bytes),
             "shared_bytes": int(self.shared_bytes),
             "copied_bytes": int(self.copied_bytes),
             "working_bytes": int(self.working_bytes),
@@ -235,14 +322,30 @@ class MemoryReport:
             f"shareddata segments: private copies of their pages {self.copied_bytes / MIB:.1f} "
             "MiB (exact)"
         )
+        workers = self._workers()
+        if self.received_bytes is not None:
+            lines.append(
+                f"each worker received {self.received_bytes / MIB:.1f} MiB of it by value "
+                f"(pickled when it started): {self.counted_bytes / MIB:.1f} MiB of copies in "
+                f"{workers} worker(s) (exact)"
+            )
+        if self.buffer_bytes:
+            lines.append(
+                f"{self.buffer_bytes / MIB:.1f} MiB of it in numpy/torch arrays: pages the "
+                f"workers copied {self.counted_bytes / MIB:.1f} MiB (exact, from "
+                "/proc/<pid>/pagemap)"
+            )
+        exact = self.copied_bytes + self.counted_bytes
         counted = (
             "counted as copies"
-            if self.extra_bytes > self.copied_bytes
+            if self.extra_bytes > exact
+            else "it holds the copies counted above"
+            if self.counted_bytes
             else "working memory, not the dataset"
         )
         lines.append(
             f"working memory grew {self.working_bytes / MIB:.1f} MiB beyond "
-            f"{self._workers()} worker baseline(s) of {self.baseline_bytes / MIB:.1f} MiB "
+            f"{workers} worker baseline(s) of {self.baseline_bytes / MIB:.1f} MiB "
             f"(estimate; resolution {self.resolution / MIB:.1f} MiB = "
             f"{self.resolution_fraction:.2f}x the dataset): {counted}"
         )
@@ -250,10 +353,10 @@ class MemoryReport:
             lines.append(
                 f"copies in the {self.local_ranks} ranks' main processes: {self.rank_copies}"
             )
-        estimated = self.extra_bytes - self.copied_bytes
+        estimated = max(self.extra_bytes - exact, 0)
         lines.append(
             f"{self.verdict()}: beyond one copy {self.extra_bytes / MIB:.1f} MiB "
-            f"({self.copied_bytes / MIB:.1f} MiB counted, {estimated / MIB:.1f} MiB estimated)"
+            f"({exact / MIB:.1f} MiB counted, {estimated / MIB:.1f} MiB estimated)"
         )
         lines.append(self.verdict_line())
         return "\n".join(lines)

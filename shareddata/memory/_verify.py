@@ -37,11 +37,22 @@ Batches in flight in shareddata's transport (memfds named ``shareddata-batch``) 
 neither data nor working memory and are left out. Everything else outside file pages
 is the process's *working* memory (``ProcessMemory.working``), where a copy of a
 dataset that is not in shareddata's segments lives (an unpickled array, Python
-objects copied on write). That part can only be estimated, from its growth::
+objects copied on write). Two mechanisms of copying it are counted exactly:
+
+- ``spawn``/``forkserver``: each worker unpickles the dataset when it starts and
+  holds what the pickle carried by value (``_received``: numpy arrays by value,
+  tensors and shareddata datasets by handle); ``counted = workers * min(received,
+  plain_bytes)``;
+- ``fork``: a worker's page of the parent's numpy or torch buffer that is present
+  and *exclusively mapped* in ``/proc/<pid>/pagemap`` is a private copy of it
+  (``_buffers``); ``counted`` is the sum over the workers.
+
+The rest of working memory can only be estimated, from its growth::
 
     excess = working_after - working_before - n_workers * baseline
-    duplication = 1 + (copied + estimated) / dataset_bytes
-    estimated = min(excess, plain_bytes * processes) if excess > resolution else 0
+    duplication = 1 + (copied + counted + estimated) / dataset_bytes
+    estimated = min(rest, plain_bytes * processes - counted) if rest > resolution else 0
+    rest = excess - counted  # the counted copies are part of the growth
 
 - ``working_after``: summed over the main process and every worker, measured right
   after the last batch arrives (workers of a non-persistent loader exit at
@@ -61,15 +72,24 @@ objects copied on write). That part can only be estimated, from its growth::
   the previous one kept by the allocator) and the batches that may wait for the
   main process (``prefetch_factor`` per worker). An excess within it cannot be told
   from working memory and is not counted; the report states it
-  (``report.resolution``, ``report.resolution_fraction``). A dataset smaller than
-  its resolution cannot be judged by the estimate: a plain dataset of 1 MiB copied
-  into 4 workers passes;
+  (``report.resolution``, ``report.resolution_fraction``);
 - ``plain_bytes``: the part of the dataset outside shareddata's segments
   (``dataset_bytes`` less the ``nbytes`` of the shareddata datasets found in it).
   Working memory can hold at most one copy of it per process, so no more of the
   excess is counted; a dataset all in segments is judged exactly, at any size, and
   the growth of working memory is reported (``report.working_bytes``) but is not
   the dataset.
+
+Three answers (``_account.judge``, ``report.status``): ``"duplicated"`` when the
+duplication exceeds the limit; ``"ok"`` when it does not and no copy could have
+escaped: the part of the dataset not counted exactly (``unresolved``: outside the
+segments, not received by value, not in checked buffers) is larger than the
+resolution, so a copy of it in any process would show, or so small that a copy of
+it in every process would stay within the limit; otherwise ``"inconclusive"``
+(``InconclusiveError``: cannot tell, never a pass), as also when the loader has
+workers and none could be measured. A plain 4 MiB array under ``spawn`` is counted
+(3x with 2 workers), under ``fork`` checked page by page (1x); a 4 MiB Python list
+under ``fork`` or with ``num_workers=0`` cannot be told from working memory.
 
 Under ``fork`` the parent's heap is frozen (``gc.freeze()``) while the probe and the
 workers run, and unfrozen afterwards. A worker inherits every Python object of the
@@ -137,14 +157,21 @@ from typing import Any
 import psutil
 from torch.utils.data import DataLoader, IterableDataset
 
-from ..errors import ArgumentTypeError, DuplicationError, InvalidArgumentError
-from ._account import account, batch_nbytes, resolution
+from ..errors import (
+    ArgumentTypeError,
+    DuplicationError,
+    InconclusiveError,
+    InvalidArgumentError,
+)
+from ._account import account, batch_nbytes, judge, resolution
 from ._baseline import probe_baseline
+from ._buffers import Buffers, copied_bytes, private_buffers
 from ._node import node_verifier
 from ._process import ProcessMemory, Segments, measure_all
+from ._received import pickled_nbytes
 from ._report import MemoryReport, duplication_message
 from ._shared import shared_parts
-from ._size import dataset_nbytes
+from ._size import array_buffers, dataset_nbytes
 
 
 def verify(
@@ -178,10 +205,16 @@ def verify(
             and its workers alone.
 
     Returns:
-        The :class:`MemoryReport`.
+        The :class:`MemoryReport`; its :attr:`~MemoryReport.status` is ``"ok"``
+        unless ``max_duplication`` is ``None``.
 
     Raises:
         DuplicationError: ``duplication`` exceeds ``max_duplication``; ``.report``
+            holds the report.
+        InconclusiveError: cannot tell (not a pass): a copy of the part of the
+            dataset that is not counted exactly would be within the estimate's
+            resolution, or no worker could be measured; the message says what would
+            decide (a larger dataset, workers, a shareddata dataset); ``.report``
             holds the report.
         ValueError: ``batches`` is not positive, or the loader yields no batch.
 
@@ -210,51 +243,81 @@ def verify(
 
     _stop_persistent_workers(loader)
     parts = shared_parts(loader.dataset)
+    plain = max(nbytes - parts.nbytes, 0)
     node = node_verifier(across_ranks, parts.segments)
     measure_before = _measurer(parts.segments) if node is None else node.measurer("before")
     measure_after = _measurer(parts.segments) if node is None else node.measurer("after")
+    forked = start_method == "fork" and plain > 0
+    buffers = private_buffers(array_buffers(loader.dataset)) if forked else Buffers()
     with _frozen_heap(start_method == "fork"):
         baseline = probe_baseline(loader, start_method) if num_workers > 0 else 0
         # The forkserver (started by the probe at the latest) is the workers' template.
         server = _forkserver_pid() if start_method == "forkserver" else None
         gc.collect()
         before = measure_before([(os.getpid(), "main"), (server, "forkserver")])
-        rows, received, batch_bytes = _run_and_measure(
-            loader, None if batches is None else int(batches), server, measure_after
+        rows, batches_seen, batch_bytes, page_copies = _run_and_measure(
+            loader, None if batches is None else int(batches), server, measure_after, buffers
         )
 
     n_workers = sum(1 for p in rows if p.role.startswith("worker"))
+    # Exact counts outside the segments: what spawn workers received, pages fork workers copied.
+    received = pickled_nbytes(loader.dataset) if start_method in _PICKLED and plain else None
+    buffer_bytes = min(buffers.nbytes, plain) if page_copies is not None else 0
+    by_value = min(received or 0, plain)
+    counted = n_workers * by_value + (page_copies or 0)
     prefetch = loader.prefetch_factor if num_workers > 0 else None
     found = account(
         before,
         rows,
         n_workers * baseline,
         resolution(n_workers, batch_bytes, prefetch),
-        max(nbytes - parts.nbytes, 0),
+        plain,
+        counted,
+    )
+    duplication = 1.0 + found.attributed / nbytes if nbytes > 0 else 1.0
+    verdict = judge(
+        dataset_bytes=nbytes,
+        exact_bytes=min(parts.nbytes + by_value + buffer_bytes, nbytes),
+        resolution=found.resolution,
+        processes=len(rows),
+        duplication=duplication,
+        limit=max_duplication,
+        workers_missing=num_workers > 0 and n_workers == 0,
     )
     report = MemoryReport(
         dataset_bytes=nbytes,
         total_pss=sum(p.pss for p in rows),
-        duplication=1.0 + found.attributed / nbytes if nbytes > 0 else 1.0,
+        duplication=duplication,
         processes=rows,
         baseline_bytes=baseline,
         start_method=start_method,
         num_workers=num_workers,
         pss_before=sum(p.pss for p in before),
         extra_bytes=found.attributed,
-        batches=received,
+        batches=batches_seen,
         max_duplication=max_duplication,
         shared_bytes=min(parts.nbytes, nbytes),
         copied_bytes=found.copies,
         working_bytes=found.excess,
         resolution=found.resolution,
         batch_bytes=batch_bytes,
+        received_bytes=received,
+        buffer_bytes=buffer_bytes,
+        counted_bytes=counted,
+        conclusive=verdict.conclusive,
+        unresolved_bytes=verdict.unresolved,
+        needed_bytes=verdict.needed,
     )
     if node is not None:
         report = node.combine(report, loader.dataset)
-    if not report.passed:
+    if report.status == "duplicated":
         raise DuplicationError(duplication_message(report), report)
+    if report.status == "inconclusive" and max_duplication is not None:
+        raise InconclusiveError(duplication_message(report), report)
     return report
+
+
+_PICKLED = ("spawn", "forkserver")  # start methods that pickle the dataset into each worker
 
 
 @contextlib.contextmanager
@@ -315,11 +378,12 @@ def _stop_persistent_workers(loader: DataLoader) -> None:
 
 
 def _run_and_measure(
-    loader: DataLoader, batches: int | None, server: int | None, measurer: Any
-) -> tuple[list[ProcessMemory], int, int]:
+    loader: DataLoader, batches: int | None, server: int | None, measurer: Any, buffers: Buffers
+) -> tuple[list[ProcessMemory], int, int, int | None]:
     """Iterate ``loader`` and measure its processes right after the last batch.
 
-    Returns the rows, the number of batches received and the bytes of the largest.
+    Returns the rows, the number of batches received, the bytes of the largest, and
+    the bytes of ``buffers``' pages the workers copied (``None`` when not checked).
     """
     try:
         length: int | None = len(loader)
@@ -338,6 +402,7 @@ def _run_and_measure(
     before = _children() if loader.num_workers > 0 else set()
     rows: list[ProcessMemory] = []
     received = batch_bytes = 0
+    copies: int | None = None
     iterator = iter(loader)
     try:
         while target is None or received < target:
@@ -349,6 +414,7 @@ def _run_and_measure(
             batch_bytes = max(batch_bytes, batch_nbytes(batch))
             if every or received == target:
                 rows = _measure_loader(iterator, loader.num_workers, before, server, measurer)
+                copies = _page_copies(rows, buffers)
             del batch
     finally:
         if not (loader.persistent_workers and loader.num_workers > 0):
@@ -362,7 +428,16 @@ def _run_and_measure(
             "the DataLoader yielded no batch: there is nothing to measure (an empty dataset, "
             "or a sampler with no indices); verify a loader that yields at least one batch"
         )
-    return rows, received, batch_bytes
+    return rows, received, batch_bytes, copies
+
+
+def _page_copies(rows: list[ProcessMemory], buffers: Buffers) -> int | None:
+    """Bytes of ``buffers``' pages the workers among ``rows`` copied; ``None`` if unread."""
+    workers = [p.pid for p in rows if p.role.startswith("worker")]
+    if not buffers.pages or not workers:
+        return None
+    counts = [copied_bytes(pid, buffers) for pid in workers]
+    return None if None in counts else sum(c or 0 for c in counts)
 
 
 def _children() -> set[int]:

@@ -37,6 +37,7 @@ def test_public_api_is_pinned():
         "DuplicationError",
         "EmptySelectionError",
         "HDF5Dataset",
+        "InconclusiveError",
         "IndexBatchSampler",
         "IndexOutOfRangeError",
         "IndexTypeError",
