@@ -48,7 +48,7 @@ from ..errors import (
 from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
 from ._arrow_select import FillValue, make_columns, select_fields
 from ._arrow_types import is_list, pyarrow_module, release_arrow_memory
-from ._parquet_files import arrow_errors, parquet_files, read_error
+from ._parquet_files import arrow_errors, parquet_files, partition_clash, read_error
 from .arrow import ArrowDataset, ArrowSource
 
 __all__ = ["ArrowDataset", "ArrowSource", "ParquetDataset", "ParquetSource", "rebase_offsets"]
@@ -140,12 +140,10 @@ class ParquetSource:
         self.files = [self._info(p) for p in self.paths]
         first = self.files[0]
         schema = first.schema
-        clash = [f.name for f in found.partition_schema if f.name in schema.names]
-        if clash:
-            raise MissingColumnError(
-                f"column {clash[0]!r} is both in {first.path} and a partition folder name "
-                f"({clash[0]}=...); rename one of them."
-            )
+        for info in self.files:  # _parquet_files checked the first file's columns only
+            clash = [f.name for f in found.partition_schema if f.name in info.schema.names]
+            if clash:
+                raise partition_clash(clash[0], info.path, self.label)
         schema = pa.schema([*schema, *found.partition_schema])
         names = select_fields(schema, columns, first.path)
         tops = list(dict.fromkeys(n.split(".")[0] if n not in schema.names else n
@@ -464,8 +462,10 @@ class ParquetDataset(ColumnDataset):
             (names starting with ``.`` or ``_`` skipped); or a list of files (rows in
             the order given). Globs and folders are read in sorted order. Hive
             partition folders (``year=2024/part-0.parquet``) become columns, after the
-            files' own. The files must have the loaded columns; types may differ where
-            pyarrow promotes one to the other (``int32``/``int64``...).
+            files' own, as ``pyarrow.dataset`` reads them; a key that is also a column
+            inside the files (polars' ``write_parquet(partition_by=...)``) is refused:
+            pass the list of files instead. The files must have the loaded columns;
+            types may differ where pyarrow promotes one to the other (``int32``/``int64``...).
         columns: names of the columns to load, in sample order (default: all; a
             struct's name selects all its fields).
         transform: applied to each sample in the worker, after indexing.
@@ -495,7 +495,8 @@ class ParquetDataset(ColumnDataset):
     Raises:
         FileNotFoundError: a path does not exist, or a folder holds no ``.parquet``.
         KeyError: a requested column is missing (the message lists those that exist),
-            or the files have different columns.
+            the files have different columns, or a Hive partition key is also a
+            column inside the files.
         ValueError: a column holds nulls and no ``fill_value`` covers it; ``columns=[]``
             (``EmptySelectionError``).
         TypeError: a column's type cannot be stored (map, union, decimal...), the
