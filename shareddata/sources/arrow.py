@@ -1,7 +1,8 @@
-"""In-memory Arrow tables (pyarrow, polars, duckdb, pandas, HF datasets) into shared memory.
+"""Arrow tables (pyarrow, polars, duckdb, pandas, HF datasets) and files into shared memory.
 
 :class:`ArrowDataset` copies the selected columns of a table, chunk by chunk, into
-one shared segment; the type mapping (``_arrow_types.py``), selection
+one shared segment; the type mapping
+(``_arrow_types.py``, extension types: ``_arrow_extensions.py``), selection
 (``_arrow_select.py``), null handling and copying (``_arrow_columns.py``) are shared
 with Parquet.
 """
@@ -18,6 +19,7 @@ from .._dataset import ColumnDataset, Output
 from .._load import Buffer, build
 from ..errors import ArgumentTypeError, UnsupportedDtypeError
 from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
+from ._arrow_extensions import UuidAs, check_uuid_as
 from ._arrow_select import FillValue, make_columns, select_fields
 from ._arrow_types import pyarrow_module, release_arrow_memory
 
@@ -75,6 +77,7 @@ class ArrowSource:
             selects its fields).
         fill_value: what nulls become (see :class:`ParquetDataset`); ``None`` refuses nulls.
         records: a list of structs comes back as a list of dicts (else a dict of lists).
+        uuid_as: ``arrow.uuid`` values as ``"uuid"`` (``uuid.UUID``) or ``"tensor"``.
     """
 
     label = "the Arrow table"
@@ -86,10 +89,13 @@ class ArrowSource:
         *,
         fill_value: FillValue = None,
         records: bool = True,
+        uuid_as: UuidAs = "uuid",
     ) -> None:
         self.table = _as_table(table)
         names = select_fields(self.table.schema, columns, self.label)
-        self.columns = make_columns(self.table.schema, names, self.label, fill_value, records)
+        self.columns = make_columns(
+            self.table.schema, names, self.label, fill_value, records, uuid_as
+        )
         self._by_name = {c.name: c for c in self.columns}
 
     def _each_chunk(self, column: ArrowColumn, fn: Callable[[str, str, Any], None]) -> None:
@@ -145,6 +151,13 @@ class ArrowDataset(ColumnDataset):
     DataFrame, a duckdb relation (``__arrow_c_stream__`` or ``__arrow_c_array__``),
     and an HF ``datasets.Dataset`` (its Arrow table, in its current row order).
 
+    Extension types load as what they mean: ``arrow.uuid`` as ``uuid.UUID`` (a batch
+    holds their list) or, with ``uuid_as="tensor"``, a uint8 tensor of the 16 bytes
+    (batches stack them); ``arrow.bool8`` as bool tensors; ``arrow.json`` as its text;
+    ``arrow.fixed_shape_tensor`` and HF ``Array2D``...``Array5D`` features as tensors of
+    their shape (an HF first dimension of ``None``: a list of the row's sub-arrays).
+    Any other extension type is refused with its name (never loaded as its storage).
+
     Struct columns load as one column per field, named as ``Table.flatten()`` names
     them (``s.a``, nested ``s.b.c``); items are flat (``{"s.a": ..., "s.b.c": ...}``),
     or with ``nested=True`` nested as ``to_pylist()`` gives them (``{"s": {"a": ...,
@@ -178,6 +191,8 @@ class ArrowDataset(ColumnDataset):
             ...}}}``, the shape ``to_pylist()`` gives) instead of flat (``{"s.a": ...,
             "s.b.c": ...}``, the default); batches are nested the same way. With
             ``output="tuple"``, the top-level values in order.
+        uuid_as: ``arrow.uuid`` columns give ``uuid.UUID`` values (``"uuid"``, the
+            default) or uint8 tensors of shape ``(16,)`` (``"tensor"``).
 
     Raises:
         KeyError: a requested column is missing (the message lists those that exist).
@@ -202,6 +217,10 @@ class ArrowDataset(ColumnDataset):
         {'messages': [{'role': 'user', 'content': 'hi'}], 'meta.id': tensor(7), 'meta.lang': 'en'}
         >>> sd.ArrowDataset(chat, columns=["meta"], nested=True)[1]
         {'meta': {'id': tensor(8), 'lang': 'fr'}}
+        >>> import uuid
+        >>> ids = pa.table({"id": pa.array([uuid.UUID(int=7).bytes], pa.uuid()), "n": [1]})
+        >>> sd.ArrowDataset(ids)[0]
+        {'id': UUID('00000000-0000-0000-0000-000000000007'), 'n': tensor(1)}
     """
 
     def __init__(
@@ -219,8 +238,13 @@ class ArrowDataset(ColumnDataset):
         fill_value: FillValue = None,
         records: bool = True,
         nested: bool = False,
+        uuid_as: UuidAs = "uuid",
     ) -> None:
-        source = ArrowSource(table, columns, fill_value=fill_value, records=records)
+        options: dict[str, Any] = {
+            "fill_value": fill_value, "records": records, "uuid_as": check_uuid_as(uuid_as)
+        }  # fmt: skip
+        source = ArrowSource(table, columns, **options)
+        key = _table_key(source, fill_value)
         super().__init__(
             lambda: build(  # after the arguments are checked
                 source,
@@ -229,7 +253,7 @@ class ArrowDataset(ColumnDataset):
                 share=share,
                 shard=shard,
                 timeout=timeout,
-                key=(*_table_key(source, fill_value), records),
+                key=(*key, records, uuid_as),
             ),
             transform=transform,
             output=output,

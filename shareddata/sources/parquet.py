@@ -46,6 +46,7 @@ from ..errors import (
     UnsupportedDtypeError,
 )
 from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
+from ._arrow_extensions import UuidAs, check_uuid_as
 from ._arrow_select import FillValue, make_columns, select_fields
 from ._arrow_types import is_list, pyarrow_module, release_arrow_memory
 from ._parquet_files import arrow_errors, parquet_files, partition_clash, read_error
@@ -127,6 +128,7 @@ class ParquetSource:
         fill_value: FillValue = None,
         memory_map: bool = True,
         records: bool = True,
+        uuid_as: UuidAs = "uuid",
     ) -> None:
         pa = pyarrow_module()
         self._pq = _parquet()
@@ -134,6 +136,8 @@ class ParquetSource:
         self.paths, self.label = found.files, found.label
         self.partitions = found.partitions
         self.memory_map = memory_map
+        # UUID and JSON logical types read as arrow.uuid / arrow.json: _arrow_extensions.py
+        self._options = {"memory_map": memory_map, "arrow_extensions_enabled": True}
         self._open: Any = None
         self._specs: list[ColumnSpec] | None = None
         self._window: tuple[int, int] | None = None  # rows [start, stop) of select_rows
@@ -150,13 +154,13 @@ class ParquetSource:
                                   for n in names))  # fmt: skip
         self._file_types: dict[str, dict[Any, str]] = {}  # column -> {type: first file}
         self.schema = self._unify(schema, tops, found.partition_schema.names, columns is None)
-        self.columns = make_columns(self.schema, names, self.label, fill_value, records)
+        self.columns = make_columns(self.schema, names, self.label, fill_value, records, uuid_as)
         self._by_name = {c.name: c for c in self.columns}
         self._partition_names = set(found.partition_schema.names)
 
     def _info(self, path: str) -> _ParquetFileInfo:
         try:
-            with self._pq.ParquetFile(path, memory_map=self.memory_map) as pf:
+            with self._pq.ParquetFile(path, **self._options) as pf:
                 metadata = pf.metadata
                 schema = pf.schema_arrow
         except arrow_errors() as e:
@@ -247,9 +251,7 @@ class ParquetSource:
     def _file(self, info: _ParquetFileInfo) -> Any:
         self._close_open()
         try:
-            self._open = self._pq.ParquetFile(
-                info.path, metadata=info.metadata, memory_map=self.memory_map
-            )
+            self._open = self._pq.ParquetFile(info.path, metadata=info.metadata, **self._options)
         except arrow_errors() as e:
             if isinstance(e, SharedDataError):
                 raise
@@ -391,7 +393,7 @@ class ParquetSource:
                     if column.fill is None:
                         raise column.null_error(stats)
                     column.fill_scalar()  # a bad fill value fails before loading
-                specs.append(ColumnSpec(column.name, rows, k.dtype, k.shape))
+                specs.append(ColumnSpec(column.name, rows, k.dtype, k.shape, k.spec_kind))
                 continue
             sizer = Sizer(column)  # var-length, or no usable statistics: read once
             self._each_chunk(column, sizer.add)
@@ -491,6 +493,9 @@ class ParquetDataset(ColumnDataset):
             ...}}}``, the shape ``to_pylist()`` gives) instead of flat (``{"s.a": ...,
             "s.b.c": ...}``, the default); batches are nested the same way. With
             ``output="tuple"``, the top-level values in order.
+        uuid_as: UUID columns (Parquet's UUID logical type, ``arrow.uuid``) give
+            ``uuid.UUID`` values (``"uuid"``, the default) or uint8 tensors of shape
+            ``(16,)`` (``"tensor"``); other extension types: :class:`ArrowDataset`.
 
     Raises:
         FileNotFoundError: a path does not exist, or a folder holds no ``.parquet``.
@@ -535,8 +540,12 @@ class ParquetDataset(ColumnDataset):
         fill_value: FillValue = None,
         records: bool = True,
         nested: bool = False,
+        uuid_as: UuidAs = "uuid",
     ) -> None:
-        source = ParquetSource(path, columns, fill_value=fill_value, records=records)
+        check_uuid_as(uuid_as)
+        source = ParquetSource(
+            path, columns, fill_value=fill_value, records=records, uuid_as=uuid_as
+        )
         super().__init__(
             lambda: build(  # after the arguments are checked
                 source,
@@ -552,6 +561,7 @@ class ParquetDataset(ColumnDataset):
                     [c.name for c in source.columns],
                     repr(fill_value),
                     records,
+                    uuid_as,
                 ),
             ),
             transform=transform,
