@@ -1,7 +1,7 @@
 """Arrow tables (pyarrow, polars, duckdb, pandas, HF datasets) and files into shared memory.
 
 :class:`ArrowDataset` copies the selected columns of a table, chunk by chunk, into
-one shared segment; the type mapping
+one shared segment (Arrow files by path: ``_arrow_files.py``); the type mapping
 (``_arrow_types.py``, extension types: ``_arrow_extensions.py``), selection
 (``_arrow_select.py``), null handling and copying (``_arrow_columns.py``) are shared
 with Parquet.
@@ -20,6 +20,7 @@ from .._load import Buffer, build
 from ..errors import ArgumentTypeError, UnsupportedDtypeError
 from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
 from ._arrow_extensions import UuidAs, check_uuid_as
+from ._arrow_files import ArrowFileSource, is_path
 from ._arrow_select import FillValue, make_columns, select_fields
 from ._arrow_types import pyarrow_module, release_arrow_memory
 
@@ -151,6 +152,17 @@ class ArrowDataset(ColumnDataset):
     DataFrame, a duckdb relation (``__arrow_c_stream__`` or ``__arrow_c_array__``),
     and an HF ``datasets.Dataset`` (its Arrow table, in its current row order).
 
+    So are Arrow files by path, recognised by their first bytes: an Arrow IPC file
+    (``.arrow``; Feather v2 ``.feather`` is one, compressed or not), an IPC stream
+    (``.arrows``; HF ``datasets`` writes its ``.arrow`` files as streams), a list of
+    them (rows in the order given), and an HF ``Dataset.save_to_disk`` folder (the
+    data files its ``state.json`` lists, in order; its ``set_format`` is not applied:
+    select columns with ``columns=``). Files are memory-mapped and read one column at
+    a time, so loading needs no private copy of the table (Note [Reading Arrow IPC
+    files one column at a time] in ``_arrow_files.py``). Anything else (Parquet,
+    Feather v1, a folder without ``state.json``) is refused naming what it is and what
+    to pass instead.
+
     Extension types load as what they mean: ``arrow.uuid`` as ``uuid.UUID`` (a batch
     holds their list) or, with ``uuid_as="tensor"``, a uint8 tensor of the 16 bytes
     (batches stack them); ``arrow.bool8`` as bool tensors; ``arrow.json`` as its text;
@@ -168,8 +180,9 @@ class ArrowDataset(ColumnDataset):
     lists); lists of numbers inside them come back as 1-D tensors.
 
     Args:
-        table: a ``pyarrow.Table`` or ``pyarrow.RecordBatch``, or an object exporting
-            Arrow data (``__arrow_c_stream__`` / ``__arrow_c_array__``).
+        table: a ``pyarrow.Table`` or ``pyarrow.RecordBatch``, an object exporting
+            Arrow data (``__arrow_c_stream__`` / ``__arrow_c_array__``), or a path: an
+            IPC file or stream, a list of them, or an HF ``save_to_disk`` folder.
         columns: names of the columns to load, in sample order (default: all; a
             struct's name selects all its fields).
         transform: applied to each sample in the worker, after indexing.
@@ -195,10 +208,12 @@ class ArrowDataset(ColumnDataset):
             default) or uint8 tensors of shape ``(16,)`` (``"tensor"``).
 
     Raises:
+        FileNotFoundError: a path does not exist, or a folder has no ``state.json``.
         KeyError: a requested column is missing (the message lists those that exist).
         ValueError: a column holds nulls and no ``fill_value`` covers it; ``columns=[]``
             (``EmptySelectionError``).
         TypeError: not a table, or a column's type cannot be stored.
+        OSError: a file is not Arrow IPC, or is truncated (``SourceReadError``).
         ImportError: pyarrow is not installed (``pip install 'shareddata[parquet]'``).
         MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
 
@@ -217,9 +232,12 @@ class ArrowDataset(ColumnDataset):
         {'messages': [{'role': 'user', 'content': 'hi'}], 'meta.id': tensor(7), 'meta.lang': 'en'}
         >>> sd.ArrowDataset(chat, columns=["meta"], nested=True)[1]
         {'meta': {'id': tensor(8), 'lang': 'fr'}}
-        >>> import uuid
+        >>> import os, tempfile, uuid
+        >>> path = os.path.join(tempfile.mkdtemp(), "ids.arrow")
         >>> ids = pa.table({"id": pa.array([uuid.UUID(int=7).bytes], pa.uuid()), "n": [1]})
-        >>> sd.ArrowDataset(ids)[0]
+        >>> with pa.ipc.new_file(path, ids.schema) as writer:
+        ...     writer.write_table(ids)
+        >>> sd.ArrowDataset(path)[0]
         {'id': UUID('00000000-0000-0000-0000-000000000007'), 'n': tensor(1)}
     """
 
@@ -243,8 +261,16 @@ class ArrowDataset(ColumnDataset):
         options: dict[str, Any] = {
             "fill_value": fill_value, "records": records, "uuid_as": check_uuid_as(uuid_as)
         }  # fmt: skip
-        source = ArrowSource(table, columns, **options)
-        key = _table_key(source, fill_value)
+        source: ArrowSource | ArrowFileSource
+        key: tuple[Any, ...]
+        if is_path(table):
+            source = ArrowFileSource(table, columns, **options)
+            # what ranks must agree on: every file, the columns in order, the options
+            key = ("ArrowDataset", source.paths, [c.name for c in source.columns])
+            key += (repr(fill_value),)
+        else:
+            source = ArrowSource(table, columns, **options)
+            key = _table_key(source, fill_value)
         super().__init__(
             lambda: build(  # after the arguments are checked
                 source,
