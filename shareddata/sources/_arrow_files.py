@@ -4,18 +4,18 @@ Note [Reading Arrow IPC files one column at a time]
 ===================================================
 An IPC file or stream holds record batches, each batch's columns as buffers one
 after the other. :class:`ArrowFileSource` maps the file (``mmap``) and reads ONE
-top-level column at a time (``IpcReadOptions(included_fields=[j])``), batch by
-batch, with pyarrow's *stream* reader: an IPC file is a stream after its 8 magic
-bytes, and the stream reader slices the mapping where the file reader (given
-``included_fields``) copies what it reads. An uncompressed batch is thus zero-copy;
-a compressed one (Feather's default lz4, or zstd) is decompressed for that column of
-that batch only, and Arrow's pool is released after each batch. Once a batch is
-copied into shared memory its pages leave the process's RSS (``MADV_DONTNEED``;
-the page cache keeps them), so the loading process holds the shared copy and about
-one batch, never a private copy of the whole table
-(``benchmarks/bench_arrow_files.py`` measures it). An IPC file says its rows in its
-footer (``count_rows()``, metadata only); a stream has no footer, so its rows are
-counted in one pass over one column (zero-copy when uncompressed).
+top-level column at a time, batch by batch. A stream is read with
+``IpcReadOptions(included_fields=[j])``: its reader slices the mapping. An IPC
+file's reader copies the fields it is asked for, so an uncompressed file (whose
+batches are slices of the mapping: checked on its first batch) is read without the
+option, every field a slice and only field ``j`` touched; a compressed one (Feather's
+default lz4, or zstd) with it, so that only that column of each batch is
+decompressed. Arrow's pool is released after each batch, and once a batch is copied
+into shared memory its pages leave the process's RSS (``MADV_DONTNEED``; the page
+cache keeps them): the loading process holds the shared copy and about one batch,
+never a private copy of the whole table (``benchmarks/bench_arrow_files.py``
+measures it). An IPC file says its rows in its footer (``count_rows()``, metadata
+only); a stream has no footer, so its rows are counted in one pass over one column.
 
 A path is recognised by its first bytes, not its name: ``ARROW1`` is an IPC file
 (Feather v2 is one), a continuation marker ``0xFFFFFFFF`` an IPC stream (what HF
@@ -187,6 +187,7 @@ class _ArrowFile:
     stream: bool
     schema: Any
     rows: int = -1  # -1: not counted yet (a stream)
+    sliced: bool = False  # an IPC file whose batches slice the mapping (uncompressed)
 
 
 class ArrowFileSource:
@@ -235,6 +236,7 @@ class ArrowFileSource:
                 info = _ArrowFile(path, stream, reader.schema)
                 if not stream:
                     info.rows = int(reader.count_rows())  # from the footer: no data read
+                    info.sliced = _slices(reader, mm)
         except (pa.ArrowException, OSError, ValueError) as e:
             raise _read_error(path, e, "reading its schema") from e
         return info
@@ -258,10 +260,8 @@ class ArrowFileSource:
     def _batches(self, info: _ArrowFile, j: int, what: str) -> Generator[Any, None, None]:
         """Column ``j`` of each record batch of one file, over a mapping dropped as it goes.
 
-        The file is read as a stream (an IPC file is one after its 8 magic bytes): the
-        file reader copies the columns it is asked for, the stream reader slices the
-        mapping. Once a batch is copied its pages leave this process's RSS
-        (``MADV_DONTNEED``; they stay in the page cache).
+        Once a batch is copied its pages leave this process's RSS (``MADV_DONTNEED``;
+        they stay in the page cache). Note [Reading Arrow IPC files one column at a time].
         """
         pa = pyarrow_module()
         options = pa.ipc.IpcReadOptions(included_fields=[j], use_threads=False)
@@ -270,14 +270,24 @@ class ArrowFileSource:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             try:
                 source = pa.BufferReader(pa.py_buffer(mapped))
-                source.seek(0 if info.stream else 8)
-                for batch in pa.ipc.open_stream(source, options=options):
-                    yield batch.column(0)
+                if info.stream:  # the stream reader slices the mapping, field or not
+                    reader: Any = pa.ipc.open_stream(source, options=options)
+                    batches, k = iter(reader), 0
+                elif info.sliced:  # uncompressed: every field is a slice, only j is read
+                    reader = pa.ipc.open_file(source)
+                    batches, k = map(reader.get_batch, range(reader.num_record_batches)), j
+                else:  # compressed: only field j is decompressed
+                    reader = pa.ipc.open_file(source, options=options)
+                    batches, k = map(reader.get_batch, range(reader.num_record_batches)), 0
+                for batch in batches:
+                    chunk = batch.column(k)
                     del batch
+                    yield chunk
+                    del chunk
                     mapped.madvise(mmap.MADV_DONTNEED)
                     release_arrow_memory()  # what a compressed batch was decoded into
             finally:
-                source = None
+                reader = batches = source = None
                 try:
                     mapped.close()
                 except BufferError:  # a chunk still refers to it: unmapped when it is freed
@@ -339,6 +349,19 @@ class ArrowFileSource:
     def close(self) -> None:
         """Give Arrow's memory back (every mapping is closed after its pass)."""
         release_arrow_memory()
+
+
+def _slices(reader: Any, mm: Any) -> bool:
+    """Whether an IPC file's batches are slices of its mapping (not decompressed copies)."""
+    if reader.num_record_batches == 0:
+        return True
+    mm.seek(0)
+    whole = mm.read_buffer(mm.size())  # the mapping itself
+    for column in reader.get_batch(0).columns:
+        for buf in column.buffers():
+            if buf is not None and buf.size:
+                return bool(whole.address <= buf.address < whole.address + whole.size)
+    return True
 
 
 def _fixed_width(t: Any) -> bool:
