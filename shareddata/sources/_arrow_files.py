@@ -314,14 +314,11 @@ class ArrowFileSource:
                     n = len(chunk)
                     a, b = max(at, lo), min(at + n, hi)
                     at += n
-                    if a >= b:
-                        continue
-                    if b - a != n:
-                        chunk = chunk.slice(a - (at - n), b - a)
-                    for s in range(0, b - a, step or b - a):  # nested: bounded pieces
-                        piece = chunk if step is None else chunk.slice(s, step)
-                        fn(info.path, info.path, column.extract(piece))
-                    del chunk
+                    if a < b:
+                        part = chunk if b - a == n else chunk.slice(a - (at - n), b - a)
+                        _pieces(column, part, step, info.path, fn)
+                        del part
+                    del chunk  # no reference left when the next batch is decoded
             release_arrow_memory()
 
     def specs(self) -> list[ColumnSpec]:
@@ -349,6 +346,14 @@ class ArrowFileSource:
     def close(self) -> None:
         """Give Arrow's memory back (every mapping is closed after its pass)."""
         release_arrow_memory()
+
+
+def _pieces(
+    column: Any, chunk: Any, step: int | None, path: str, fn: Callable[[str, str, Any], None]
+) -> None:
+    """``fn`` on a chunk, or on its pieces of ``step`` rows (bounded nested temporaries)."""
+    for start in range(0, len(chunk), step or max(1, len(chunk))):
+        fn(path, path, column.extract(chunk if step is None else chunk.slice(start, step)))
 
 
 def _slices(reader: Any, mm: Any) -> bool:
