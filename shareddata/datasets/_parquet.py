@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from ..sources._arrow_extensions import UuidAs, check_uuid_as
 from ..sources._arrow_select import FillValue
 from ..sources.parquet import ParquetSource
 from ._dataset import ColumnDataset, Output
@@ -45,8 +46,10 @@ class ParquetDataset(ColumnDataset):
             (names starting with ``.`` or ``_`` skipped); or a list of files (rows in
             the order given). Globs and folders are read in sorted order. Hive
             partition folders (``year=2024/part-0.parquet``) become columns, after the
-            files' own. The files must have the loaded columns; types may differ where
-            pyarrow promotes one to the other (``int32``/``int64``...).
+            files' own, as ``pyarrow.dataset`` reads them; a key that is also a column
+            inside the files (polars' ``write_parquet(partition_by=...)``) is refused:
+            pass the list of files instead. The files must have the loaded columns;
+            types may differ where pyarrow promotes one to the other (``int32``/``int64``...).
         columns: names of the columns to load, in sample order (default: all; a
             struct's name selects all its fields).
         transform: applied to each sample in the worker, after indexing.
@@ -72,11 +75,15 @@ class ParquetDataset(ColumnDataset):
             ...}}}``, the shape ``to_pylist()`` gives) instead of flat (``{"s.a": ...,
             "s.b.c": ...}``, the default); batches are nested the same way. With
             ``output="tuple"``, the top-level values in order.
+        uuid_as: UUID columns (Parquet's UUID logical type, ``arrow.uuid``) give
+            ``uuid.UUID`` values (``"uuid"``, the default) or uint8 tensors of shape
+            ``(16,)`` (``"tensor"``); other extension types: :class:`ArrowDataset`.
 
     Raises:
         FileNotFoundError: a path does not exist, or a folder holds no ``.parquet``.
         KeyError: a requested column is missing (the message lists those that exist),
-            or the files have different columns.
+            the files have different columns, or a Hive partition key is also a
+            column inside the files.
         ValueError: a column holds nulls and no ``fill_value`` covers it; ``columns=[]``
             (``EmptySelectionError``).
         TypeError: a column's type cannot be stored (map, union, decimal...), the
@@ -115,12 +122,16 @@ class ParquetDataset(ColumnDataset):
         fill_value: FillValue = None,
         records: bool = True,
         nested: bool = False,
+        uuid_as: UuidAs = "uuid",
     ) -> None:
-        source = ParquetSource(path, columns, fill_value=fill_value, records=records)
+        check_uuid_as(uuid_as)
+        source = ParquetSource(
+            path, columns, fill_value=fill_value, records=records, uuid_as=uuid_as
+        )
         options = LoadOptions(storage_dir, progress, share, shard, timeout)
         # what ranks must agree on: every file, the columns in order, the options
-        columns_ = [c.name for c in source.columns]
-        key = ("ParquetDataset", list(source.paths), columns_, repr(fill_value), records)
+        names = [c.name for c in source.columns]
+        key = ("ParquetDataset", list(source.paths), names, repr(fill_value), records, uuid_as)
         super().__init__(
             options.loader(source, key),
             transform=transform,

@@ -22,6 +22,7 @@ import numpy as np
 from ..columns._columns import ColumnSpec
 from ..columns._nested import NestedSpec
 from ..errors import NullValuesError, SourceReadError, UnsupportedDtypeError
+from ._arrow_extensions import UuidAs, extension_of, meaning_of
 from ._arrow_nested import Parts, decoded, parts
 from ._arrow_types import classify, normalize, pyarrow_module
 from ._source import Buffer
@@ -122,6 +123,8 @@ class ArrowColumn:
         path: the top-level column and the struct fields leading to this one.
         records: a nested list of structs comes back as a list of dicts (else a dict
             of lists).
+        metadata: the field's metadata (names an extension type not registered here).
+        uuid_as: how ``arrow.uuid`` values come back (``_arrow_extensions.py``).
     """
 
     def __init__(
@@ -133,11 +136,15 @@ class ArrowColumn:
         fill_is_global: bool = False,
         path: tuple[str, ...] = (),
         records: bool = True,
+        metadata: Mapping[bytes, bytes] | None = None,
+        uuid_as: UuidAs = "uuid",
     ) -> None:
         self.name = name
         self.arrow_type = arrow_type
         self.label = label
-        self.kind = classify(arrow_type, name, label)
+        ext = extension_of(arrow_type, metadata)
+        self.meaning = meaning_of(ext, name, label, uuid_as) if ext is not None else None
+        self.kind = self.meaning.kind if self.meaning else classify(arrow_type, name, label)
         self.fill = fill
         self.fill_is_global = fill_is_global
         self.path = path or (name,)
@@ -156,6 +163,8 @@ class ArrowColumn:
             chunk = chunk.flatten()[chunk.type.get_field_index(field)]
         if chunk.type != self.arrow_type:  # a file's type, promoted to the dataset's
             chunk = chunk.cast(self.arrow_type)
+        if self.meaning is not None:  # an extension type, as what it means
+            chunk = self.meaning.convert(chunk)
         return chunk if self.kind.kind == "nested" else normalize(chunk)
 
     # -- nested columns (Note [Nested Arrow columns] in _arrow_nested.py) --------------------
@@ -179,6 +188,8 @@ class ArrowColumn:
     # -- nulls -----------------------------------------------------------------------------
     def count_nulls(self, arr: Any) -> int:
         """Null values in a normalized chunk (null rows, and null elements of lists)."""
+        if self.meaning is not None and self.meaning.atomic:  # a null UUID is one null
+            return int(arr.null_count)
         if self.kind.kind == "tensor":
             _, mask = _leaf(arr)
             return 0 if mask is None else int(len(mask) - np.count_nonzero(mask))
@@ -290,18 +301,19 @@ class Writer:
     def __init__(self, column: ArrowColumn, spec: ColumnSpec, buffers: dict[str, Buffer]) -> None:
         self.column = column
         self.spec = spec
+        self.layout = column.kind.kind  # the spec's kind may name another class ("uuid")
         self.buffers = buffers
         self.row = 0
         self.value = 0
         self.done: list[int] = []  # nested: elements written per level
         self.bytes_done: list[int] = []  # nested: string bytes written per level
-        if spec.kind == "nested":
+        if self.layout == "nested":
             for key, buf in buffers.items():
                 if key.endswith(".offsets"):
                     buf.rows(0, 1)[0] = 0
             levels = len(column.kind.tree.levels())  # type: ignore[union-attr]
             self.done, self.bytes_done = [0] * levels, [0] * levels
-        elif spec.kind != "tensor":
+        elif self.layout != "tensor":
             buffers["offsets"].rows(0, 1)[0] = 0
 
     def write(self, arr: Any, where: str) -> int:
@@ -312,12 +324,12 @@ class Writer:
                 f"{where} has more rows than its metadata said ({spec.rows}); was the file "
                 "changed while it was being loaded?"
             )
-        if spec.kind == "nested":
+        if self.layout == "nested":
             return self._write_nested(col.nested_parts(arr, where), where)
         nulls = col.count_nulls(arr)
         if nulls and col.fill is None:  # the sizing pass did not see them: changed file
             raise col.null_error({where: nulls}, at_least=True)
-        if spec.kind == "tensor":
+        if self.layout == "tensor":
             leaf, mask = _leaf(arr)
             values = _numpy_values(leaf, spec.dtype)
             dest = self.buffers["data"].rows(self.row, self.row + n).reshape(-1)
@@ -396,7 +408,7 @@ class Writer:
                     "counted; was the file changed while it was being loaded?"
                 )
         short = self.row != spec.rows or (
-            spec.kind not in ("tensor", "nested") and self.value != spec.values
+            self.layout not in ("tensor", "nested") and self.value != spec.values
         )
         if short:
             raise SourceReadError(
@@ -457,7 +469,7 @@ class Sizer:
                 column.name, rows, k.dtype, (), "nested", 0,
                 tree=k.tree, counts=tuple((n, v) for n, v in counts), records=column.records,
             )  # fmt: skip
-        return ColumnSpec(column.name, rows, k.dtype, k.shape, k.kind, self.values)
+        return ColumnSpec(column.name, rows, k.dtype, k.shape, k.spec_kind, self.values)
 
 
 def _check_utf8(chunk: Any, name: str, where: str) -> None:

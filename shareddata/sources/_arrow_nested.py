@@ -88,7 +88,9 @@ def level_of(t: Any) -> Level:
     """The level tree of an Arrow type; :class:`Refused` names a type it cannot hold."""
     pa = _pa()
     if isinstance(t, pa.BaseExtensionType):
-        return level_of(t.storage_type)
+        if t.extension_name == "arrow.json":  # its storage is its text
+            return level_of(t.storage_type)
+        raise Refused(t)  # inside lists its meaning would be lost: _arrow_extensions.py
     if pa.types.is_dictionary(t):
         return level_of(t.value_type)
     if pa.types.is_run_end_encoded(t):
@@ -103,13 +105,21 @@ def level_of(t: Any) -> Level:
     if _is_binary(t):
         return Level("bytes")
     if is_list_like(t):
-        return Level("list", children=(level_of(t.value_type),))
+        return Level("list", children=(_field_level(t.value_field),))
     if pa.types.is_struct(t):
         if t.num_fields == 0:
             raise Refused(t)
         names = tuple(t.field(i).name for i in range(t.num_fields))
-        return Level("struct", names=names, children=tuple(level_of(f.type) for f in t))
+        return Level("struct", names=names, children=tuple(_field_level(f) for f in t))
     raise Refused(t)
+
+
+def _field_level(field: Any) -> Level:
+    """:func:`level_of` a child field; an unregistered extension (by metadata) is refused."""
+    name = (field.metadata or {}).get(b"ARROW:extension:name")
+    if name is not None and name != b"arrow.json":
+        raise Refused(f"{field.type} (extension {name.decode('utf-8', 'replace')})")
+    return level_of(field.type)
 
 
 def decoded(arr: Any) -> Any:

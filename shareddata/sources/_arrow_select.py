@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import ArgumentTypeError, EmptySelectionError, MissingColumnError
 from ._arrow_columns import ArrowColumn
+from ._arrow_extensions import UuidAs
 from ._arrow_types import pyarrow_module
 
 __all__ = ["FillValue", "make_columns", "select_fields"]
@@ -39,31 +40,34 @@ def _check_fill_keys(fill_value: FillValue, names: Sequence[str], label: str) ->
             )
 
 
-def _fields(schema: Any) -> list[tuple[str, tuple[str, ...], Any]]:
-    """Every loadable column of a schema: ``(name, path, type)``, structs flattened.
+def _fields(schema: Any) -> list[tuple[str, tuple[str, ...], Any, Any]]:
+    """Every loadable column of a schema: ``(name, path, type, metadata)``, structs flattened.
 
     A struct column ``s`` with fields ``a`` and ``b`` gives ``s.a`` and ``s.b`` (nested
-    structs ``s.b.c``), the names ``Table.flatten()`` gives them.
+    structs ``s.b.c``), the names ``Table.flatten()`` gives them. The field metadata
+    names an extension type that is not registered here (``_arrow_extensions.py``).
     """
     pa = pyarrow_module()
-    out: list[tuple[str, tuple[str, ...], Any]] = []
+    out: list[tuple[str, tuple[str, ...], Any, Any]] = []
 
-    def walk(name: str, path: tuple[str, ...], t: Any) -> None:
-        if pa.types.is_struct(t) and t.num_fields:
+    def walk(name: str, path: tuple[str, ...], field: Any) -> None:
+        t = field.type
+        extension = b"ARROW:extension:name" in (field.metadata or {})  # stored as a struct
+        if pa.types.is_struct(t) and t.num_fields and not extension:
             for f in t:
-                walk(f"{name}.{f.name}", (*path, f.name), f.type)
+                walk(f"{name}.{f.name}", (*path, f.name), f)
         else:
-            out.append((name, path, t))
+            out.append((name, path, t, field.metadata))
 
     for f in schema:
-        walk(f.name, (f.name,), f.type)
+        walk(f.name, (f.name,), f)
     return out
 
 
-def _groups(fields: Sequence[tuple[str, tuple[str, ...], Any]]) -> dict[str, list[str]]:
+def _groups(fields: Sequence[tuple[str, tuple[str, ...], Any, Any]]) -> dict[str, list[str]]:
     """Each struct's name (``s``, ``s.b``) -> the flattened columns under it."""
     groups: dict[str, list[str]] = {}
-    for name, path, _ in fields:
+    for name, path, _, _ in fields:
         for k in range(1, len(path)):
             groups.setdefault(".".join(path[:k]), []).append(name)
     return groups
@@ -75,21 +79,22 @@ def make_columns(
     label: str,
     fill_value: FillValue,
     records: bool = True,
+    uuid_as: UuidAs = "uuid",
 ) -> list[ArrowColumn]:
     _check_fill_keys(fill_value, names, label)
-    by_name = {name: (path, t) for name, path, t in _fields(schema)}
+    by_name = {name: (path, t, meta) for name, path, t, meta in _fields(schema)}
     columns = []
     for name in names:
         fill, is_global = _fill_for(fill_value, name)
-        path, t = by_name[name]
-        columns.append(ArrowColumn(name, t, label, fill, is_global, path, records))
+        path, t, meta = by_name[name]
+        columns.append(ArrowColumn(name, t, label, fill, is_global, path, records, meta, uuid_as))
     return columns
 
 
 def select_fields(schema: Any, columns: Sequence[str] | None, label: str) -> list[str]:
     """The flattened columns selected from ``schema`` (a struct's name selects its fields)."""
     fields = _fields(schema)
-    return _select([n for n, _, _ in fields], columns, label, _groups(fields))
+    return _select([n for n, _, _, _ in fields], columns, label, _groups(fields))
 
 
 def _empty_selection(available: Sequence[str], label: str) -> EmptySelectionError:

@@ -19,7 +19,8 @@ Type mapping (Arrow type -> column kind):
 * lists of strings, of lists and of structs -> ``"nested"`` (Note [Nested Arrow
   columns] in ``_arrow_nested.py``);
 * dictionary-encoded columns -> the kind of their values (decoded while copying);
-* other extension types -> the kind of their storage type.
+* other extension types -> their meaning (``_arrow_extensions.py``: UUIDs, bool8,
+  JSON, HF ``datasets`` arrays), or refused by name; never their storage silently.
 
 Maps, unions, decimals and empty structs are refused with
 :class:`UnsupportedDtypeError` saying what to do (structs with fields are split
@@ -75,6 +76,12 @@ class ArrowKind:
     dtype: np.dtype
     shape: tuple[int, ...] = ()
     tree: Level | None = None  # the levels of a "nested" column
+    column: str | None = None  # the column class, where not ``kind``'s ("uuid")
+
+    @property
+    def spec_kind(self) -> str:
+        """The ``ColumnSpec.kind`` the column is stored as (its column class)."""
+        return self.column or self.kind
 
 
 def unsupported(name: str, label: str, arrow_type: Any, fix: str) -> UnsupportedDtypeError:
@@ -117,8 +124,10 @@ def classify(t: Any, name: str, label: str) -> ArrowKind:
             )
         inner = classify(t.storage_type, name, label)
         return ArrowKind("tensor", inner.dtype, tuple(int(s) for s in t.shape))
-    if isinstance(t, pa.BaseExtensionType):
-        return classify(t.storage_type, name, label)
+    if isinstance(t, pa.BaseExtensionType):  # their meanings: _arrow_extensions.py
+        raise unsupported(
+            name, label, t, "an extension type inside another type; store a plain Arrow type"
+        )
     if pa.types.is_dictionary(t):
         inner = classify(t.value_type, name, label)
         if inner.kind not in ("tensor", "str", "bytes") or inner.shape:

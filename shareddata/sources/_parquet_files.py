@@ -4,7 +4,9 @@ Discovery is ``pyarrow.dataset``'s, not hand-written path logic: a folder is sea
 recursively (names starting with ``.`` or ``_`` are skipped, as Spark's ``_SUCCESS``),
 and Hive partition folders (``year=2024/part-0.parquet``) become columns, their values
 per file read from the dataset's fragments. A glob's Hive partitions start under its
-first wildcard. Errors name the path and what to pass instead.
+first wildcard. A partition key that is also a column inside the files (what polars'
+``write_parquet(partition_by=...)`` writes) is refused naming the key and the fix.
+Errors name the path and what to pass instead.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ..errors import ArgumentTypeError, MissingFileError, SourceReadError
+from ..errors import ArgumentTypeError, MissingColumnError, MissingFileError, SourceReadError
 from ._arrow_types import pyarrow_module
 
-__all__ = ["Found", "arrow_errors", "parquet_files", "read_error"]
+__all__ = ["Found", "arrow_errors", "parquet_files", "partition_clash", "read_error"]
 
 _SUFFIXES = (".parquet",)
 
@@ -30,6 +32,13 @@ def _dataset() -> ModuleType:
     import pyarrow.dataset
 
     return pyarrow.dataset
+
+
+def _parquet() -> ModuleType:
+    pyarrow_module()
+    import pyarrow.parquet
+
+    return pyarrow.parquet
 
 
 _GLOB = "*?["
@@ -102,7 +111,7 @@ def parquet_files(path: Any) -> Found:
             "pass a .parquet path, a glob, a list of paths, or a folder of .parquet "
             "files (for a pyarrow.Table use ArrowDataset)."
         )
-    partitions, schema = _partitions(files, base)
+    partitions, schema = _partitions(files, base, label)
     return Found(files, label, partitions, schema)
 
 
@@ -127,11 +136,42 @@ def _discover(folder: str) -> list[str]:
         raise read_error(folder, e, "listing its files") from e
 
 
-def _partitions(files: list[str], base: str | None) -> tuple[list[dict[str, Any]], Any]:
+def _hive_keys(files: list[str], base: str) -> list[str]:
+    """The Hive partition keys (``key=value`` folder names under ``base``), in folder order."""
+    keys: dict[str, None] = {}
+    for f in files:
+        for part in os.path.relpath(os.path.dirname(f), base).split(os.sep):
+            if "=" in part:
+                keys.setdefault(part.split("=", 1)[0])
+    return list(keys)
+
+
+def partition_clash(key: str, file: str, label: str) -> MissingColumnError:
+    """The error for a Hive partition key that is also a column inside the files."""
+    every = label if any(c in label for c in _GLOB) else os.path.join(label, "**", "*.parquet")
+    return MissingColumnError(
+        f"{label} is partitioned by {key!r} (its {key}=... folders), and {key!r} is also a "
+        f"column inside its files ({file}), as polars' write_parquet(partition_by=...) "
+        f"writes them: {key!r} would be two columns. Fix: pass the files themselves, which "
+        f"reads {key!r} from inside them: sd.ParquetDataset(sorted(glob.glob({every!r}, "
+        "recursive=True))); or write the files without the key column (polars: "
+        "pl.PartitionBy(..., include_key=False); pyarrow.dataset.write_dataset with "
+        "partitioning_flavor='hive' leaves it out)."
+    )
+
+
+def _partitions(files: list[str], base: str | None, label: str) -> tuple[list[dict[str, Any]], Any]:
     """Per file, its Hive partition values (``key=value`` folders under ``base``)."""
     pa, ds = pyarrow_module(), _dataset()
-    if base is None or not any("=" in os.path.relpath(os.path.dirname(f), base) for f in files):
+    keys = _hive_keys(files, base) if base is not None else []
+    if base is None or not keys:
         return [{} for _ in files], pa.schema([])
+    try:  # a key inside the files too would fail below as a type clash or be loaded twice
+        inside = [k for k in keys if k in _parquet().read_schema(files[0]).names]
+    except arrow_errors() as e:
+        raise read_error(files[0], e, "reading its schema") from e
+    if inside:
+        raise partition_clash(inside[0], files[0], label)
     try:
         dataset = ds.dataset(files, format="parquet", partitioning="hive", partition_base_dir=base)
         fragments = {os.path.normpath(f.path): f for f in dataset.get_fragments()}
@@ -139,8 +179,8 @@ def _partitions(files: list[str], base: str | None) -> tuple[list[dict[str, Any]
         raise read_error(base, e, "reading its partition folders") from e
     per_file = [ds.get_partition_keys(fragments[os.path.normpath(f)].partition_expression)
                 for f in files]  # fmt: skip
-    keys = {k for d in per_file for k in d}  # in folder order, as the dataset's schema
-    return per_file, pa.schema([f for f in dataset.schema if f.name in keys])
+    found = {k for d in per_file for k in d}  # in folder order, as the dataset's schema
+    return per_file, pa.schema([f for f in dataset.schema if f.name in found])
 
 
 def arrow_errors() -> tuple[type[BaseException], ...]:

@@ -1,7 +1,8 @@
-"""In-memory Arrow tables (pyarrow, polars, duckdb, pandas, HF datasets) into shared memory.
+"""Arrow tables (pyarrow, polars, duckdb, pandas, HF datasets) and files into shared memory.
 
 :class:`ArrowDataset` copies the selected columns of a table, chunk by chunk, into
-one shared segment; the type mapping (``_arrow_types.py``), selection
+one shared segment (Arrow files by path: ``_arrow_files.py``); the type mapping
+(``_arrow_types.py``, extension types: ``_arrow_extensions.py``), selection
 (``_arrow_select.py``), null handling and copying (``_arrow_columns.py``) are shared
 with Parquet.
 """
@@ -15,6 +16,7 @@ from typing import Any
 from ..columns._columns import ColumnSpec
 from ..errors import ArgumentTypeError, UnsupportedDtypeError
 from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
+from ._arrow_extensions import UuidAs
 from ._arrow_select import FillValue, make_columns, select_fields
 from ._arrow_types import pyarrow_module, release_arrow_memory
 from ._source import Buffer
@@ -73,6 +75,7 @@ class ArrowSource:
             selects its fields).
         fill_value: what nulls become (see :class:`ParquetDataset`); ``None`` refuses nulls.
         records: a list of structs comes back as a list of dicts (else a dict of lists).
+        uuid_as: ``arrow.uuid`` values as ``"uuid"`` (``uuid.UUID``) or ``"tensor"``.
     """
 
     label = "the Arrow table"
@@ -84,10 +87,13 @@ class ArrowSource:
         *,
         fill_value: FillValue = None,
         records: bool = True,
+        uuid_as: UuidAs = "uuid",
     ) -> None:
         self.table = _as_table(table)
         names = select_fields(self.table.schema, columns, self.label)
-        self.columns = make_columns(self.table.schema, names, self.label, fill_value, records)
+        self.columns = make_columns(
+            self.table.schema, names, self.label, fill_value, records, uuid_as
+        )
         self._by_name = {c.name: c for c in self.columns}
 
     def _each_chunk(self, column: ArrowColumn, fn: Callable[[str, str, Any], None]) -> None:

@@ -44,9 +44,10 @@ from ..errors import (
     UnsupportedDtypeError,
 )
 from ._arrow_columns import ArrowColumn, Sizer, Writer, rebase_offsets
+from ._arrow_extensions import UuidAs
 from ._arrow_select import FillValue, make_columns, select_fields
 from ._arrow_types import is_list, pyarrow_module, release_arrow_memory
-from ._parquet_files import arrow_errors, parquet_files, read_error
+from ._parquet_files import arrow_errors, parquet_files, partition_clash, read_error
 from ._source import Buffer
 
 __all__ = ["ParquetSource", "rebase_offsets"]
@@ -125,6 +126,7 @@ class ParquetSource:
         fill_value: FillValue = None,
         memory_map: bool = True,
         records: bool = True,
+        uuid_as: UuidAs = "uuid",
     ) -> None:
         pa = pyarrow_module()
         self._pq = _parquet()
@@ -132,31 +134,31 @@ class ParquetSource:
         self.paths, self.label = found.files, found.label
         self.partitions = found.partitions
         self.memory_map = memory_map
+        # UUID and JSON logical types read as arrow.uuid / arrow.json: _arrow_extensions.py
+        self._options = {"memory_map": memory_map, "arrow_extensions_enabled": True}
         self._open: Any = None
         self._specs: list[ColumnSpec] | None = None
         self._window: tuple[int, int] | None = None  # rows [start, stop) of select_rows
         self.files = [self._info(p) for p in self.paths]
         first = self.files[0]
         schema = first.schema
-        clash = [f.name for f in found.partition_schema if f.name in schema.names]
-        if clash:
-            raise MissingColumnError(
-                f"column {clash[0]!r} is both in {first.path} and a partition folder name "
-                f"({clash[0]}=...); rename one of them."
-            )
+        for info in self.files:  # _parquet_files checked the first file's columns only
+            clash = [f.name for f in found.partition_schema if f.name in info.schema.names]
+            if clash:
+                raise partition_clash(clash[0], info.path, self.label)
         schema = pa.schema([*schema, *found.partition_schema])
         names = select_fields(schema, columns, first.path)
         tops = list(dict.fromkeys(n.split(".")[0] if n not in schema.names else n
                                   for n in names))  # fmt: skip
         self._file_types: dict[str, dict[Any, str]] = {}  # column -> {type: first file}
         self.schema = self._unify(schema, tops, found.partition_schema.names, columns is None)
-        self.columns = make_columns(self.schema, names, self.label, fill_value, records)
+        self.columns = make_columns(self.schema, names, self.label, fill_value, records, uuid_as)
         self._by_name = {c.name: c for c in self.columns}
         self._partition_names = set(found.partition_schema.names)
 
     def _info(self, path: str) -> _ParquetFileInfo:
         try:
-            with self._pq.ParquetFile(path, memory_map=self.memory_map) as pf:
+            with self._pq.ParquetFile(path, **self._options) as pf:
                 metadata = pf.metadata
                 schema = pf.schema_arrow
         except arrow_errors() as e:
@@ -247,9 +249,7 @@ class ParquetSource:
     def _file(self, info: _ParquetFileInfo) -> Any:
         self._close_open()
         try:
-            self._open = self._pq.ParquetFile(
-                info.path, metadata=info.metadata, memory_map=self.memory_map
-            )
+            self._open = self._pq.ParquetFile(info.path, metadata=info.metadata, **self._options)
         except arrow_errors() as e:
             if isinstance(e, SharedDataError):
                 raise
@@ -391,7 +391,7 @@ class ParquetSource:
                     if column.fill is None:
                         raise column.null_error(stats)
                     column.fill_scalar()  # a bad fill value fails before loading
-                specs.append(ColumnSpec(column.name, rows, k.dtype, k.shape))
+                specs.append(ColumnSpec(column.name, rows, k.dtype, k.shape, k.spec_kind))
                 continue
             sizer = Sizer(column)  # var-length, or no usable statistics: read once
             self._each_chunk(column, sizer.add)

@@ -148,7 +148,7 @@ def population_failed(error: int, fd: int, size: int, directory: str | None, wha
 # near the limit, and for ``storage_dir`` (a small tmpfs, a disk), every page is
 # reserved before the source gets its buffers, as for any other segment.
 
-_POPULATIONS: list[Population] = []
+_POPULATIONS: dict[int, Population] = {}  # by id; a finalizer pops without the lock
 _WAIT_STEP = 1.0  # seconds between checks that the population threads still run
 _POPULATIONS_LOCK = ForkSafeLock()
 
@@ -170,10 +170,10 @@ class Population:
         self._cond = threading.Condition(ForkSafeLock())
         madvise(self.base, self.size, MADV_HUGEPAGE)  # a hint; may do nothing
         with _POPULATIONS_LOCK:
-            _POPULATIONS.append(self)
-        # a segment dropped without finish()/stop(): its threads stop at their next step
-        # (a finalizer takes no lock: Note [One lock rule] in _linux.py)
-        self._finalizer = weakref.finalize(segment, setattr, self, "_stopped", True)
+            _POPULATIONS[id(self)] = self
+        # a segment dropped without finish()/stop(): forgotten at once, and its threads
+        # stop at their next step (a finalizer takes no lock: Note [One lock rule])
+        self._finalizer = weakref.finalize(segment, _abandon, self)
         self._threads = [
             threading.Thread(target=self._work, name="shareddata-populate", daemon=True)
             for _ in range(population_threads(self.size))
@@ -247,9 +247,7 @@ class Population:
 
     def _unregister(self) -> None:
         self._finalizer.detach()
-        with _POPULATIONS_LOCK:
-            if self in _POPULATIONS:
-                _POPULATIONS.remove(self)
+        _POPULATIONS.pop(id(self), None)
 
     def _stop_threads(self) -> None:
         interrupted: BaseException | None = None
@@ -265,6 +263,12 @@ class Population:
                     interrupted = e
         if interrupted is not None:
             raise interrupted
+
+
+def _abandon(population: Population) -> None:
+    """The segment of ``population`` is gone: forget it, and let its threads stop."""
+    population._stopped = True
+    _POPULATIONS.pop(id(population), None)
 
 
 def ready(array: np.ndarray, nbytes: int | None = None) -> None:
@@ -283,7 +287,7 @@ def ready(array: np.ndarray, nbytes: int | None = None) -> None:
         return
     start = array.__array_interface__["data"][0]
     end = start + (array.nbytes if nbytes is None else nbytes)
-    for population in list(_POPULATIONS):
+    for population in list(_POPULATIONS.values()):
         if population.base <= start < population.base + population.size:
             population.wait(end - population.base)
             return

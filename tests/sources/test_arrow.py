@@ -36,13 +36,16 @@ def rows_of(ds):
 
 def reference(table):
     """pyarrow's rows of ``table``: structs flattened (``s.a``), times as integers, and
-    extension types as their storage."""
+    extension types as their ``to_pylist()`` (``uuid.UUID``, bool, JSON text), a
+    fixed-shape tensor as nested lists of its shape."""
     while any(pa.types.is_struct(f.type) for f in table.schema):
         table = table.flatten()
     cols = {}
     for name, col in zip(table.column_names, table.columns):
-        if isinstance(col.type, pa.BaseExtensionType):  # loaded as its storage (uuid: bytes)
-            col = pa.chunked_array([c.storage for c in col.chunks], col.type.storage_type)
+        if isinstance(col.type, pa.FixedShapeTensorType):  # rows of its shape
+            cols[name] = pa.array([r for c in col.chunks if len(c)
+                                   for r in c.to_numpy_ndarray().tolist()])  # fmt: skip
+            continue
         t = col.type
         if pa.types.is_timestamp(t) or pa.types.is_date64(t) or pa.types.is_duration(t):
             col = col.cast(pa.int64())

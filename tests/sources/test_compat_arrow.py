@@ -159,7 +159,7 @@ def duckdb_parquet(tmp, rows):
     con = _duckdb()
     path = os.path.join(tmp, "duckdb.parquet")
     con.execute(f"COPY ({_duckdb_sql()}) TO '{path}' (FORMAT PARQUET, ROW_GROUP_SIZE 1)")
-    table = pq.read_table(path)
+    table = pq.read_table(path, arrow_extensions_enabled=True)  # UUID as uuid.UUID
     make = lambda cols, fill: sd.ParquetDataset(path, cols, fill_value=fill, progress=False)  # noqa: E731
     return _check_columns("duckdb.parquet", make, table, rows)
 

@@ -359,7 +359,7 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     reads, real_preadv = [], os.preadv
 
     def preadv(fd, buffers, offset):
-        (population,) = _pages._POPULATIONS
+        (population,) = _pages._POPULATIONS.values()
         address = np.frombuffer(buffers[0], np.uint8).ctypes.data
         end = address + len(buffers[0]) - population.base
         reads.append((end, population._ready * _pages._POPULATE_STEP))
@@ -384,7 +384,7 @@ def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkey
     real = _pages.madvise
 
     def madvise(address, length, advice):  # memory runs out at the fourth step
-        populations = _pages._POPULATIONS
+        populations = list(_pages._POPULATIONS.values())
         step = address - populations[-1].base if populations else 0
         if advice == _pages.MADV_POPULATE_WRITE and step >= 3 * _pages._POPULATE_STEP:
             return errno.ENOMEM
@@ -426,7 +426,10 @@ def test_a_segment_dropped_while_its_pages_are_allocated_stops_the_threads():
     del segment
     gc.collect()
     assert not _pages._POPULATIONS
-    assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
+    deadline = time.monotonic() + 10  # the threads stop at their next step (32 MiB)
+    while [t for t in threading.enumerate() if t.name == "shareddata-populate"]:
+        assert time.monotonic() < deadline, "population threads still run"
+        time.sleep(0.01)
     small = sd.SharedArray.empty(16, np.uint8)  # new mappings are not mistaken for it
     _pages.ready(small.numpy())
 

@@ -14,6 +14,7 @@ from conftest import REPO, START_METHODS, open_fds
 from torch.utils.data import DataLoader, default_collate
 
 import shareddata as sd
+import shareddata.columns._columns
 from shareddata import ArrowDataset, ParquetDataset
 from shareddata.datasets._load import build
 from shareddata.sources import parquet as sp
@@ -256,7 +257,7 @@ def test_progress_reports_every_byte(pq_file):
     seen = []
     try:
         for spec in source.specs():
-            layout = sd._columns.COLUMN_KINDS[spec.kind].layout(spec)
+            layout = sd.columns._columns.COLUMN_KINDS[spec.kind].layout(spec)
             buffers = {k: as_buffer(np.zeros(s, d)) for k, (s, d) in layout.items()}
             source.read(spec, buffers, seen.append)
             assert sum(seen) == spec.nbytes - (8 if spec.kind != "tensor" else 0)
@@ -491,7 +492,7 @@ def test_import_shareddata_does_not_import_pyarrow():
         import shareddata, shareddata.sources.parquet as p
         assert "pyarrow.parquet" not in sys.modules
         try:
-            p.ParquetDataset("x.parquet")
+            shareddata.ParquetDataset("x.parquet")
         except ImportError as e:
             print("OK", e)
         """
@@ -666,7 +667,7 @@ def test_rebase_offsets_beyond_int32():
 def test_writer_rebases_chunks_onto_a_large_running_total():
     # a string chunk written when 3 GiB of values are already in the column
     column = sp.ArrowColumn("s", pa.string(), "t", None)
-    spec = sd._columns.ColumnSpec("s", 2, np.dtype(np.uint8), (), "str", 5)
+    spec = sd.columns._columns.ColumnSpec("s", 2, np.dtype(np.uint8), (), "str", 5)
     buffers = {"offsets": np.zeros(3, np.int64), "values": np.zeros(5, np.uint8)}
     writer = sp.Writer(column, spec, {k: as_buffer(b) for k, b in buffers.items()})
     writer.write(pa.array(["ab", "cde"]).slice(0), "t")

@@ -50,7 +50,7 @@ def _read(src: int, view: memoryview, offset: int, lo: int, hi: int) -> None:
 
 def measure(way: str, nbytes: int, path: str = "", offset: int = 0) -> dict[str, Any]:
     """Child: seconds of one way of touching / filling ``nbytes`` fresh bytes."""
-    from shareddata import _storage
+    from shareddata import storage as _storage
     from shareddata.storage._linux import MADV_POPULATE_WRITE, address_of, madvise
 
     if way.startswith("memcpy"):

@@ -49,7 +49,7 @@ PEERS = {  # the shareable datasets of the peers: (the file they read, what they
 NEEDS = {"tensordict shared": "tensordict", "tensordict memmap": "tensordict"}
 NEEDS["HF datasets from Parquet"] = "datasets"
 NO_AHEAD = (
-    "from shareddata import _load, _storage\n"
+    "from shareddata import storage as _storage\nfrom shareddata.datasets import _load\n"
     "_load.allocate = lambda *a, ahead=False, **k: _storage.allocate(*a, **k)\n"
 )
 ABLATIONS = [  # (format, what is switched off, the patch that does it)
