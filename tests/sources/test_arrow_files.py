@@ -18,9 +18,9 @@ import pyarrow.feather as feather
 import pyarrow.ipc as ipc
 import pytest
 from conftest import REPO
-from shareddata.datasets._load import build
 
 import shareddata as sd
+from shareddata.datasets._load import build
 from shareddata.sources._arrow_files import ArrowFileSource
 
 sys.path.insert(0, os.path.dirname(__file__))
