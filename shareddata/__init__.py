@@ -44,7 +44,7 @@ from .errors import (
     UnsupportedDtypeError,
 )
 from .memory import MemoryReport, ProcessMemory, verify
-from .storage import SharedArray
+from .storage import SharedArray, SharedTensor
 
 __version__ = "0.1.0"
 
@@ -81,6 +81,7 @@ __all__ = [
     "SharedDataset",
     "SharedList",
     "SharedMemoryFullError",
+    "SharedTensor",
     "SourceReadError",
     "UnpicklableItemError",
     "UnsupportedDtypeError",

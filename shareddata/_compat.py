@@ -23,8 +23,11 @@ __all__ = [
     "DisableTorchFunctionSubclass",
     "collate",
     "default_collate_fn_map",
+    "dataloader_progress",
+    "dataloader_worker_pids",
     "disabled_torch_function",
     "read_npy_header_3",
+    "shutdown_dataloader_iterator",
     "stop_dataloader_workers",
     "storage_use_count",
 ]
@@ -78,22 +81,37 @@ def read_npy_header_3(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
     return impl._read_array_header(f, (3, 0))  # type: ignore[no-any-return]
 
 
-def stop_dataloader_workers(loader: Any) -> None:
-    """Shut down the workers a persistent ``DataLoader`` keeps between epochs.
+# A DataLoader's processes: ``verify`` measures each worker of a loader it iterates, and
+# needs their pids and a way to end them. torch keeps both in its iterator
+# (``_MultiProcessingDataLoaderIter._workers``, ``_shutdown_workers``) and the
+# iterator of a persistent loader in ``loader._iterator``: no public API has them.
+# Without them ``verify`` falls back to the main process's new children (pids) and
+# to dropping the iterator (shutdown).
 
-    ``verify`` measures a loader's processes from a known start; a persistent loader
-    keeps its workers (and their memory) in ``loader._iterator``, with no public way
-    to end them but dropping the loader. Without it, ``verify`` would measure the
-    workers of an earlier epoch.
-    """
+
+def dataloader_worker_pids(iterator: Any) -> list[int] | None:
+    """The pids of a DataLoader iterator's worker processes, or None if it has none known."""
+    workers = getattr(iterator, "_workers", None)
+    return None if workers is None else [w.pid for w in workers]
+
+
+def shutdown_dataloader_iterator(iterator: Any) -> None:
+    """End a DataLoader iterator's workers now (they exit; its pins and queues close)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def stop_dataloader_workers(loader: Any) -> None:
+    """Shut down the workers a persistent ``DataLoader`` keeps between epochs."""
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None:
-        iterator._shutdown_workers()
+        shutdown_dataloader_iterator(iterator)
         loader._iterator = None
 
 
 def dataloader_progress(loader: Any) -> tuple[int, int] | None:
-    """``(batches yielded, batches per epoch)`` of a persistent loader's live iterator."""
+    """``(batches yielded, batches per epoch)`` of a persistent loader's live workers."""
     iterator = getattr(loader, "_iterator", None)
     if iterator is None or not getattr(iterator, "_workers", None):
         return None

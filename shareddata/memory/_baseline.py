@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from .._compat import dataloader_worker_pids, shutdown_dataloader_iterator
 from ._process import KIB, measure, read_smaps_rollup
 from ._size import children_of
 
@@ -45,8 +46,8 @@ def _run_probe(context: Any, refs: tuple[Any, ...]) -> int:
         # Both batches received: the worker is idle, as the real ones are when measured.
         next(iterator)
         next(iterator)
-        workers = getattr(iterator, "_workers", None) or []
-        pid = workers[0].pid if workers else None
+        workers = dataloader_worker_pids(iterator) or []
+        pid = workers[0] if workers else None
         if pid is None:
             return 0
         fields = read_smaps_rollup(pid)
@@ -54,9 +55,7 @@ def _run_probe(context: Any, refs: tuple[Any, ...]) -> int:
             return measure(pid).uss
         return fields["Private_Dirty"]
     finally:
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        shutdown_dataloader_iterator(iterator)
         del iterator
 
 

@@ -157,6 +157,12 @@ from typing import Any
 import psutil
 from torch.utils.data import DataLoader, IterableDataset
 
+from .._compat import (
+    dataloader_progress,
+    dataloader_worker_pids,
+    shutdown_dataloader_iterator,
+    stop_dataloader_workers,
+)
 from ..errors import (
     ArgumentTypeError,
     DuplicationError,
@@ -359,22 +365,21 @@ def _start_method(loader: DataLoader) -> str | None:
 
 def _stop_persistent_workers(loader: DataLoader) -> None:
     """Shut down workers a persistent loader kept, so the main process is measured alone."""
-    iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and getattr(iterator, "_workers", None):
-        done = getattr(iterator, "_num_yielded", 0)
-        if 0 < done < len(iterator):
+    progress = dataloader_progress(loader)
+    if progress is not None:
+        done, epoch = progress
+        if 0 < done < epoch:
             import warnings
 
             warnings.warn(
                 f"verify() restarts the workers of this persistent DataLoader, which is "
-                f"{done} batches into an epoch of {len(iterator)}: a loop still iterating it "
+                f"{done} batches into an epoch of {epoch}: a loop still iterating it "
                 "(e.g. a Lightning fit loop) ends without an error. Call verify() between "
                 "epochs, or on a separate DataLoader built the same way.",
                 RuntimeWarning,
                 stacklevel=3,
             )
-        iterator._shutdown_workers()
-        loader._iterator = None
+        stop_dataloader_workers(loader)
 
 
 def _run_and_measure(
@@ -418,9 +423,7 @@ def _run_and_measure(
             del batch
     finally:
         if not (loader.persistent_workers and loader.num_workers > 0):
-            shutdown = getattr(iterator, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            shutdown_dataloader_iterator(iterator)
         # A persistent loader keeps its workers; the next iter(loader) resets them.
         del iterator
     if not rows:
@@ -451,9 +454,9 @@ def _measure_loader(
     iterator: Any, num_workers: int, before: set[int], server: int | None, measurer: Any
 ) -> list[ProcessMemory]:
     procs: list[tuple[int | None, str]] = [(os.getpid(), "main"), (server, "forkserver")]
-    workers = getattr(iterator, "_workers", None)
+    workers = dataloader_worker_pids(iterator)
     if workers is not None:
-        procs += [(w.pid, f"worker {i}") for i, w in enumerate(workers)]
+        procs += [(pid, f"worker {i}") for i, pid in enumerate(workers)]
     elif num_workers > 0:  # an iterator that does not expose its workers
         new = sorted(_children() - before - {server})
         procs += [(pid, f"worker {i}") for i, pid in enumerate(new)]

@@ -67,9 +67,17 @@ class MemoryRef(Protocol):
 class SharedTensor(torch.Tensor):
     """A tensor over shareddata's shared memory; it crosses processes by handle, not by copy.
 
-    ``SharedArray.torch()`` returns one, and so do a DataLoader worker's batches made
-    by shareddata; views of it are ``SharedTensor`` s too, any other result is a plain
-    tensor. Note [Tensors over our memory cross by handle].
+    ``SharedArray.torch()`` returns one, and so do the batches shareddata makes in a
+    DataLoader worker (before they cross: the main process receives plain tensors over
+    the same pages). Views of it (indexing, slicing, ``view``, ``unbind``, ``t()``...)
+    are ``SharedTensor`` s too; any other result is a plain tensor, so a model never
+    runs Python code per operation because of it. Sent through ``multiprocessing``
+    (a DataLoader's queues, a pool, ``torch.multiprocessing``), it crosses as the
+    handle of its memory: no copy, and a writable ``SharedArray``'s pages stay shared.
+    Plain ``pickle`` and ``torch.save`` store it by value, as a plain tensor;
+    ``copy.deepcopy`` copies it into private memory. Only this type has a reducer of
+    shareddata's: torch's own types keep torch's. Note [Tensors over our memory cross
+    by handle].
 
     Example:
         >>> import shareddata as sd

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import re
 from collections.abc import Iterator
 
 from conftest import REPO
@@ -146,3 +147,42 @@ def test_no_module_is_over_500_lines():
         if (n := len(pathlib.Path(path).read_text().splitlines())) > 500
     }
     assert not long, f"modules over 500 lines: {long}"
+
+
+def _module_map() -> dict[str, set[str]]:
+    """The module map of docs/how-it-works.md: layer (a folder or "top level") -> names."""
+    with open(os.path.join(REPO, "docs", "how-it-works.md")) as f:
+        text = f.read().split("## The code, module by module", 1)[1]
+    rows: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or cells[0] in ("layer", "---"):
+            continue
+        folder = cells[0].strip("`").rstrip("/") if cells[0].startswith("`") else "top level"
+        names = set(re.findall(r"`(_?_?\w+)(?:/)?`", cells[1]))
+        rows.setdefault(folder, set()).update(names)
+    return rows
+
+
+def test_the_module_map_in_the_docs_names_every_module_where_it_is():
+    rows = _module_map()
+    missing, wrong = [], []
+    for module in _modules():
+        parts = module.split(".")[1:]  # without "shareddata"
+        if not parts:
+            folder, name = "top level", "__init__"
+        elif len(parts) == 1:
+            folder, name = ("top level", parts[0]) if parts[0] not in rows else (parts[0], None)
+        else:
+            folder, name = parts[0], parts[-1] if parts[-1] != parts[0] else None
+            if len(parts) > 2 and parts[-1] == parts[1]:  # a sub-folder's __init__
+                name = parts[1]
+        if name is None or name == "__init__" and folder != "top level":
+            continue
+        if folder not in rows:
+            wrong.append(f"{module}: no row for {folder}/")
+        elif name not in rows[folder]:
+            missing.append(f"{module} (row {folder})")
+    assert not wrong and not missing, (
+        "docs/how-it-works.md's module map is out of date:\n" + "\n".join(wrong + missing)
+    )

@@ -61,6 +61,7 @@ def test_public_api_is_pinned():
         "SharedDataset",
         "SharedList",
         "SharedMemoryFullError",
+        "SharedTensor",
         "SourceReadError",
         "UnpicklableItemError",
         "UnsupportedDtypeError",

@@ -18,6 +18,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from ..._compat import shutdown_dataloader_iterator
 from ...columns._columns import BytesColumn, ColumnSpec, RaggedColumn, StringColumn, TensorColumn
 from ...columns._items import (
     FIXED,
@@ -141,9 +142,7 @@ class Builder:
         finally:
             # End the workers now: a DataLoader's error keeps its iterator alive in the
             # traceback, and a later fork would copy it into new workers.
-            shutdown = getattr(blocks, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            shutdown_dataloader_iterator(blocks)
             del blocks
         self._close_writer()
 

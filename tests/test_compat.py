@@ -1,0 +1,106 @@
+"""Every private torch/numpy surface of ``shareddata/_compat.py`` still does what we rely on.
+
+When a torch or numpy release changes one of them, the test of that surface fails,
+naming it: that is the place to adapt (``scripts/compat.sh`` runs the suite against
+the oldest and newest torch the package claims).
+"""
+
+from __future__ import annotations
+
+import io
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import shareddata as sd
+from shareddata import _compat
+
+
+def test_disabled_torch_function_makes_every_result_plain():
+    class Marked(torch.Tensor):
+        __torch_function__ = _compat.disabled_torch_function
+
+    t = torch.arange(4).as_subclass(Marked)
+    assert type(t + 1) is torch.Tensor and type(t[1:]) is torch.Tensor
+
+
+def test_disable_torch_function_subclass_runs_the_plain_operation():
+    class Loud(torch.Tensor):
+        calls = 0
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.calls += 1
+            with _compat.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    t = torch.arange(4).as_subclass(Loud)
+    assert type(t * 2) is torch.Tensor and Loud.calls >= 1
+
+
+def test_storage_use_count_counts_the_tensors_over_a_storage():
+    t = torch.zeros(8)
+    storage = t.untyped_storage()
+    alone = _compat.storage_use_count(storage)
+    views = [t[1:], t.view(2, 4)]
+    assert _compat.storage_use_count(storage) == alone + 2
+    del views
+    assert _compat.storage_use_count(storage) == alone
+
+
+def test_collate_registry_dispatches_on_a_registered_type():
+    class Mine(int):
+        pass
+
+    _compat.default_collate_fn_map[Mine] = lambda batch, *, collate_fn_map=None: "mine"
+    try:
+        assert torch.utils.data.default_collate([Mine(1), Mine(2)]) == "mine"
+        assert _compat.collate([Mine(1)], collate_fn_map=_compat.default_collate_fn_map) == "mine"
+    finally:
+        del _compat.default_collate_fn_map[Mine]
+
+
+def test_only_shareddata_types_are_registered_for_the_default_collate():
+    types = [t for t in _compat.default_collate_fn_map if isinstance(t, type)]
+    ours = [t for t in types if t.__module__.startswith("shareddata")]
+    assert ours and uuid.UUID not in _compat.default_collate_fn_map
+
+
+def test_npy_version_3_headers_are_read():
+    buf = io.BytesIO()
+    array = np.zeros(3, dtype=[("é", np.int32)])  # a non-latin-1 field name: version 3.0
+    np.lib.format.write_array(buf, array, version=(3, 0))
+    buf.seek(0)
+    assert np.lib.format.read_magic(buf) == (3, 0)
+    shape, fortran, dtype = _compat.read_npy_header_3(buf)
+    assert shape == (3,) and not fortran and dtype == array.dtype
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_dataloaders_workers_can_be_stopped_and_its_progress_read(persistent):
+    ds = sd.NumpyDataset(np.arange(64, dtype=np.float32))
+    loader = DataLoader(
+        ds, batch_size=8, num_workers=1, persistent_workers=persistent,
+        multiprocessing_context="fork", timeout=30,
+    )  # fmt: skip
+    it = iter(loader)
+    next(it)
+    progress = _compat.dataloader_progress(loader)
+    pids = _compat.dataloader_worker_pids(it)
+    assert pids and all(isinstance(p, int) for p in pids)
+    if persistent:
+        assert progress == (1, 8)
+        workers = list(it._workers)
+        _compat.stop_dataloader_workers(loader)
+        assert loader._iterator is None
+        for w in workers:
+            w.join(10)
+            assert not w.is_alive()
+    else:
+        assert progress is None  # a non-persistent loader keeps no iterator
+        _compat.shutdown_dataloader_iterator(it)
+        assert not any(w.is_alive() for w in it._workers)
+    del it
