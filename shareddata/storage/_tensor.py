@@ -94,10 +94,10 @@ class SharedTensor(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         with DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            return out if type(out) is not torch.Tensor else _keep_view(out, args)
-        if type(out) in (tuple, list) and out and type(out[0]) is torch.Tensor:
-            return type(out)(_keep_view(o, args) if type(o) is torch.Tensor else o for o in out)
+            if type(out) is torch.Tensor:
+                return _keep_views(out, (out,), args)
+            if type(out) in (tuple, list) and out and type(out[0]) is torch.Tensor:
+                return _keep_views(out, out, args)
         return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -108,14 +108,26 @@ class SharedTensor(torch.Tensor):
         return self.as_subclass(torch.Tensor).__deepcopy__(memo)
 
 
-def _keep_view(out: torch.Tensor, args: Any) -> torch.Tensor:
-    """``out`` as a :class:`SharedTensor` if it views the memory of a SharedTensor in ``args``."""
+def _keep_views(out: Any, tensors: Any, args: Any) -> Any:
+    """``out`` with ``tensors`` (its tensors) as SharedTensors if they view an argument's memory.
+
+    Called with torch functions disabled (attribute reads are then plain C calls). A
+    sequence (``unbind``, ``split``, ``chunk``) is checked at its first and last
+    element: view functions return views only.
+    """
+    ref = None
     for arg in args:
         if isinstance(arg, SharedTensor):
             ref = arg.__dict__.get("_shared")
-            if ref is not None and out.untyped_storage().data_ptr() == ref.address:
-                return shared_tensor(out, ref)
-    return out
+            break
+    if ref is None:
+        return out
+    ends = (tensors[0], tensors[-1])
+    if not all(t.untyped_storage().data_ptr() == ref.address for t in ends):
+        return out
+    if type(out) is torch.Tensor:
+        return shared_tensor(out, ref)
+    return type(out)(shared_tensor(t, ref) if type(t) is torch.Tensor else t for t in out)
 
 
 def shared_tensor(tensor: torch.Tensor, ref: MemoryRef) -> SharedTensor:
@@ -128,26 +140,21 @@ def shared_tensor(tensor: torch.Tensor, ref: MemoryRef) -> SharedTensor:
 def reduce_shared_tensor(tensor: SharedTensor) -> Any:
     """``ForkingPickler``'s reducer of :class:`SharedTensor`: by handle, else a copy by torch."""
     try:
-        plain = tensor.as_subclass(torch.Tensor)
         ref = tensor.__dict__.get("_shared")
-        if (
-            ref is not None
-            and not plain.requires_grad
-            and not plain.is_conj()
-            and not plain.is_neg()
-            and plain.untyped_storage().data_ptr() == ref.address
-        ):
-            shape, stride = tuple(plain.shape), plain.stride()
-            return rebuild_tensor, (
-                ref,
-                DTYPE_NAMES[plain.dtype],
-                plain.storage_offset(),
-                shape,
-                stride,
-            )
-        # not ours to send by handle: a copy, the way torch sends any tensor (never the
-        # original: torch would move a SharedArray's storage out of the segment, in place)
-        copy = plain.detach().clone().requires_grad_(plain.requires_grad)
+        with DisableTorchFunctionSubclass():  # plain attribute reads, no Python dispatch
+            if (
+                ref is not None
+                and not tensor.requires_grad
+                and not tensor.is_conj()
+                and not tensor.is_neg()
+                and tensor.untyped_storage().data_ptr() == ref.address
+            ):
+                layout = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+                return rebuild_tensor, (ref, DTYPE_NAMES[tensor.dtype], *layout)
+            # not ours to send by handle: a copy, the way torch sends any tensor (never
+            # the original: torch would move a SharedArray's storage out of the segment)
+            plain = tensor.as_subclass(torch.Tensor)
+            copy = plain.detach().clone().requires_grad_(plain.requires_grad)
         return torch_reductions.reduce_tensor(copy)
     except Exception as e:  # never let a queue's feeder thread drop a batch silently
         return raise_send_error, (describe_failure(e, "a tensor over shared memory"),)
