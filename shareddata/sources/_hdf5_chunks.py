@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceReadError
+from ._io import open_file, read_exactly
 from ._source import Buffer
 
 __all__ = ["copy_field", "copy_raw", "inflatable", "inflate", "raw_offset", "record_runs"]
@@ -120,31 +121,12 @@ def copy_raw(
     row_bytes = out.nbytes // max(1, len(out))
     step = max(1, _RAW_BLOCK // max(1, row_bytes))
     done = 0
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            for start in range(0, len(out), step):
-                view = out.rows(start, min(len(out), start + step)).reshape(-1).view(np.uint8)
-                pos = 0
-                while pos < len(view):
-                    n = os.preadv(fd, [view[pos:].data], offset + done + pos)
-                    if n == 0:
-                        raise SourceReadError(
-                            f"{what} ended early, after {done + pos} of {out.nbytes} bytes of "
-                            "data: the file is truncated. Re-create or re-download it."
-                        )
-                    pos += n
-                done += pos
-                progress(pos)
-        finally:
-            os.close(fd)
-    except SourceReadError:
-        raise
-    except OSError as error:  # an I/O error of the disk or file system: name the file
-        raise SourceReadError(
-            f"{what} could not be read after {done} bytes of data ({error}). Check the "
-            "disk or file system, or copy the file elsewhere and load it again."
-        ) from error
+    with open_file(path, what) as fd:
+        for start in range(0, len(out), step):
+            view = out.rows(start, min(len(out), start + step)).reshape(-1).view(np.uint8)
+            read_exactly(fd, view, offset + done, what)
+            done += view.nbytes
+            progress(view.nbytes)
 
 
 def inflatable(ds: Any) -> list[int] | None:
@@ -210,9 +192,9 @@ def inflate(
     ) -> int:
         """Chunk ``offset`` into ``rows_of``, the rows it covers (from ``rows``)."""
         if not filters and dtype.isnative:  # whole rows: straight into them
-            target = rows_of.reshape(-1).view(np.uint8).data
-            if size != chunk_bytes or os.preadv(fd, [target], address) != rows_of.nbytes:
-                raise SourceReadError(f"{what} failed: the file ends inside a chunk")
+            if size != chunk_bytes:
+                raise SourceReadError(f"{what} failed: a chunk's size is not its rows' bytes")
+            read_exactly(fd, rows_of.reshape(-1).view(np.uint8), address, f"{what} (a chunk)")
             return rows_of.nbytes
         raw = os.pread(fd, size, address)
         if len(raw) != size:
@@ -366,26 +348,11 @@ def copy_field(
     block = np.empty(min(step, max((n for _, n, _ in runs), default=1)), dtype)
     raw = block.view(np.uint8)
     row_bytes = out.nbytes // max(1, len(out))
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
+    with open_file(path, what) as fd:
         for first, count, offset in runs:
             for start in range(0, count, step):
                 n = min(step, count - start)
                 nbytes = n * dtype.itemsize
-                got = os.preadv(fd, [raw[:nbytes].data], offset + start * dtype.itemsize)
-                if got != nbytes:
-                    raise SourceReadError(
-                        f"{what} ended early: the file ends inside its records. It is "
-                        "truncated; re-create or re-download it."
-                    )
+                read_exactly(fd, raw[:nbytes], offset + start * dtype.itemsize, what)
                 out.rows(first + start, first + start + n)[...] = take(block[:n])
                 progress(n * row_bytes)
-    except SourceReadError:
-        raise
-    except OSError as error:
-        raise SourceReadError(
-            f"{what} could not be read ({error}). Check the disk or file system, or copy "
-            "the file elsewhere and load it again."
-        ) from error
-    finally:
-        os.close(fd)

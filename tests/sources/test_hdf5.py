@@ -980,7 +980,7 @@ def test_fields_are_copied_out_of_raw_records(tmp_path, monkeypatch):
     fds = open_fds()
     source = HDF5Source(path, "flat/p/x")
     os.truncate(path, end)  # HDF5 checks the length at open: cut the file after
-    with pytest.raises(OSError, match=r"'flat' ended early.*inside its records") as info:
+    with pytest.raises(OSError, match=r"'flat' ended early.*truncated") as info:
         build(source, progress=False)
     assert isinstance(info.value, sd.SourceReadError)
     del info, source
