@@ -197,3 +197,100 @@ def holders(segments: set[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
             if key in segments:
                 found.setdefault(key, []).append(int(p))
     return found
+
+
+# The quick tier (`bash scripts/test.sh --quick`, or `pytest --quick`; its items also carry
+# the `quick` marker): the contract over every dataset kind under `fork` workers, in
+# under 3 minutes on 2 cores. The default run still runs everything.
+QUICK_FILES = (
+    "test_contract.py",
+    "test_crossing.py",
+    "test_batch.py",
+    "test_errors.py",
+    "test_handoff.py",
+    "test_storage.py",
+    "sources/test_*.py",
+    "project/test_quality.py",
+)
+QUICK_ONLY = {"project/test_quality.py": {"test_ruff_check", "test_ruff_format"}}
+"""In these files, only these tests are quick."""
+_FRESH = "starts fresh interpreters (spawn, subprocess or an isolated /dev/shm)"
+QUICK_SKIP = {
+    "test_mutated_files_end_in_data_or_a_named_error": "fuzzing (scripts/fuzz.sh runs longer)",
+    "test_cases_found_by_long_runs": "fuzzing: each case in a fresh interpreter",
+    **dict.fromkeys(
+        (
+            "test_every_shape_under_forkserver_and_the_file_system_strategy",
+            "test_spawn_and_forkserver_workers_exit_right_after_the_task",
+            "test_verify_passes_with_string_and_ragged_columns_under_spawn",
+            "test_verify_string_and_ragged_columns_held_once",
+            "test_index_batch_sampler_fast_path[2]",
+            "test_torch_multiprocessing_pool",
+            "test_storage_dir_is_file_backed_and_nameless",
+            "test_only_the_creator_may_discard",
+            "test_sigkill_of_the_parent_leaves_nothing",
+            "test_ctrl_c_during_a_load_frees_everything",
+            "test_full_storage_dir_raises_and_small_dev_shm_is_not_a_limit",
+            "test_200_mib_dataset_in_a_64_mib_dev_shm",
+            "test_the_same_run_killed_midway_leaves_nothing",
+            "test_arrow_memory_goes_back_after_a_load",
+            "test_import_shareddata_does_not_import_pyarrow",
+            "test_shareddata_imports_without_h5py",
+        ),
+        _FRESH,
+    ),
+}
+"""Tests of the quick files left to the full run (by name, or name[parameters]), and why."""
+SLOW_START_METHODS = {"spawn", "forkserver"}
+"""A test parametrized with one of these is left to the full run (fork is quick)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="run the quick tier only: the contract over every kind with fork workers",
+    )
+
+
+def _quick_file(path) -> str | None:
+    """The QUICK_FILES pattern that ``path`` (under tests/) matches, or None."""
+    import fnmatch
+
+    try:
+        rel = os.path.relpath(str(path), os.path.join(REPO, "tests"))
+    except ValueError:
+        return None
+    return next((p for p in QUICK_FILES if fnmatch.fnmatch(rel, p)), None)
+
+
+def _is_quick(item: pytest.Item) -> bool:
+    pattern = _quick_file(item.path)
+    if pattern is None:
+        return False
+    name = item.originalname if isinstance(item, pytest.Function) else item.name
+    if pattern in QUICK_ONLY and name not in QUICK_ONLY[pattern]:
+        return False
+    if name in QUICK_SKIP or item.name in QUICK_SKIP or item.get_closest_marker("slow"):
+        return False
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return not any(isinstance(v, str) and v in SLOW_START_METHODS for v in params.values())
+
+
+def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
+    """Under --quick, files outside QUICK_FILES are not even imported."""
+    quick = config.getoption("quick") and collection_path.suffix == ".py"
+    return True if quick and _quick_file(collection_path) is None else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    quick, rest = [], []
+    for item in items:
+        if _is_quick(item):
+            item.add_marker(pytest.mark.quick)
+            quick.append(item)
+        else:
+            rest.append(item)
+    if config.getoption("quick") and rest:
+        config.hook.pytest_deselected(items=rest)
+        items[:] = quick
