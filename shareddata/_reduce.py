@@ -216,8 +216,10 @@ def reduce_storage(storage: torch.UntypedStorage) -> Any:
 def reduce_tensor(tensor: torch.Tensor, ours: bool = False) -> Any:
     """``ForkingPickler``'s reducer of tensors: a view of our memory keeps its layout.
 
-    Anything else (other storages, ``requires_grad``, sparse, quantized, a
-    ``Parameter``) goes to torch's ``reduce_tensor``. ``ours``: the tensor is a
+    A sparse COO tensor crosses as its indices and values (by handle when they
+    are ours: a worker's sparse batch). Anything else (other storages,
+    ``requires_grad``, other sparse layouts, quantized, a ``Parameter``) goes to
+    torch's ``reduce_tensor``. ``ours``: the tensor is a
     worker's batch (a ``WorkerBatch``, strided on the CPU by construction), so its
     storage is not looked up here; :func:`reduce_storage` still sends a storage
     that is not ours the way torch does.
@@ -249,7 +251,19 @@ def reduce_tensor(tensor: torch.Tensor, ours: bool = False) -> Any:
             shape, stride = tuple(plain.shape), plain.stride()
             name = _DTYPE_NAMES[plain.dtype]
             return (_rebuild_tensor, (storage, name, plain.storage_offset(), shape, stride))
+    if plain.layout is torch.sparse_coo and not plain.requires_grad:
+        # its indices and values are pickled as tensors again: by handle if ours
+        coalesced = plain.is_coalesced()
+        return (_rebuild_coo, (plain._indices(), plain._values(), tuple(plain.shape), coalesced))
     return _torch_reduce_tensor(plain)
+
+
+def _rebuild_coo(
+    indices: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...], coalesced: bool
+) -> torch.Tensor:
+    return torch.sparse_coo_tensor(
+        indices, values, shape, is_coalesced=coalesced, check_invariants=False
+    )
 
 
 # a dtype crosses as its name in ``torch``: cheaper to pickle and to unpickle than itself

@@ -70,6 +70,8 @@ class Plan:
     """For variable-length kinds, after sizing: ``(start, stop, values)`` per block."""
     first: int = 0
     """The dataset's row that is the column's row 0 (``select_rows``); ``rows`` follow it."""
+    special: Any = None
+    """A reader of its own (a sparse group, CF decoding): ``datasets``, ``spec()``, ``read()``."""
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -171,12 +173,15 @@ def plans_of(
     refuse: Refuse,
     member: tuple[str, ...] = (),
     index: int | None = None,
+    path: str | None = None,
 ) -> list[Plan]:
     """Plans for dataset ``ds`` (or its compound field ``member``), columns named from ``name``.
 
     A compound dataset gives one plan per field, named ``name/field`` (nested
     compounds ``name/a/b``). ``index`` picks one position of the member's last
-    axis (a pandas block holds several columns side by side).
+    axis (a pandas block holds several columns side by side). ``path``: where the
+    file reaches ``ds`` (default: its own name; an external link's target has
+    the link's path).
 
     Raises:
         UnsupportedDtypeError: a type shareddata cannot store, from ``refuse``.
@@ -214,17 +219,17 @@ def plans_of(
             "store numbers, strings or bytes instead (pandas: df.to_hdf(..., format='table'))",
         )
     if pseudo in (b"vlstring", "vlstring") and not row_shape:  # PyTables' VLStringAtom
-        path = ds.name.lstrip("/")
+        path = path or ds.name.lstrip("/")
         return [Plan(name, path, rows, "bytes", np.dtype(np.uint8), (), "vlen", source=dtype)]
     if pseudo in (b"vlunicode", "vlunicode") and not row_shape:  # UCS-4 code points
-        path = ds.name.lstrip("/")
+        path = path or ds.name.lstrip("/")
         return [Plan(name, path, rows, "str", np.dtype(np.uint8), (), "vlen_ucs4", source=dtype)]
     if index is not None:  # one column of a block: its last axis is the columns
         if dtype.subdtype is not None:
             dtype, htype = dtype.subdtype[0], htype.get_super()
         else:
             row_shape = row_shape[:-1]
-    path = ds.name.lstrip("/")
+    path = path or ds.name.lstrip("/")
     return _leaf(h5py, path, name, rows, row_shape, dtype, htype, member, index, refuse)
 
 

@@ -34,11 +34,10 @@ reference, time, quad float, object        refused      ``UnsupportedDtypeError`
 
 from __future__ import annotations
 
-import errno
 import os
 import reprlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import numpy as np
@@ -46,17 +45,11 @@ import numpy as np
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output
 from .._load import Buffer, build
-from ..errors import (
-    ArgumentTypeError,
-    ColumnLengthError,
-    InvalidArgumentError,
-    MissingDependencyError,
-    SourceReadError,
-    UnsupportedDtypeError,
-)
+from .._sparse import SPARSE_OUTPUTS
+from ..errors import ArgumentTypeError, ColumnLengthError, InvalidArgumentError
 from . import _hdf5_chunks
 from ._hdf5_layout import Plan
-from ._hdf5_open import check_filters, import_h5py, open_file
+from ._hdf5_open import check_filters, import_h5py, open_file, read_errors
 from ._hdf5_select import Selection
 from ._hdf5_values import VariableReader
 
@@ -79,6 +72,7 @@ class HDF5Source:
         path: the HDF5 file.
         keys: dataset paths inside the file, in column order (see
             :class:`HDF5Dataset`). ``None``: the default selection.
+        sparse: what a sparse matrix's row comes back as (see :class:`HDF5Dataset`).
 
     Attributes:
         plans: how each column is read, in column order.
@@ -86,7 +80,14 @@ class HDF5Source:
             their type cannot be stored (name: the reason).
     """
 
-    def __init__(self, path: PathLike, keys: str | Sequence[str] | None = None) -> None:
+    def __init__(
+        self, path: PathLike, keys: str | Sequence[str] | None = None, sparse: str = "dense"
+    ) -> None:
+        if sparse not in SPARSE_OUTPUTS:
+            raise InvalidArgumentError(
+                f"HDF5Dataset: sparse={sparse!r} is not one of {SPARSE_OUTPUTS}: 'dense' gives "
+                "each sparse row as a dense tensor, 'coo' as a torch.sparse_coo tensor."
+            )
         if not isinstance(path, (str, bytes, os.PathLike)):
             raise ArgumentTypeError(
                 f"HDF5Dataset: path={reprlib.repr(path)} (type {type(path).__name__}) is not a "
@@ -101,10 +102,11 @@ class HDF5Source:
         self.skipped: dict[str, str] = {}
         self._file, self._swmr = open_file(self._h5py, self.label)
         try:
-            selection = Selection(self._h5py, self._file, self.label)
+            selection = Selection(self._h5py, self._file, self.label, sparse)
             self.plans = selection.auto() if keys is None else selection.select(keys)
             self.skipped = selection.skipped
-            for path_ in dict.fromkeys(p.path for p in self.plans):
+            paths = [p.special.datasets if p.special else [p.path] for p in self.plans]
+            for path_ in dict.fromkeys(path_ for some in paths for path_ in some):
                 check_filters(self._h5py, self.label, path_, self._file[path_])
             self._values = VariableReader(self.label, self._reading, self._block)
         except BaseException:
@@ -147,6 +149,10 @@ class HDF5Source:
         self._check_lengths()
         specs = []
         for plan in self.plans:
+            if plan.special is not None:  # a sparse matrix's rows, a CF-decoded variable
+                with self._reading(plan):
+                    specs.append(plan.special.spec(plan, self._file))
+                continue
             values = 0
             if plan.kind != "tensor":
                 values = self._values.size(plan, self._file[plan.path])
@@ -164,7 +170,9 @@ class HDF5Source:
         plan = next(p for p in self.plans if p.name == spec.name)
         ds = self._file[plan.path]
         with self._reading(plan):
-            if plan.kind != "tensor":
+            if plan.special is not None:
+                plan.special.read(plan, self._file, buffers, progress, self._read_range)
+            elif plan.kind != "tensor":
                 self._values.read(plan, ds, buffers["offsets"], buffers["values"], progress)
             elif plan.reader == "direct":
                 self._read_tensor(plan, ds, buffers["data"], progress)
@@ -190,37 +198,18 @@ class HDF5Source:
         )
 
     # -- reading -----------------------------------------------------------------------
-    @contextmanager
-    def _reading(self, plan: Plan) -> Iterator[None]:
+    def _reading(self, plan: Plan) -> AbstractContextManager[None]:
         """Turn h5py's read errors into a :class:`SourceReadError` naming file and key."""
-        try:
-            yield
-        except SourceReadError:
-            raise
-        except (OSError, RuntimeError) as error:
-            text = str(error)
-            if "conversion path" in text:  # a type HDF5 cannot convert: not corruption
-                raise UnsupportedDtypeError(
-                    f"{self.label}: dataset {plan.path!r} ({plan.source}) cannot be converted "
-                    f"to {plan.dtype} by HDF5 ({error}). Fix: store the column as a plain "
-                    "numeric dataset, or pass keys=[...] without it."
-                ) from error
-            if "not registered" in text or "can't open directory" in text:  # a filter
-                raise MissingDependencyError(
-                    f"{self.label}: dataset {plan.path!r} needs an HDF5 filter plugin that "
-                    f"is not available ({error}). Fix: pip install hdf5plugin, or point "
-                    "HDF5_PLUGIN_PATH at the plugin's folder."
-                ) from error
-            if isinstance(error, OSError) and error.errno == errno.EIO:
-                cause = (
-                    "The disk or file system reported an I/O error; check it, or copy the "
-                    "file elsewhere and load it again."
-                )
-            else:
-                cause = "The file is truncated or corrupt; re-create or re-download it."
-            raise SourceReadError(
-                f"{self.label}: reading dataset {plan.path!r} failed ({error}). {cause}"
-            ) from error
+        return read_errors(self.label, plan.path, f"{plan.source} to {plan.dtype}")
+
+    def _read_range(
+        self, ds: Any, out: Buffer, start: int, stop: int, progress: Callable[[int], None]
+    ) -> None:
+        """Rows ``[start, stop)`` of a numeric dataset into ``out``, by the fastest path."""
+        name = ds.name.lstrip("/")
+        plan = Plan(name, name, stop - start, "tensor", out.dtype, out.shape[1:], "direct")
+        plan.first = start
+        self._read_tensor(plan, ds, out.rows(0, stop - start).view(Buffer), progress)
 
     @staticmethod
     def _steps(rows: int, row_bytes: int, budget: int, chunks: Any) -> Iterator[tuple[int, int]]:
@@ -255,14 +244,14 @@ class HDF5Source:
         if offset is not None:  # contiguous and unfiltered: the bytes straight from the file
             what = f"{self.label}: dataset {plan.name!r}"
             start = offset + plan.first * row_bytes
-            _hdf5_chunks.copy_raw(self.label, what, start, out, progress)
+            _hdf5_chunks.copy_raw(ds.file.filename, what, start, out, progress)
             if not ds.dtype.isnative and ds.dtype.itemsize > 1:
                 out.rows(0, plan.rows).byteswap(inplace=True)
             return
         filters = self._inflatable(plan, ds)
         what = f"{self.label}: reading dataset {plan.name!r}"
         if filters is not None and _hdf5_chunks.inflate(
-            self.label, what, ds, filters, out, progress
+            ds.file.filename, what, ds, filters, out, progress
         ):
             return
         first = plan.first
@@ -282,7 +271,7 @@ class HDF5Source:
             runs = _within(runs, plan.first, plan.first + plan.rows, ds.dtype.itemsize)
             what = f"{self.label}: dataset {plan.path!r}"
             _hdf5_chunks.copy_field(
-                self.label, what, ds, runs, lambda block: _field(plan, block), out, progress
+                ds.file.filename, what, ds, runs, lambda block: _field(plan, block), out, progress
             )
             return
         if plan.index is not None:  # a column of a pandas block: through a small block
@@ -460,8 +449,9 @@ class HDF5Dataset(ColumnDataset):
         shard: Literal["node"] | None = None,
         timeout: float | None = None,
         nested: bool = False,
+        sparse: Literal["dense", "coo"] = "dense",
     ) -> None:
-        source = HDF5Source(path, keys)
+        source = HDF5Source(path, keys, sparse)
         self.labels = {p.name: dict(p.labels) for p in source.plans if p.labels is not None}
         try:
             super().__init__(
@@ -473,7 +463,7 @@ class HDF5Dataset(ColumnDataset):
                     shard=shard,
                     timeout=timeout,
                     # what ranks must agree on: the file and the columns, in order
-                    key=("HDF5Dataset", source.label, [p.name for p in source.plans]),
+                    key=("HDF5Dataset", source.label, [p.name for p in source.plans], sparse),
                 ),
                 transform=transform,
                 output=output,
