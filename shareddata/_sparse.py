@@ -77,13 +77,14 @@ class SparseColumn(Column):
     """Rows of a CSR matrix in shared memory, each dense or ``torch.sparse_coo``.
 
     Example:
-        >>> col = SparseColumn.from_csr("X", [0, 2, 2, 3], [1, 3, 0], [1.0, 2.0, 5.0], 4)
+        >>> data = np.array([1.0, 2.0, 5.0], np.float32)
+        >>> col = SparseColumn.from_csr("X", [0, 2, 2, 3], [1, 3, 0], data, 4)
         >>> col.get(0)
         tensor([0., 1., 0., 2.])
         >>> col.gather(torch.tensor([2, 1]))
         tensor([[5., 0., 0., 0.],
                 [0., 0., 0., 0.]])
-        >>> coo = SparseColumn.from_csr("X", [0, 2, 2, 3], [1, 3, 0], [1.0, 2.0, 5.0], 4, "coo")
+        >>> coo = SparseColumn.from_csr("X", [0, 2, 2, 3], [1, 3, 0], data, 4, "coo")
         >>> coo.get(0).to_dense(), coo.gather(torch.tensor([0, 2])).to_dense()
         (tensor([0., 1., 0., 2.]), tensor([[0., 1., 0., 2.],
                 [5., 0., 0., 0.]]))

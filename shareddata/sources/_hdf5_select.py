@@ -23,8 +23,10 @@ from ..errors import (
     SourceReadError,
     UnsupportedDtypeError,
 )
+from ._hdf5_cf import Netcdf, is_netcdf
 from ._hdf5_encoded import Encoded, is_anndata
-from ._hdf5_layout import Plan, frame_plans, is_bookkeeping, is_frame, plans_of
+from ._hdf5_layout import Plan, is_bookkeeping, plans_of
+from ._hdf5_pandas import frame_plans, is_frame
 from ._hdf5_sparse import sparse_layout
 
 __all__ = ["Selection"]
@@ -56,12 +58,24 @@ class Selection:
             length left out because their type cannot be stored (name: reason).
     """
 
-    def __init__(self, h5py: Any, file: Any, label: str, sparse: str = "dense") -> None:
+    def __init__(
+        self, h5py: Any, file: Any, label: str, sparse: str = "dense", decode_cf: bool = True
+    ) -> None:
         self._h5py = h5py
         self._file = file
         self.label = label
         self.skipped: dict[str, str] = {}
         self.encoded = Encoded(h5py, label, self._refuse, sparse)
+        self.netcdf = Netcdf(h5py, file, decode_cf) if is_netcdf(file) else None
+        self.coords: list[str] = []
+        """netCDF variables that do not run along the rows (``HDF5Dataset.coords``)."""
+
+    def _along_rows(self, plans: list[Plan]) -> list[Plan]:
+        """netCDF: the plans along the rows' dimension, decoded; the rest are coordinates."""
+        if self.netcdf is None:
+            return plans
+        plans, self.coords = self.netcdf.split(plans)
+        return plans
 
     def _external(self, name: str) -> Any:
         """The object an external link ``name`` points to; an error naming the link if none."""
@@ -133,6 +147,8 @@ class Selection:
         holds sparse matrices, the rows are theirs (the longest of them), never
         their nonzeros nor a longer axis of something else.
         """
+        if self.netcdf is not None:
+            return self._netcdf_auto(self.netcdf)
         if is_anndata(self._file):
             found: dict[str, str] = {}
             plans = self.encoded.anndata(self._file, found)
@@ -188,6 +204,20 @@ class Selection:
         self._left_out([(n, why) for n, length, why in skipped if length in (longest, -1)], longest)
         plans = [plan for length, made in units if length == longest for plan in made]
         return self._unique(plans)
+
+    def _netcdf_auto(self, netcdf: Netcdf) -> list[Plan]:
+        """Every storable variable along the rows' dimension (see ``_hdf5_cf``)."""
+        plans: list[Plan] = []
+        skipped: dict[str, str] = {}
+        for name in netcdf.default_names():
+            plans += self.encoded.plans(self._file[name], name, skipped)
+        if not plans:
+            raise MissingColumnError(
+                f"{self.label} (netCDF) holds no variable with a dimension shareddata can "
+                f"store{': ' + ' '.join(skipped.values()) if skipped else ''}."
+            )
+        self._left_out(list(skipped.items()), plans[0].rows)
+        return self._along_rows(self._unique(plans))
 
     def _left_out(self, left_out: list[tuple[str, str]], rows: int) -> None:
         """Record and warn about columns of ``rows`` rows that the default selection left out."""
@@ -280,7 +310,7 @@ class Selection:
                     f"keys must be dataset paths (str), got {type(key).__name__} {key!r}"
                 )
             plans += self._key_plans(key)
-        return self._unique(plans)
+        return self._along_rows(self._unique(plans))
 
     def _key_plans(self, key: str) -> list[Plan]:
         name = key.strip("/")

@@ -11,36 +11,22 @@ data (strings, ``vlen`` sequences) is read twice in bounded blocks of rows: once
 to size the ``values`` buffer exactly, once to fill it; at most one block exists
 as Python objects at any time. docs/internals.md gives the memory this takes.
 
-How HDF5 types map to columns (:mod:`~shareddata.sources._hdf5_layout`):
-
-=========================================  ===========  ===========================
-HDF5 / h5py dtype                          column kind  a sample's value
-=========================================  ===========  ===========================
-integer, float, complex (any byte order)   ``tensor``   tensor, native byte order
-bool (h5py's enum, PyTables' bitfield)     ``tensor``   bool tensor
-enum                                       ``tensor``   its integer code (labels:
-                                                        :attr:`HDF5Dataset.labels`)
-array type (``H5T_ARRAY``)                 ``tensor``   its shape added to the row
-compound (record)                          one column   as its field's type
-                                           per field
-variable-length string (utf-8 or ascii)    ``str``      ``str``
-fixed-length utf-8 string                  ``str``      ``str`` (trailing NULs off)
-fixed-length ascii string (``S10``)        ``bytes``    ``bytes`` (trailing NULs off)
-opaque                                     ``bytes``    ``bytes`` (all of them)
-variable-length numeric (``vlen_dtype``)   ``ragged``   1-D tensor
-reference, time, quad float, object        refused      ``UnsupportedDtypeError``
-=========================================  ===========  ===========================
+How HDF5 types map to columns: :mod:`~shareddata.sources._hdf5_layout`; anndata's
+encoded groups (sparse matrices, categoricals, data frames):
+:mod:`~shareddata.sources._hdf5_encoded`; netCDF and the CF conventions:
+:mod:`~shareddata.sources._hdf5_cf`.
 """
 
 from __future__ import annotations
 
 import os
 import reprlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 from .._columns import ColumnSpec
 from .._dataset import ColumnDataset, Output
@@ -73,15 +59,22 @@ class HDF5Source:
         keys: dataset paths inside the file, in column order (see
             :class:`HDF5Dataset`). ``None``: the default selection.
         sparse: what a sparse matrix's row comes back as (see :class:`HDF5Dataset`).
+        decode_cf: decode a netCDF file's variables (see :class:`HDF5Dataset`).
 
     Attributes:
         plans: how each column is read, in column order.
         skipped: with ``keys=None``, datasets and frame columns left out because
             their type cannot be stored (name: the reason).
+        coords: a netCDF file's variables along other dimensions, decoded (numpy).
+        attrs: a netCDF file's variable attributes, by column and coordinate.
     """
 
     def __init__(
-        self, path: PathLike, keys: str | Sequence[str] | None = None, sparse: str = "dense"
+        self,
+        path: PathLike,
+        keys: str | Sequence[str] | None = None,
+        sparse: str = "dense",
+        decode_cf: bool = True,
     ) -> None:
         if sparse not in SPARSE_OUTPUTS:
             raise InvalidArgumentError(
@@ -102,9 +95,13 @@ class HDF5Source:
         self.skipped: dict[str, str] = {}
         self._file, self._swmr = open_file(self._h5py, self.label)
         try:
-            selection = Selection(self._h5py, self._file, self.label, sparse)
+            selection = Selection(self._h5py, self._file, self.label, sparse, decode_cf)
             self.plans = selection.auto() if keys is None else selection.select(keys)
             self.skipped = selection.skipped
+            netcdf = selection.netcdf
+            self.coords = {n: netcdf.coord(n) for n in selection.coords} if netcdf else {}
+            self.attrs = {p.name: netcdf.attrs(p.path) for p in self.plans} if netcdf else {}
+            self.attrs.update({n: netcdf.attrs(n) for n in self.coords} if netcdf else {})
             paths = [p.special.datasets if p.special else [p.path] for p in self.plans]
             for path_ in dict.fromkeys(path_ for some in paths for path_ in some):
                 check_filters(self._h5py, self.label, path_, self._file[path_])
@@ -211,16 +208,6 @@ class HDF5Source:
         plan.first = start
         self._read_tensor(plan, ds, out.rows(0, stop - start).view(Buffer), progress)
 
-    @staticmethod
-    def _steps(rows: int, row_bytes: int, budget: int, chunks: Any) -> Iterator[tuple[int, int]]:
-        """Blocks of rows of about ``budget`` bytes, whole chunks along axis 0 if chunked."""
-        step = max(1, budget // max(1, row_bytes))
-        if chunks:
-            along = int(chunks[0])
-            step = max(along, step - step % along)
-        for start in range(0, rows, step):
-            yield start, min(rows, start + step)
-
     def _block(self, plan: Plan, ds: Any, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of the plan's values as numpy (one bounded block)."""
         start, stop = plan.first + start, plan.first + stop
@@ -255,7 +242,7 @@ class HDF5Source:
         ):
             return
         first = plan.first
-        for start, stop in self._steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
+        for start, stop in _hdf5_chunks.row_steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
             ds.read_direct(out.rows(start, stop), np.s_[first + start : first + stop])
             progress((stop - start) * row_bytes)
 
@@ -268,7 +255,9 @@ class HDF5Source:
         row_bytes = out.nbytes // plan.rows
         runs = self._record_runs(plan, ds)
         if runs is not None:  # Note [Fields of raw records]
-            runs = _within(runs, plan.first, plan.first + plan.rows, ds.dtype.itemsize)
+            runs = _hdf5_chunks.runs_within(
+                runs, plan.first, plan.first + plan.rows, ds.dtype.itemsize
+            )
             what = f"{self.label}: dataset {plan.path!r}"
             _hdf5_chunks.copy_field(
                 ds.file.filename, what, ds, runs, lambda block: _field(plan, block), out, progress
@@ -276,7 +265,9 @@ class HDF5Source:
             return
         if plan.index is not None:  # a column of a pandas block: through a small block
             budget = _CHUNK // 16
-            for start, stop in self._steps(plan.rows, ds.dtype.itemsize, budget, ds.chunks):
+            for start, stop in _hdf5_chunks.row_steps(
+                plan.rows, ds.dtype.itemsize, budget, ds.chunks
+            ):
                 out.rows(start, stop)[...] = self._block(plan, ds, start, stop)
                 progress((stop - start) * row_bytes)
             return
@@ -297,7 +288,7 @@ class HDF5Source:
         file_space = ds.id.get_space()
         row_shape = tuple(ds.shape[1:])
         record_bytes = ds.dtype.itemsize * int(np.prod(row_shape))
-        for start, stop in self._steps(plan.rows, record_bytes, _CHUNK, ds.chunks):
+        for start, stop in _hdf5_chunks.row_steps(plan.rows, record_bytes, _CHUNK, ds.chunks):
             count = (stop - start, *row_shape)
             file_space.select_hyperslab((plan.first + start,) + (0,) * len(row_shape), count)
             ds.id.read(h5s.create_simple(count), file_space, out.rows(start, stop), mtype=mtype)
@@ -324,23 +315,6 @@ class HDF5Source:
         return _hdf5_chunks.inflatable(ds)
 
 
-def _within(
-    runs: list[tuple[int, int, int]], start: int, stop: int, size: int
-) -> list[tuple[int, int, int]]:
-    """The parts of ``runs`` of records in rows ``[start, stop)``, renumbered from ``start``.
-
-    Example:
-        >>> _within([(0, 10, 100), (10, 10, 500)], 5, 12, 2)
-        [(0, 5, 110), (5, 2, 500)]
-    """
-    inside = []
-    for first, count, offset in runs:
-        lo, hi = max(first, start), min(first + count, stop)
-        if lo < hi:
-            inside.append((lo - start, hi - lo, offset + (lo - first) * size))
-    return inside
-
-
 def _field(plan: Plan, records: np.ndarray) -> np.ndarray:
     """The plan's field (and block position) of a block of records."""
     for part in plan.member:
@@ -364,7 +338,16 @@ class HDF5Dataset(ColumnDataset):
     format) gives the frame's columns under their pandas names (a named index
     first); categories load as integer codes, dates as int64 in their unit. Enums
     load as their integer codes; :attr:`labels` maps each such column's labels to
-    codes.
+    codes. External links are followed (their targets named by the link's path).
+
+    Scientific files load as their users mean them. An AnnData ``.h5ad`` loads as
+    cells: ``X`` then every ``obs`` column (categoricals as codes with labels). A
+    group encoding a sparse matrix (anndata's CSR/CSC, 10x ``matrix``, h5sparse),
+    in any file, is ONE column of per-row values, kept compressed in shared memory;
+    its rows are the file's rows. A netCDF-4 file loads its variables along one
+    dimension (e.g. ``time``), decoded by the CF conventions as xarray does
+    (packing, fill values to NaN, times as int64 ns since 1970), other coordinates
+    in :attr:`coords`. docs/tutorials/single-cell.md and climate-netcdf.md show both.
 
     Args:
         path: the HDF5 file.
@@ -392,9 +375,18 @@ class HDF5Dataset(ColumnDataset):
             ...}}`` for a group's datasets, as h5py reaches them) instead of under its
             flat name (``{"points/x": ...}``, the default); batches are nested the
             same way. With ``output="tuple"``, the top-level values in order.
+        sparse: a sparse matrix's row comes back as a dense tensor (``"dense"``,
+            what the default collate stacks) or a 1-D ``torch.sparse_coo`` tensor
+            (``"coo"``; a batch is one 2-D sparse COO tensor).
+        decode_cf: for a netCDF file, decode the CF conventions (default); False
+            keeps every variable's stored values (codes).
 
     Attributes:
-        labels: for enum and pandas category columns, ``{column: {label: code}}``.
+        labels: for enum and category columns, ``{column: {label: code}}``.
+        coords: a netCDF file's variables that do not run along the rows (decoded
+            tensors, lists of str); ``{}`` otherwise.
+        attrs: a netCDF file's attributes per column and coordinate, as xarray's
+            ``.attrs`` (a decoded time says ``nanoseconds since 1970-01-01``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -450,9 +442,14 @@ class HDF5Dataset(ColumnDataset):
         timeout: float | None = None,
         nested: bool = False,
         sparse: Literal["dense", "coo"] = "dense",
+        decode_cf: bool = True,
     ) -> None:
-        source = HDF5Source(path, keys, sparse)
+        if not isinstance(decode_cf, bool):
+            raise ArgumentTypeError(f"decode_cf must be True or False, got {decode_cf!r}")
+        source = HDF5Source(path, keys, sparse, decode_cf)
         self.labels = {p.name: dict(p.labels) for p in source.plans if p.labels is not None}
+        self.coords = {n: _coord(v) for n, v in source.coords.items()}
+        self.attrs = source.attrs
         try:
             super().__init__(
                 lambda: build(  # after the arguments are checked
@@ -463,7 +460,13 @@ class HDF5Dataset(ColumnDataset):
                     shard=shard,
                     timeout=timeout,
                     # what ranks must agree on: the file and the columns, in order
-                    key=("HDF5Dataset", source.label, [p.name for p in source.plans], sparse),
+                    key=(
+                        "HDF5Dataset",
+                        source.label,
+                        [p.name for p in source.plans],
+                        sparse,
+                        decode_cf,
+                    ),
                 ),
                 transform=transform,
                 output=output,
@@ -475,9 +478,19 @@ class HDF5Dataset(ColumnDataset):
             raise
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "labels": self.labels}
+        extra = {"labels": self.labels, "coords": self.coords, "attrs": self.attrs}
+        return {**super().__getstate__(), **extra}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         self.labels = state.pop("labels", {})
+        self.coords = state.pop("coords", {})
+        self.attrs = state.pop("attrs", {})
         super().__setstate__(state)
+
+
+def _coord(values: Any) -> Any:
+    """A coordinate as a tensor (a list of str stays a list)."""
+    return (
+        torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) else values
+    )
