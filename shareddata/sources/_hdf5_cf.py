@@ -76,7 +76,11 @@ def is_netcdf(file: Any) -> bool:
     conventions = _scalar(attr_value(file, "Conventions"))
     if isinstance(conventions, str) and conventions.strip().upper().startswith("CF"):
         return True
-    return any("_Netcdf4Dimid" in obj.attrs for obj in file.values())
+    for name in file:  # netCDF's own attribute on a variable at the root
+        link = file.get(name, getlink=True)
+        if type(link).__name__ == "HardLink" and "_Netcdf4Dimid" in file[name].attrs:
+            return True
+    return False
 
 
 def _time_unit(units: Any) -> tuple[int, int | None] | None:

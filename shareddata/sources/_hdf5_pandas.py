@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .._columns import ColumnSpec
 from ..errors import UnsupportedDtypeError
 from ._hdf5_layout import Plan, Refuse, attr_value, plans_of
 
@@ -78,7 +79,11 @@ def frame_plans(
 
     if bytes(group.attrs.get("pandas_type", b"")) == b"frame":  # format="fixed"
         _named_index(h5py, group, "axis1", refuse, add)
-        order = [_text(n) for n in group["axis0"][()]] if "axis0" in group else []
+        _levels(h5py, group, refuse, add)
+        if "axis0" not in group:
+            add(key, partial(_multi_columns, key, refuse))
+            return plans
+        order = [_text(n) for n in group["axis0"][()]]
         for block in range(int(attr_value(group, "nblocks") or 0)):
             items = [_text(n) for n in group[f"block{block}_items"][()]]
             values = group[f"block{block}_values"]
@@ -135,6 +140,69 @@ def _named_index(
         name = _text(name)
     if isinstance(name, str):
         add(name, partial(plans_of, h5py, group[axis], name, refuse))
+
+
+def _levels(h5py: Any, group: Any, refuse: Refuse, add: Callable[..., None]) -> None:
+    """The named levels of a ``format="fixed"`` frame's MultiIndex, as columns.
+
+    Numeric levels (dates: int64 ns) give each row's value; text levels give each
+    row's code, the level's values as labels (``ds.labels``), as a category does.
+    """
+    nlevels = attr_value(group, "axis1_nlevels")
+    for i in range(nlevels if isinstance(nlevels, int) else 0):
+        level, codes = group[f"axis1_level{i}"], group[f"axis1_label{i}"]
+        name = attr_value(level, "name")
+        name = _text(name) if isinstance(name, bytes) else name
+        if isinstance(name, str):  # an unnamed level is not loaded, as an unnamed index
+            add(name, partial(_level_plans, h5py, level, codes, name, refuse))
+
+
+def _level_plans(h5py: Any, level: Any, codes: Any, name: str, refuse: Refuse) -> list[Plan]:
+    values, rows = level[()], int(codes.shape[0])
+    if rows and int(codes[()].min()) < 0:
+        raise refuse(
+            name,
+            "is a MultiIndex level with missing values (NaN in the index)",
+            "fill them before writing (df.index = df.index.fillna(...)), or use "
+            "format='table', whose index levels are columns",
+        )
+    path = codes.name.lstrip("/")
+    if values.dtype.kind not in "biuf":
+        plans = plans_of(h5py, codes, name, refuse, path=path)
+        plans[0].labels = {_text(v): i for i, v in enumerate(values)}
+        return plans
+    dtype = np.dtype(values.dtype.str).newbyteorder("=")
+    return [Plan(name, path, rows, "tensor", dtype, (), "level", special=LevelRead(path, values))]
+
+
+class LevelRead:
+    """Reads a numeric MultiIndex level: each row's value by its code (a plan's ``special``)."""
+
+    def __init__(self, path: str, values: np.ndarray) -> None:
+        self.path, self.values = path, values
+        self.datasets = [path]
+
+    def spec(self, plan: Plan, file: Any) -> ColumnSpec:
+        """A tensor column of the level's type."""
+        return ColumnSpec(plan.name, plan.rows, plan.dtype, ())
+
+    def read(self, plan: Plan, file: Any, buffers: dict[str, Any], progress: Any, _: Any) -> None:
+        """The level's value of every row, block by block."""
+        codes, out = file[self.path], buffers["data"]
+        for start in range(0, plan.rows, 1 << 22):
+            stop = min(plan.rows, start + (1 << 22))
+            dest = out.rows(start, stop)
+            dest[...] = self.values[codes[plan.first + start : plan.first + stop]]
+            progress(dest.nbytes)
+
+
+def _multi_columns(key: str, refuse: Refuse) -> list[Plan]:
+    raise refuse(
+        key,
+        "is a pandas frame whose columns are a MultiIndex (format='fixed')",
+        f"flatten the columns (df.columns = ['_'.join(map(str, c)) for c in df.columns]) "
+        f"before df.to_hdf(path, key={key!r})",
+    )
 
 
 def _pickled_column(column: str, key: str, refuse: Refuse) -> list[Plan]:
