@@ -24,10 +24,13 @@ from .errors import DuplicationError, SharedDataError
 
 __all__ = ["build_parser", "main", "open_source"]
 
-_HDF5 = (".h5", ".hdf5", ".hdf", ".he5")
+_HDF5 = (".h5", ".hdf5", ".hdf", ".he5", ".h5ad", ".nc", ".nc4")
 _PARQUET = (".parquet", ".pq")
 _NUMPY = (".npy", ".npz")
-_FORMATS = ".npy, .npz, .h5/.hdf5, .parquet, or a folder of .npy or .parquet files"
+_FORMATS = (
+    ".npy, .npz, .h5/.hdf5 (.h5ad, netCDF-4 .nc), .parquet, or a folder of .npy or "
+    ".parquet files"
+)
 
 
 class CommandError(Exception):
@@ -76,14 +79,17 @@ def open_source(path: str, names: Sequence[str] | None = None) -> Any:
 def _dtype(spec: ColumnSpec) -> str:
     if spec.kind == "tensor":
         return str(spec.dtype)
-    if spec.kind == "ragged":
-        return f"ragged {spec.dtype}"
+    if spec.kind in ("ragged", "sparse"):
+        return f"{spec.kind} {spec.dtype}"
     return spec.kind  # "str", "bytes"
 
 
 def _row_shape(spec: ColumnSpec) -> str:
     if spec.kind == "tensor":
         return str(tuple(spec.shape))
+    if spec.kind == "sparse":  # rows of a CSR matrix
+        mean = spec.values / spec.rows if spec.rows else 0.0
+        return f"{tuple(spec.shape)}, {mean:.1f} nonzeros on average"
     unit = {"str": "bytes", "bytes": "bytes"}.get(spec.kind, "values")
     mean = spec.values / spec.rows if spec.rows else 0.0
     return f"varies, {mean:.1f} {unit} on average"
