@@ -28,8 +28,7 @@ _HDF5 = (".h5", ".hdf5", ".hdf", ".he5", ".h5ad", ".nc", ".nc4")
 _PARQUET = (".parquet", ".pq")
 _NUMPY = (".npy", ".npz")
 _FORMATS = (
-    ".npy, .npz, .h5/.hdf5 (.h5ad, netCDF-4 .nc), .parquet, or a folder of .npy or "
-    ".parquet files"
+    ".npy, .npz, .h5/.hdf5 (.h5ad, netCDF-4 .nc), .parquet, or a folder of .npy or .parquet files"
 )
 
 
