@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import NullValuesError, UnsupportedDtypeError
+from ..errors import NullValuesError, SharedDataError, SourceReadError, UnsupportedDtypeError
 from ._hdf5_layout import Plan, Refuse, attr_value, plans_of
 from ._hdf5_sparse import SparseRead, sparse_layout
 
@@ -101,6 +101,14 @@ class Encoded:
                 raise
             skipped[name] = str(error)
             return []
+        except (OSError, RuntimeError, KeyError, ValueError) as error:
+            if isinstance(error, SharedDataError):
+                raise
+            raise SourceReadError(
+                f"{self.label}: {name!r} (anndata {encoding(obj) or 'element'}) cannot be "
+                f"read ({error}); it is incomplete or corrupt. Re-write it, or pass "
+                "keys=[...] without it."
+            ) from error
 
     def _plans(self, obj: Any, name: str, skipped: dict[str, str] | None) -> list[Plan]:
         h5py = self._h5py

@@ -66,7 +66,13 @@ class Selection:
         self.label = label
         self.skipped: dict[str, str] = {}
         self.encoded = Encoded(h5py, label, self._refuse, sparse)
-        self.netcdf = Netcdf(h5py, file, decode_cf) if is_netcdf(file) else None
+        try:
+            self.netcdf = Netcdf(h5py, file, decode_cf) if is_netcdf(file) else None
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
+            raise SourceReadError(
+                f"{label}: the file's group structure cannot be read ({error}); the file "
+                "is corrupt. Re-create or re-download it."
+            ) from error
         self.coords: list[str] = []
         """netCDF variables that do not run along the rows (``HDF5Dataset.coords``)."""
 

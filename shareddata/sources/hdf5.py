@@ -99,7 +99,8 @@ class HDF5Source:
             self.plans = selection.auto() if keys is None else selection.select(keys)
             self.skipped = selection.skipped
             netcdf = selection.netcdf
-            self.coords = {n: netcdf.coord(n) for n in selection.coords} if netcdf else {}
+            with read_errors(self.label, "the coordinates", "their stored type"):
+                self.coords = {n: netcdf.coord(n) for n in selection.coords} if netcdf else {}
             self.attrs = {p.name: netcdf.attrs(p.path) for p in self.plans} if netcdf else {}
             self.attrs.update({n: netcdf.attrs(n) for n in self.coords} if netcdf else {})
             paths = [p.special.datasets if p.special else [p.path] for p in self.plans]

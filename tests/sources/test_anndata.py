@@ -378,6 +378,15 @@ def test_a_corrupt_sparse_group_is_named(tmp_path):
         HDF5Dataset(path, sparse="csr")
 
 
+@pytest.mark.parametrize("keep", [0.3, 0.6, 0.9])
+def test_a_truncated_h5ad_is_a_named_error(files, tmp_path, keep):
+    data = _file(files, "csc.h5ad").read_bytes()
+    cut = tmp_path / "cut.h5ad"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(sd.SharedDataError, match="cut.h5ad"):
+        HDF5Dataset(cut, progress=False)
+
+
 if __name__ == "__main__":  # the table for the docs / a report
     import tempfile
     from pathlib import Path

@@ -7,6 +7,7 @@ process and in DataLoader workers. :func:`compare` makes the per-file table
 (``python tests/sources/test_netcdf.py`` prints it).
 """
 
+import os
 import sys
 import warnings
 
@@ -15,11 +16,20 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import shareddata as sd
 from shareddata.sources.hdf5 import HDF5Dataset
 
 xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
+_PLUGINS = os.environ.get("HDF5_PLUGIN_PATH")
 netCDF4 = pytest.importorskip("netCDF4")
+# Importing netCDF4 points HDF5_PLUGIN_PATH at its own filter plugins, built for its
+# own libhdf5; h5py's HDF5 in this process would then load them (test_hdf5's filter
+# tests fail after this module). Restore what the environment said before the import.
+if _PLUGINS is None:
+    os.environ.pop("HDF5_PLUGIN_PATH", None)
+else:
+    os.environ["HDF5_PLUGIN_PATH"] = _PLUGINS
 pytest.importorskip("h5netcdf")
 
 ENGINES = ["netcdf4", "h5netcdf"]
@@ -219,6 +229,15 @@ def test_a_node_shard_is_decoded_too(files):
         source.select_rows(10, 25)
         columns = build(source, share="process", progress=False)
     _equal(columns["temp"].gather(torch.arange(15)), ref["temp"].values[10:25], "temp")
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.6, 0.9])
+def test_a_truncated_netcdf_file_is_a_named_error(files, tmp_path, keep):
+    data = _file(files, "xarray-netcdf4.nc").read_bytes()
+    cut = tmp_path / "cut.nc"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(sd.SharedDataError, match="cut.nc"):
+        HDF5Dataset(cut, progress=False)
 
 
 if __name__ == "__main__":  # the table for the docs / a report
