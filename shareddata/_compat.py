@@ -21,11 +21,13 @@ import torch
 
 __all__ = [
     "DisableTorchFunctionSubclass",
+    "coo_parts",
     "collate",
     "default_collate_fn_map",
     "dataloader_progress",
     "dataloader_worker_pids",
     "disabled_torch_function",
+    "make_subclass",
     "read_npy_header_3",
     "shutdown_dataloader_iterator",
     "stop_dataloader_workers",
@@ -42,6 +44,39 @@ DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
 """Context manager under which a tensor subclass's ``__torch_function__`` runs the
 plain operation (what ``torch.Tensor.__torch_function__`` itself uses; documented in
 "Extending torch" but in ``torch._C``)."""
+
+
+def coo_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices and values tensors a sparse COO tensor holds, coalesced or not.
+
+    The public ``indices()``/``values()`` refuse an uncoalesced tensor; a batch of
+    sparse rows is sent as the two tensors it was built from (by handle), whatever
+    its state. ``_indices()``/``_values()`` return them as they are.
+
+    Example:
+        >>> t = torch.sparse_coo_tensor([[0, 0]], [1.0, 2.0], (3,), check_invariants=False)
+        >>> [p.tolist() for p in coo_parts(t)]
+        [[[0, 0]], [1.0, 2.0]]
+    """
+    return tensor._indices(), tensor._values()
+
+
+def make_subclass(cls: type, tensor: torch.Tensor) -> Any:
+    """``tensor`` as an instance of the subclass ``cls``, for any layout.
+
+    ``Tensor.as_subclass`` refuses sparse tensors ("Cannot access storage");
+    ``Tensor._make_subclass`` (what ``nn.Parameter`` is made with) takes them. A sparse
+    batch made in a worker is then a ``SharedTensor`` whose indices and values cross
+    by handle; without it, torch's reducer would move them out of the batch's memfd.
+
+    Example:
+        >>> class Mine(torch.Tensor):
+        ...     pass
+        >>> t = torch.sparse_coo_tensor([[0]], [1.0], (2,), check_invariants=False)
+        >>> type(make_subclass(Mine, t)).__name__, make_subclass(Mine, t).layout
+        ('Mine', torch.sparse_coo)
+    """
+    return torch.Tensor._make_subclass(cls, tensor, tensor.requires_grad)
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:

@@ -104,3 +104,19 @@ def test_a_dataloaders_workers_can_be_stopped_and_its_progress_read(persistent):
         _compat.shutdown_dataloader_iterator(it)
         assert not any(w.is_alive() for w in it._workers)
     del it
+
+
+def test_coo_parts_are_the_tensors_a_sparse_tensor_was_built_from():
+    indices, values = torch.tensor([[0, 0, 2]]), torch.tensor([1.0, 2.0, 3.0])
+    t = torch.sparse_coo_tensor(indices, values, (3,), check_invariants=False)
+    got_i, got_v = _compat.coo_parts(t)
+    assert got_i.data_ptr() == indices.data_ptr() and got_v.data_ptr() == values.data_ptr()
+
+
+def test_make_subclass_takes_sparse_tensors():
+    from shareddata.storage import SharedTensor
+
+    t = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,), check_invariants=False)
+    sub = _compat.make_subclass(SharedTensor, t)
+    assert type(sub) is SharedTensor and sub.layout is torch.sparse_coo
+    assert torch.equal(sub.to_dense(), torch.tensor([1.0, 0.0, 2.0]))

@@ -1,4 +1,4 @@
-"""``HDF5Dataset``: the datasets of an HDF5 file (h5py, PyTables, pandas) as columns."""
+"""``HDF5Dataset``: the datasets of an HDF5 file (h5py, PyTables, pandas, AnnData, netCDF-4)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import numpy as np
+import torch
+
+from ..errors import ArgumentTypeError
 from ..sources.hdf5 import HDF5Source
 from ._dataset import ColumnDataset, Output
 from ._load import LoadOptions
@@ -31,7 +35,16 @@ class HDF5Dataset(ColumnDataset):
     format) gives the frame's columns under their pandas names (a named index
     first); categories load as integer codes, dates as int64 in their unit. Enums
     load as their integer codes; :attr:`labels` maps each such column's labels to
-    codes.
+    codes. External links are followed (their targets named by the link's path).
+
+    Scientific files load as their users mean them. An AnnData ``.h5ad`` loads as
+    cells: ``X`` then every ``obs`` column (categoricals as codes with labels). A
+    group encoding a sparse matrix (anndata's CSR/CSC, 10x ``matrix``, h5sparse),
+    in any file, is ONE column of per-row values, kept compressed in shared memory;
+    its rows are the file's rows. A netCDF-4 file loads its variables along one
+    dimension (e.g. ``time``), decoded by the CF conventions as xarray does
+    (packing, fill values to NaN, times as int64 ns since 1970), other coordinates
+    in :attr:`coords`. docs/tutorials/single-cell.md and climate-netcdf.md show both.
 
     Args:
         path: the HDF5 file.
@@ -59,9 +72,18 @@ class HDF5Dataset(ColumnDataset):
             ...}}`` for a group's datasets, as h5py reaches them) instead of under its
             flat name (``{"points/x": ...}``, the default); batches are nested the
             same way. With ``output="tuple"``, the top-level values in order.
+        sparse: a sparse matrix's row comes back as a dense tensor (``"dense"``,
+            what the default collate stacks) or a 1-D ``torch.sparse_coo`` tensor
+            (``"coo"``; a batch is one 2-D sparse COO tensor).
+        decode_cf: for a netCDF file, decode the CF conventions (default); False
+            keeps every variable's stored values (codes).
 
     Attributes:
-        labels: for enum and pandas category columns, ``{column: {label: code}}``.
+        labels: for enum and category columns, ``{column: {label: code}}``.
+        coords: a netCDF file's variables that do not run along the rows (decoded
+            tensors, lists of str); ``{}`` otherwise.
+        attrs: a netCDF file's attributes per column and coordinate, as xarray's
+            ``.attrs`` (a decoded time says ``nanoseconds since 1970-01-01``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -116,13 +138,20 @@ class HDF5Dataset(ColumnDataset):
         shard: Literal["node"] | None = None,
         timeout: float | None = None,
         nested: bool = False,
+        sparse: Literal["dense", "coo"] = "dense",
+        decode_cf: bool = True,
     ) -> None:
-        source = HDF5Source(path, keys)
+        if not isinstance(decode_cf, bool):
+            raise ArgumentTypeError(f"decode_cf must be True or False, got {decode_cf!r}")
+        source = HDF5Source(path, keys, sparse, decode_cf)
         self.labels = {p.name: dict(p.labels) for p in source.plans if p.labels is not None}
+        self.coords = {n: _coord(v) for n, v in source.coords.items()}
+        self.attrs = source.attrs
         try:
             options = LoadOptions(storage_dir, progress, share, shard, timeout)
-            # what ranks must agree on: the file and the columns, in order
-            key = ("HDF5Dataset", source.label, [p.name for p in source.plans])
+            # what ranks must agree on: the file and the columns, in order, and the options
+            names = [p.name for p in source.plans]
+            key = ("HDF5Dataset", source.label, names, sparse, decode_cf)
             super().__init__(
                 options.loader(source, key),
                 transform=transform,
@@ -135,9 +164,19 @@ class HDF5Dataset(ColumnDataset):
             raise
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "labels": self.labels}
+        extra = {"labels": self.labels, "coords": self.coords, "attrs": self.attrs}
+        return {**super().__getstate__(), **extra}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         self.labels = state.pop("labels", {})
+        self.coords = state.pop("coords", {})
+        self.attrs = state.pop("attrs", {})
         super().__setstate__(state)
+
+
+def _coord(values: Any) -> Any:
+    """A coordinate as a tensor (a list of str stays a list)."""
+    return (
+        torch.from_numpy(np.ascontiguousarray(values)) if isinstance(values, np.ndarray) else values
+    )

@@ -21,7 +21,7 @@ import collections
 import math
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,7 +31,16 @@ from ..errors import SourceReadError
 from ._io import open_file, read_exactly
 from ._source import Buffer
 
-__all__ = ["copy_field", "copy_raw", "inflatable", "inflate", "raw_offset", "record_runs"]
+__all__ = [
+    "copy_field",
+    "copy_raw",
+    "inflatable",
+    "inflate",
+    "raw_offset",
+    "record_runs",
+    "row_steps",
+    "runs_within",
+]
 
 # Note [Inflating chunks in threads]
 # ==================================
@@ -356,3 +365,35 @@ def copy_field(
                 read_exactly(fd, raw[:nbytes], offset + start * dtype.itemsize, what)
                 out.rows(first + start, first + start + n)[...] = take(block[:n])
                 progress(n * row_bytes)
+
+
+def row_steps(rows: int, row_bytes: int, budget: int, chunks: Any) -> Iterator[tuple[int, int]]:
+    """Blocks of rows of about ``budget`` bytes, whole chunks along axis 0 if chunked.
+
+    Example:
+        >>> list(row_steps(10, 8, 32, (3,)))
+        [(0, 3), (3, 6), (6, 9), (9, 10)]
+    """
+    step = max(1, budget // max(1, row_bytes))
+    if chunks:
+        along = int(chunks[0])
+        step = max(along, step - step % along)
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def runs_within(
+    runs: list[tuple[int, int, int]], start: int, stop: int, size: int
+) -> list[tuple[int, int, int]]:
+    """The parts of ``runs`` of records in rows ``[start, stop)``, renumbered from ``start``.
+
+    Example:
+        >>> runs_within([(0, 10, 100), (10, 10, 500)], 5, 12, 2)
+        [(0, 5, 110), (5, 2, 500)]
+    """
+    inside = []
+    for first, count, offset in runs:
+        lo, hi = max(first, start), min(first + count, stop)
+        if lo < hi:
+            inside.append((lo - start, hi - lo, offset + (lo - first) * size))
+    return inside

@@ -1,12 +1,33 @@
-"""Which columns an HDF5 file holds: HDF5 types, compound fields and pandas frames as plans.
+"""Which columns an HDF5 dataset holds: HDF5 types and compound fields as plans.
 
 A :class:`Plan` says how one column is read: which dataset, which field of a
 compound (record) type, which position of a pandas block, the column kind and
-dtype, and the reader. :func:`plans_of` turns one dataset (or one pandas frame)
-into plans, refusing types shareddata cannot store with an
+dtype, and the reader. :func:`plans_of` turns one dataset into plans, refusing
+types shareddata cannot store with an
 :class:`~shareddata.errors.UnsupportedDtypeError` that names the dataset, the type
-and the fix. :func:`is_bookkeeping` tells PyTables' and pandas' own arrays (table
-indexes, frame axes) from data.
+and the fix (pandas frames: :mod:`~shareddata.sources._hdf5_pandas`).
+:func:`is_bookkeeping` tells PyTables' and pandas' own arrays (table indexes,
+frame axes) from data.
+
+How HDF5 types map to columns:
+
+=========================================  ===========  ===========================
+HDF5 / h5py dtype                          column kind  a sample's value
+=========================================  ===========  ===========================
+integer, float, complex (any byte order)   ``tensor``   tensor, native byte order
+bool (h5py's enum, PyTables' bitfield)     ``tensor``   bool tensor
+enum                                       ``tensor``   its integer code (labels:
+                                                        :attr:`HDF5Dataset.labels`)
+array type (``H5T_ARRAY``)                 ``tensor``   its shape added to the row
+compound (record)                          one column   as its field's type
+                                           per field
+variable-length string (utf-8 or ascii)    ``str``      ``str``
+fixed-length utf-8 string                  ``str``      ``str`` (trailing NULs off)
+fixed-length ascii string (``S10``)        ``bytes``    ``bytes`` (trailing NULs off)
+opaque                                     ``bytes``    ``bytes`` (all of them)
+variable-length numeric (``vlen_dtype``)   ``ragged``   1-D tensor
+reference, time, quad float, object        refused      ``UnsupportedDtypeError``
+=========================================  ===========  ===========================
 
 Nothing here reads data rows; attributes pandas wrote are parsed without
 executing anything (:func:`attr_value`).
@@ -18,14 +39,13 @@ import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
 
 from ..errors import UnsupportedDtypeError
 
-__all__ = ["Plan", "attr_value", "frame_plans", "is_bookkeeping", "is_frame", "plans_of"]
+__all__ = ["Plan", "Refuse", "attr_value", "is_bookkeeping", "plans_of"]
 
 _NUMERIC = "biufc"
 _TORCH_ITEMSIZE = {"b": 1, "i": 8, "u": 8, "f": 8, "c": 16}
@@ -33,9 +53,6 @@ _TORCH_ITEMSIZE = {"b": 1, "i": 8, "u": 8, "f": 8, "c": 16}
 
 _BOOKKEEPING_CLASSES = {b"INDEXARRAY", b"LASTROWARRAY", b"CACHEARRAY", b"INDEX", b"TINDEX"}
 """PyTables ``CLASS`` attributes of a table's index structures (never data)."""
-
-_FRAMES = {b"frame", b"frame_table", b"series", b"series_table"}
-"""pandas ``pandas_type`` attributes whose columns :func:`frame_plans` reads."""
 
 
 @dataclass
@@ -70,6 +87,8 @@ class Plan:
     """For variable-length kinds, after sizing: ``(start, stop, values)`` per block."""
     first: int = 0
     """The dataset's row that is the column's row 0 (``select_rows``); ``rows`` follow it."""
+    special: Any = None
+    """A reader of its own (a sparse group, CF decoding): ``datasets``, ``spec()``, ``read()``."""
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -100,14 +119,6 @@ def attr_value(obj: Any, name: str) -> Any:
         except Exception:  # not a pickle, or one with globals: keep the bytes
             return value
     return value
-
-
-def is_frame(obj: Any) -> bool:
-    """Whether an h5py group is a pandas ``HDFStore`` frame :func:`frame_plans` reads."""
-    try:
-        return bytes(obj.attrs.get("pandas_type", b"")) in _FRAMES
-    except (OSError, RuntimeError, TypeError, ValueError):
-        return False
 
 
 def is_bookkeeping(name: str, obj: Any) -> bool:
@@ -171,12 +182,15 @@ def plans_of(
     refuse: Refuse,
     member: tuple[str, ...] = (),
     index: int | None = None,
+    path: str | None = None,
 ) -> list[Plan]:
     """Plans for dataset ``ds`` (or its compound field ``member``), columns named from ``name``.
 
     A compound dataset gives one plan per field, named ``name/field`` (nested
     compounds ``name/a/b``). ``index`` picks one position of the member's last
-    axis (a pandas block holds several columns side by side).
+    axis (a pandas block holds several columns side by side). ``path``: where the
+    file reaches ``ds`` (default: its own name; an external link's target has
+    the link's path).
 
     Raises:
         UnsupportedDtypeError: a type shareddata cannot store, from ``refuse``.
@@ -214,17 +228,17 @@ def plans_of(
             "store numbers, strings or bytes instead (pandas: df.to_hdf(..., format='table'))",
         )
     if pseudo in (b"vlstring", "vlstring") and not row_shape:  # PyTables' VLStringAtom
-        path = ds.name.lstrip("/")
+        path = path or ds.name.lstrip("/")
         return [Plan(name, path, rows, "bytes", np.dtype(np.uint8), (), "vlen", source=dtype)]
     if pseudo in (b"vlunicode", "vlunicode") and not row_shape:  # UCS-4 code points
-        path = ds.name.lstrip("/")
+        path = path or ds.name.lstrip("/")
         return [Plan(name, path, rows, "str", np.dtype(np.uint8), (), "vlen_ucs4", source=dtype)]
     if index is not None:  # one column of a block: its last axis is the columns
         if dtype.subdtype is not None:
             dtype, htype = dtype.subdtype[0], htype.get_super()
         else:
             row_shape = row_shape[:-1]
-    path = ds.name.lstrip("/")
+    path = path or ds.name.lstrip("/")
     return _leaf(h5py, path, name, rows, row_shape, dtype, htype, member, index, refuse)
 
 
@@ -347,134 +361,3 @@ def _leaf(
 def _native(dtype: np.dtype) -> np.dtype:
     """``dtype`` in native byte order, without h5py's metadata."""
     return np.dtype(dtype.str).newbyteorder("=")
-
-
-def frame_plans(
-    h5py: Any, group: Any, refuse: Refuse, skipped: dict[str, str] | None
-) -> list[Plan]:
-    """Plans for the columns of a pandas frame stored by ``DataFrame.to_hdf``.
-
-    Columns are named by their pandas names, in the frame's order; a named index
-    comes first under its name (an unnamed one is not loaded). ``format="table"``
-    stores rows as records whose ``values_block_N`` fields hold several columns
-    each (their names in the table's ``values_block_N_kind`` attribute);
-    ``format="fixed"`` stores ``blockN_values`` arrays of shape (rows, columns).
-    Categories load as their integer codes (labels in :attr:`Plan.labels`), dates
-    and times as int64 in their unit, booleans as bool.
-
-    Args:
-        h5py: the module.
-        group: the frame's group.
-        refuse: makes the error for a column that cannot be stored.
-        skipped: when given, columns that cannot be stored are left out and
-            recorded here (column name: reason) instead of raising.
-    """
-    key = group.name.strip("/")
-    plans: list[Plan] = []
-
-    def add(column: str, make: Callable[[], list[Plan]], pandas_dtype: Any = None) -> None:
-        try:
-            made = make()
-        except UnsupportedDtypeError as error:
-            if skipped is None:
-                raise
-            skipped[column] = str(error)
-            return
-        for plan in made:
-            if plan.kind == "bytes":
-                plan.kind = "str"  # pandas decodes its strings (UTF-8)
-            if _text(pandas_dtype) == "bool" and plan.dtype.kind == "u":
-                plan.dtype = np.dtype(np.bool_)
-            plans.append(plan)
-
-    if bytes(group.attrs.get("pandas_type", b"")) == b"series":  # a Series, format="fixed"
-        name = attr_value(group, "name")
-        name = _text(name) if isinstance(name, (bytes, str)) else key.rsplit("/", 1)[-1]
-        _named_index(h5py, group, "index", refuse, add)
-        if "values" in group:
-            add(name, partial(plans_of, h5py, group["values"], name, refuse))
-        return plans
-
-    if bytes(group.attrs.get("pandas_type", b"")) == b"frame":  # format="fixed"
-        _named_index(h5py, group, "axis1", refuse, add)
-        order = [_text(n) for n in group["axis0"][()]] if "axis0" in group else []
-        for block in range(int(attr_value(group, "nblocks") or 0)):
-            items = [_text(n) for n in group[f"block{block}_items"][()]]
-            values = group[f"block{block}_values"]
-            pickled = bytes(values.attrs.get("CLASS", b"")) == b"VLARRAY"
-            for position, column in enumerate(items):
-                if pickled:
-                    add(column, partial(_pickled_column, column, key, refuse))
-                else:
-                    add(column, partial(plans_of, h5py, values, column, refuse, index=position))
-        return _in_order(plans, order)
-
-    table = group["table"]  # format="table"
-    info = attr_value(group, "info")
-    index_name = None
-    if isinstance(info, dict) and isinstance(info.get("index"), dict):
-        index_name = info["index"].get("index_name")
-    if isinstance(index_name, str) and "index" in (table.dtype.names or ()):
-        add(index_name, lambda: plans_of(h5py, table, index_name, refuse, ("index",)))
-    for values_col in attr_value(group, "values_cols") or []:
-        kind = attr_value(table, f"{values_col}_kind")
-        pandas_dtype = attr_value(table, f"{values_col}_dtype")
-        labels = None
-        if _text(attr_value(table, f"{values_col}_meta") or b"") == "category":
-            labels = _categories(group, values_col)
-        block = isinstance(kind, list) and table.dtype[values_col].subdtype is not None
-        for position, column in enumerate(kind if block else [values_col]):
-            start = len(plans)
-            at = position if block else None
-            make = partial(plans_of, h5py, table, str(column), refuse, (values_col,), at)
-            add(str(column), make, pandas_dtype)
-            for plan in plans[start:]:
-                plan.labels = labels if labels is not None else plan.labels
-    axes = attr_value(group, "non_index_axes")  # [(1, [the frame's columns, in order])]
-    order = []
-    if isinstance(axes, list) and axes and isinstance(axes[0], tuple) and len(axes[0]) == 2:
-        order = [str(c) for c in axes[0][1]]
-    return _in_order(plans, order)
-
-
-def _in_order(plans: list[Plan], order: list[str]) -> list[Plan]:
-    """The frame's columns in the frame's order (pandas groups them by dtype); index first."""
-    position = {name: i for i, name in enumerate(order)}
-    return sorted(plans, key=lambda p: position.get(p.name, -1))
-
-
-def _named_index(
-    h5py: Any, group: Any, axis: str, refuse: Refuse, add: Callable[..., None]
-) -> None:
-    """The index of a ``format="fixed"`` frame or series, as a column if it has a name."""
-    if axis not in group:
-        return
-    name = attr_value(group[axis], "name")  # pickled None, or the name
-    if isinstance(name, bytes):
-        name = _text(name)
-    if isinstance(name, str):
-        add(name, partial(plans_of, h5py, group[axis], name, refuse))
-
-
-def _pickled_column(column: str, key: str, refuse: Refuse) -> list[Plan]:
-    raise refuse(
-        column,
-        "is stored by pandas as pickled Python objects (an object column written with "
-        "format='fixed'), and shareddata does not unpickle files",
-        f"write the frame with df.to_hdf(path, key={key!r}, format='table')",
-    )
-
-
-def _categories(group: Any, values_col: str) -> dict[str, int] | None:
-    """A pandas categorical column's labels, from ``meta/<column>/meta/table``."""
-    try:
-        values = group[f"meta/{values_col}/meta/table"]["values"]
-    except (KeyError, OSError, RuntimeError, ValueError, TypeError):
-        return None
-    return {_text(v): code for code, v in enumerate(values)}
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, (bytes, np.bytes_)):
-        return bytes(value).decode("utf-8", errors="replace")
-    return str(value)

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from ..errors import MissingDependencyError, MissingFileError, SourceReadError, missing_dependency
+from ..errors import (
+    MissingDependencyError,
+    MissingFileError,
+    SourceReadError,
+    UnsupportedDtypeError,
+    missing_dependency,
+)
 
-__all__ = ["check_filters", "import_h5py", "open_file"]
+__all__ = ["check_filters", "import_h5py", "open_file", "read_errors"]
 
 _HDF5PLUGIN = {32001, 32004, 32008, 32013, 32015, 32017, 32018, 32024, 32026, 32028, 307}
 """Filter ids ``hdf5plugin`` provides (blosc, lz4, bitshuffle, zfp, zstd, sz, ...)."""
@@ -160,3 +168,39 @@ def _skipped(ds: Any, index: int) -> bool:
         return bool(ds.id.get_chunk_info(0).filter_mask >> index & 1)
     except (OSError, RuntimeError, ValueError, AttributeError):
         return False
+
+
+@contextmanager
+def read_errors(label: str, path: str, conversion: str) -> Iterator[None]:
+    """Turn h5py's read errors into errors naming the file, the dataset and the cause.
+
+    ``conversion`` says which types HDF5 converts between (``"int16 to float32"``).
+    """
+    try:
+        yield
+    except SourceReadError:
+        raise
+    except (OSError, RuntimeError) as error:
+        text = str(error)
+        if "conversion path" in text:  # a type HDF5 cannot convert: not corruption
+            raise UnsupportedDtypeError(
+                f"{label}: dataset {path!r} cannot be converted from {conversion} by HDF5 "
+                f"({error}). Fix: store the column as a plain numeric dataset, or pass "
+                "keys=[...] without it."
+            ) from error
+        if "not registered" in text or "can't open directory" in text:  # a filter
+            raise MissingDependencyError(
+                f"{label}: dataset {path!r} needs an HDF5 filter plugin that is not "
+                f"available ({error}). Fix: pip install hdf5plugin, or point "
+                "HDF5_PLUGIN_PATH at the plugin's folder."
+            ) from error
+        if isinstance(error, OSError) and error.errno == errno.EIO:
+            cause = (
+                "The disk or file system reported an I/O error; check it, or copy the "
+                "file elsewhere and load it again."
+            )
+        else:
+            cause = "The file is truncated or corrupt; re-create or re-download it."
+        raise SourceReadError(
+            f"{label}: reading dataset {path!r} failed ({error}). {cause}"
+        ) from error

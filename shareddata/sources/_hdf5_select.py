@@ -8,6 +8,7 @@ name datasets, fields of compound datasets, pandas frames or their columns.
 
 from __future__ import annotations
 
+import os
 import reprlib
 import warnings
 from collections.abc import Iterable, Sequence
@@ -18,14 +19,20 @@ from ..errors import (
     EmptySelectionError,
     InvalidArgumentError,
     MissingColumnError,
+    MissingFileError,
     SourceReadError,
     UnsupportedDtypeError,
 )
-from ._hdf5_layout import Plan, frame_plans, is_bookkeeping, is_frame, plans_of
+from ._hdf5_cf import Netcdf, is_netcdf
+from ._hdf5_encoded import Encoded, is_anndata
+from ._hdf5_layout import Plan, is_bookkeeping, plans_of
+from ._hdf5_pandas import frame_plans, is_frame
+from ._hdf5_sparse import sparse_layout
 
 __all__ = ["Selection"]
 
 _LISTED = 20  # how many dataset names an error message lists
+_SPARSE_PARTS = {"data", "indices", "indptr", "shape"}
 
 
 def _listing(names: Sequence[str], frames: Sequence[str] = ()) -> str:
@@ -51,11 +58,51 @@ class Selection:
             length left out because their type cannot be stored (name: reason).
     """
 
-    def __init__(self, h5py: Any, file: Any, label: str) -> None:
+    def __init__(
+        self, h5py: Any, file: Any, label: str, sparse: str = "dense", decode_cf: bool = True
+    ) -> None:
         self._h5py = h5py
         self._file = file
         self.label = label
         self.skipped: dict[str, str] = {}
+        self.encoded = Encoded(h5py, label, self._refuse, sparse)
+        try:
+            self.netcdf = Netcdf(h5py, file, decode_cf) if is_netcdf(file) else None
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
+            raise SourceReadError(
+                f"{label}: the file's group structure cannot be read ({error}); the file "
+                "is corrupt. Re-create or re-download it."
+            ) from error
+        self.coords: list[str] = []
+        """netCDF variables that do not run along the rows (``HDF5Dataset.coords``)."""
+
+    def _along_rows(self, plans: list[Plan]) -> list[Plan]:
+        """netCDF: the plans along the rows' dimension, decoded; the rest are coordinates."""
+        if self.netcdf is None:
+            return plans
+        plans, self.coords = self.netcdf.split(plans)
+        return plans
+
+    def _external(self, name: str) -> Any:
+        """The object an external link ``name`` points to; an error naming the link if none."""
+        link = self._file.get(name, getlink=True)
+        try:
+            return self._file[name]
+        except (KeyError, OSError) as error:
+            folder = os.path.dirname(os.path.abspath(self.label))
+            target = os.path.join(folder, link.filename)
+            where = f"{link.filename}:{link.path}"
+            if not os.path.exists(target):
+                raise MissingFileError(
+                    f"{self.label}: {name!r} is an external link to {where}, and that file "
+                    f"does not exist (HDF5 looks for it next to the linking file: {target}). "
+                    f"Fix: put {link.filename!r} there, or pass keys=[...] without {name!r}."
+                ) from error
+            raise MissingColumnError(
+                f"{self.label}: {name!r} is an external link to {where}, which cannot be "
+                f"opened ({error}). Fix: check that {link.path!r} exists in {target}, or "
+                f"pass keys=[...] without {name!r}."
+            ) from error
 
     def _dataset_names(self, group: Any = None) -> list[str]:
         """Paths of every dataset under ``group`` (default: the file), in visit order."""
@@ -100,12 +147,34 @@ class Selection:
         )
 
     def auto(self) -> list[Plan]:
-        """Every storable dataset and pandas frame of the longest length (see HDF5Dataset)."""
+        """Every storable dataset and pandas frame of the longest length (see HDF5Dataset).
+
+        An AnnData file gives its cells (:meth:`Encoded.anndata`). Where the file
+        holds sparse matrices, the rows are theirs (the longest of them), never
+        their nonzeros nor a longer axis of something else.
+        """
+        if self.netcdf is not None:
+            return self._netcdf_auto(self.netcdf)
+        if is_anndata(self._file):
+            found: dict[str, str] = {}
+            plans = self.encoded.anndata(self._file, found)
+            self._left_out(list(found.items()), plans[0].rows if plans else 0)
+            if plans:
+                return self._unique(plans)
         units: list[tuple[int, list[Plan]]] = []
         skipped: list[tuple[str, int, str]] = []
         frames: list[str] = []
-        for name in self._names_and_frames(frames):
+        elements: list[str] = []
+        for name in self._names_and_frames(frames, elements):
             obj = self._file[name]
+            if name in elements:
+                element_skips: dict[str, str] = {}
+                plans = self.encoded.plans(obj, name, element_skips)
+                length = plans[0].rows if plans else -1
+                skipped += [(c, length, why) for c, why in element_skips.items()]
+                if plans:
+                    units.append((length, plans))
+                continue
             if name in frames:
                 frame_skips: dict[str, str] = {}
                 plans = frame_plans(self._h5py, obj, self._refuse, frame_skips)
@@ -121,7 +190,7 @@ class Selection:
             if not shape:  # a scalar (()) or an empty dataspace (None)
                 continue
             try:
-                units.append((shape[0], plans_of(self._h5py, obj, name, self._refuse)))
+                units.append((shape[0], plans_of(self._h5py, obj, name, self._refuse, path=name)))
             except UnsupportedDtypeError as error:
                 skipped.append((name, shape[0], str(error)))
             except (OSError, RuntimeError, KeyError) as error:
@@ -136,35 +205,80 @@ class Selection:
                 f"{self.label} holds no dataset with rows (only scalars, empty datasets "
                 "or groups); shareddata loads datasets whose first dimension is the row."
             )
-        longest = max(length for length, _ in units)
-        left_out = [(name, why) for name, length, why in skipped if length == longest]
-        self.skipped = dict(left_out)
-        if left_out:
-            warnings.warn(
-                f"{self.label}: left out {len(left_out)} dataset(s) of {longest} rows whose "
-                f"type cannot be stored: {' '.join(why for _, why in left_out)}",
-                UserWarning,
-                stacklevel=4,
-            )
+        sparse = [length for length, made in units if any(p.kind == "sparse" for p in made)]
+        longest = max(sparse or [length for length, _ in units])
+        self._left_out([(n, why) for n, length, why in skipped if length in (longest, -1)], longest)
         plans = [plan for length, made in units if length == longest for plan in made]
         return self._unique(plans)
 
-    def _names_and_frames(self, frames: list[str]) -> list[str]:
-        """Data datasets and pandas frames, in visit order; bookkeeping left out."""
+    def _netcdf_auto(self, netcdf: Netcdf) -> list[Plan]:
+        """Every storable variable along the rows' dimension (see ``_hdf5_cf``)."""
+        plans: list[Plan] = []
+        skipped: dict[str, str] = {}
+        for name in netcdf.default_names():
+            plans += self.encoded.plans(self._file[name], name, skipped)
+        if not plans:
+            raise MissingColumnError(
+                f"{self.label} (netCDF) holds no variable with a dimension shareddata can "
+                f"store{': ' + ' '.join(skipped.values()) if skipped else ''}."
+            )
+        self._left_out(list(skipped.items()), plans[0].rows)
+        return self._along_rows(self._unique(plans))
+
+    def _left_out(self, left_out: list[tuple[str, str]], rows: int) -> None:
+        """Record and warn about columns of ``rows`` rows that the default selection left out."""
+        self.skipped = dict(left_out)
+        if left_out:
+            warnings.warn(
+                f"{self.label}: left out {len(left_out)} dataset(s) of {rows} rows whose "
+                f"type or values cannot be stored: {' '.join(why for _, why in left_out)}",
+                UserWarning,
+                stacklevel=5,
+            )
+
+    def _names_and_frames(self, frames: list[str], elements: list[str] | None = None) -> list[str]:
+        """Data datasets, pandas frames and encoded groups, in visit order.
+
+        Bookkeeping is left out; external links are followed (their targets named
+        by the link's path), soft links are not (their target is visited anyway).
+        """
         names: list[str] = []
+        elements = [] if elements is None else elements
+
+        matrices: set[str] = set()  # sparse groups: other members are datasets of their own
 
         def visit(name: str, obj: Any) -> None:
-            if any(name.startswith(frame + "/") for frame in frames):
-                return  # a frame's own arrays: read through the frame
+            for unit in frames + elements:
+                inside = name.startswith(unit + "/")
+                if inside and (unit not in matrices or name[len(unit) + 1 :] in _SPARSE_PARTS):
+                    return  # a frame's or an element's own arrays: read through it
             if isinstance(obj, self._h5py.Group):
                 if is_frame(obj):
                     frames.append(name)
                     names.append(name)
+                elif self.encoded.is_unit(obj):
+                    elements.append(name)
+                    names.append(name)
+                    if sparse_layout(self._h5py, obj) is not None:
+                        matrices.add(name)
             elif isinstance(obj, self._h5py.Dataset) and not is_bookkeeping(name, obj):
                 names.append(name)
 
+        def visit_link(name: str, link: Any) -> None:
+            if not isinstance(link, self._h5py.ExternalLink):
+                return
+            try:
+                target = self._external(name)
+            except (MissingFileError, MissingColumnError) as error:
+                warnings.warn(f"left out: {error}", UserWarning, stacklevel=6)
+                return
+            visit(name, target)
+            if isinstance(target, self._h5py.Group) and name not in elements + frames:
+                target.visititems(lambda inner, obj: visit(f"{name}/{inner}", obj))
+
         try:
             self._file.visititems(visit)
+            self._file.visititems_links(visit_link)
         except (OSError, RuntimeError, KeyError) as error:
             raise SourceReadError(
                 f"{self.label}: the file's group structure cannot be read ({error}); the file "
@@ -202,20 +316,24 @@ class Selection:
                     f"keys must be dataset paths (str), got {type(key).__name__} {key!r}"
                 )
             plans += self._key_plans(key)
-        return self._unique(plans)
+        return self._along_rows(self._unique(plans))
 
     def _key_plans(self, key: str) -> list[Plan]:
         name = key.strip("/")
         obj = self._get(name) if name else self._file
         h5py = self._h5py
+        if obj is None and name:
+            self._broken_link(name)
         if isinstance(obj, h5py.Dataset):
             try:
-                return plans_of(h5py, obj, name, self._refuse)
+                return plans_of(h5py, obj, name, self._refuse, path=name)
             except (OSError, RuntimeError, KeyError) as error:
                 raise self.corrupt_metadata(name, error) from error
         if isinstance(obj, h5py.Group):
             if is_frame(obj):
                 return frame_plans(h5py, obj, self._refuse, None)
+            if self.encoded.is_element(obj):
+                return self.encoded.plans(obj, name, None)
             inside = self._dataset_names(obj)
             raise MissingColumnError(
                 f"key {key!r} of {self.label} is a group, not a dataset; pass the datasets "
@@ -261,6 +379,20 @@ class Selection:
         raise MissingColumnError(
             f"key {key!r} is not a dataset of {self.label}; its datasets are: {self._choices()}."
         )
+
+    def _broken_link(self, name: str) -> None:
+        """Raise the error of an external link on the way to ``name`` that cannot be followed."""
+        parts = name.split("/")
+        for cut in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:cut])
+            try:
+                link = self._file.get(prefix, getlink=True)
+            except (KeyError, ValueError, TypeError, OSError):
+                return
+            if isinstance(link, self._h5py.ExternalLink):
+                self._external(prefix)
+            if link is None:
+                return
 
     def _unique(self, plans: list[Plan]) -> list[Plan]:
         seen: dict[str, Plan] = {}

@@ -11,50 +11,32 @@ data (strings, ``vlen`` sequences) is read twice in bounded blocks of rows: once
 to size the ``values`` buffer exactly, once to fill it; at most one block exists
 as Python objects at any time. docs/internals.md gives the memory this takes.
 
-How HDF5 types map to columns (:mod:`~shareddata.sources._hdf5_layout`):
-
-=========================================  ===========  ===========================
-HDF5 / h5py dtype                          column kind  a sample's value
-=========================================  ===========  ===========================
-integer, float, complex (any byte order)   ``tensor``   tensor, native byte order
-bool (h5py's enum, PyTables' bitfield)     ``tensor``   bool tensor
-enum                                       ``tensor``   its integer code (labels:
-                                                        :attr:`HDF5Dataset.labels`)
-array type (``H5T_ARRAY``)                 ``tensor``   its shape added to the row
-compound (record)                          one column   as its field's type
-                                           per field
-variable-length string (utf-8 or ascii)    ``str``      ``str``
-fixed-length utf-8 string                  ``str``      ``str`` (trailing NULs off)
-fixed-length ascii string (``S10``)        ``bytes``    ``bytes`` (trailing NULs off)
-opaque                                     ``bytes``    ``bytes`` (all of them)
-variable-length numeric (``vlen_dtype``)   ``ragged``   1-D tensor
-reference, time, quad float, object        refused      ``UnsupportedDtypeError``
-=========================================  ===========  ===========================
+How HDF5 types map to columns: :mod:`~shareddata.sources._hdf5_layout`; anndata's
+encoded groups (sparse matrices, categoricals, data frames):
+:mod:`~shareddata.sources._hdf5_encoded`; netCDF and the CF conventions:
+:mod:`~shareddata.sources._hdf5_cf`.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import reprlib
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
 from ..columns._columns import ColumnSpec
+from ..columns._sparse import SPARSE_OUTPUTS
 from ..errors import (
     ArgumentTypeError,
     ColumnLengthError,
     InvalidArgumentError,
-    MissingDependencyError,
-    SourceReadError,
-    UnsupportedDtypeError,
 )
 from . import _hdf5_chunks
 from ._hdf5_layout import Plan
-from ._hdf5_open import check_filters, import_h5py, open_file
+from ._hdf5_open import check_filters, import_h5py, open_file, read_errors
 from ._hdf5_select import Selection
 from ._hdf5_values import VariableReader
 from ._source import Buffer
@@ -78,14 +60,29 @@ class HDF5Source:
         path: the HDF5 file.
         keys: dataset paths inside the file, in column order (see
             :class:`HDF5Dataset`). ``None``: the default selection.
+        sparse: what a sparse matrix's row comes back as (see :class:`HDF5Dataset`).
+        decode_cf: decode a netCDF file's variables (see :class:`HDF5Dataset`).
 
     Attributes:
         plans: how each column is read, in column order.
         skipped: with ``keys=None``, datasets and frame columns left out because
             their type cannot be stored (name: the reason).
+        coords: a netCDF file's variables along other dimensions, decoded (numpy).
+        attrs: a netCDF file's variable attributes, by column and coordinate.
     """
 
-    def __init__(self, path: PathLike, keys: str | Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        path: PathLike,
+        keys: str | Sequence[str] | None = None,
+        sparse: str = "dense",
+        decode_cf: bool = True,
+    ) -> None:
+        if sparse not in SPARSE_OUTPUTS:
+            raise InvalidArgumentError(
+                f"HDF5Dataset: sparse={sparse!r} is not one of {SPARSE_OUTPUTS}: 'dense' gives "
+                "each sparse row as a dense tensor, 'coo' as a torch.sparse_coo tensor."
+            )
         if not isinstance(path, (str, bytes, os.PathLike)):
             raise ArgumentTypeError(
                 f"HDF5Dataset: path={reprlib.repr(path)} (type {type(path).__name__}) is not a "
@@ -100,10 +97,16 @@ class HDF5Source:
         self.skipped: dict[str, str] = {}
         self._file, self._swmr = open_file(self._h5py, self.label)
         try:
-            selection = Selection(self._h5py, self._file, self.label)
+            selection = Selection(self._h5py, self._file, self.label, sparse, decode_cf)
             self.plans = selection.auto() if keys is None else selection.select(keys)
             self.skipped = selection.skipped
-            for path_ in dict.fromkeys(p.path for p in self.plans):
+            netcdf = selection.netcdf
+            with read_errors(self.label, "the coordinates", "their stored type"):
+                self.coords = {n: netcdf.coord(n) for n in selection.coords} if netcdf else {}
+            self.attrs = {p.name: netcdf.attrs(p.path) for p in self.plans} if netcdf else {}
+            self.attrs.update({n: netcdf.attrs(n) for n in self.coords} if netcdf else {})
+            paths = [p.special.datasets if p.special else [p.path] for p in self.plans]
+            for path_ in dict.fromkeys(path_ for some in paths for path_ in some):
                 check_filters(self._h5py, self.label, path_, self._file[path_])
             self._values = VariableReader(self.label, self._reading, self._block)
         except BaseException:
@@ -146,6 +149,10 @@ class HDF5Source:
         self._check_lengths()
         specs = []
         for plan in self.plans:
+            if plan.special is not None:  # a sparse matrix's rows, a CF-decoded variable
+                with self._reading(plan):
+                    specs.append(plan.special.spec(plan, self._file))
+                continue
             values = 0
             if plan.kind != "tensor":
                 values = self._values.size(plan, self._file[plan.path])
@@ -163,7 +170,9 @@ class HDF5Source:
         plan = next(p for p in self.plans if p.name == spec.name)
         ds = self._file[plan.path]
         with self._reading(plan):
-            if plan.kind != "tensor":
+            if plan.special is not None:
+                plan.special.read(plan, self._file, buffers, progress, self._read_range)
+            elif plan.kind != "tensor":
                 self._values.read(plan, ds, buffers["offsets"], buffers["values"], progress)
             elif plan.reader == "direct":
                 self._read_tensor(plan, ds, buffers["data"], progress)
@@ -189,47 +198,18 @@ class HDF5Source:
         )
 
     # -- reading -----------------------------------------------------------------------
-    @contextmanager
-    def _reading(self, plan: Plan) -> Iterator[None]:
+    def _reading(self, plan: Plan) -> AbstractContextManager[None]:
         """Turn h5py's read errors into a :class:`SourceReadError` naming file and key."""
-        try:
-            yield
-        except SourceReadError:
-            raise
-        except (OSError, RuntimeError) as error:
-            text = str(error)
-            if "conversion path" in text:  # a type HDF5 cannot convert: not corruption
-                raise UnsupportedDtypeError(
-                    f"{self.label}: dataset {plan.path!r} ({plan.source}) cannot be converted "
-                    f"to {plan.dtype} by HDF5 ({error}). Fix: store the column as a plain "
-                    "numeric dataset, or pass keys=[...] without it."
-                ) from error
-            if "not registered" in text or "can't open directory" in text:  # a filter
-                raise MissingDependencyError(
-                    f"{self.label}: dataset {plan.path!r} needs an HDF5 filter plugin that "
-                    f"is not available ({error}). Fix: pip install hdf5plugin, or point "
-                    "HDF5_PLUGIN_PATH at the plugin's folder."
-                ) from error
-            if isinstance(error, OSError) and error.errno == errno.EIO:
-                cause = (
-                    "The disk or file system reported an I/O error; check it, or copy the "
-                    "file elsewhere and load it again."
-                )
-            else:
-                cause = "The file is truncated or corrupt; re-create or re-download it."
-            raise SourceReadError(
-                f"{self.label}: reading dataset {plan.path!r} failed ({error}). {cause}"
-            ) from error
+        return read_errors(self.label, plan.path, f"{plan.source} to {plan.dtype}")
 
-    @staticmethod
-    def _steps(rows: int, row_bytes: int, budget: int, chunks: Any) -> Iterator[tuple[int, int]]:
-        """Blocks of rows of about ``budget`` bytes, whole chunks along axis 0 if chunked."""
-        step = max(1, budget // max(1, row_bytes))
-        if chunks:
-            along = int(chunks[0])
-            step = max(along, step - step % along)
-        for start in range(0, rows, step):
-            yield start, min(rows, start + step)
+    def _read_range(
+        self, ds: Any, out: Buffer, start: int, stop: int, progress: Callable[[int], None]
+    ) -> None:
+        """Rows ``[start, stop)`` of a numeric dataset into ``out``, by the fastest path."""
+        name = ds.name.lstrip("/")
+        plan = Plan(name, name, stop - start, "tensor", out.dtype, out.shape[1:], "direct")
+        plan.first = start
+        self._read_tensor(plan, ds, out.rows(0, stop - start).view(Buffer), progress)
 
     def _block(self, plan: Plan, ds: Any, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of the plan's values as numpy (one bounded block)."""
@@ -254,18 +234,18 @@ class HDF5Source:
         if offset is not None:  # contiguous and unfiltered: the bytes straight from the file
             what = f"{self.label}: dataset {plan.name!r}"
             start = offset + plan.first * row_bytes
-            _hdf5_chunks.copy_raw(self.label, what, start, out, progress)
+            _hdf5_chunks.copy_raw(ds.file.filename, what, start, out, progress)
             if not ds.dtype.isnative and ds.dtype.itemsize > 1:
                 out.rows(0, plan.rows).byteswap(inplace=True)
             return
         filters = self._inflatable(plan, ds)
         what = f"{self.label}: reading dataset {plan.name!r}"
         if filters is not None and _hdf5_chunks.inflate(
-            self.label, what, ds, filters, out, progress
+            ds.file.filename, what, ds, filters, out, progress
         ):
             return
         first = plan.first
-        for start, stop in self._steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
+        for start, stop in _hdf5_chunks.row_steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
             ds.read_direct(out.rows(start, stop), np.s_[first + start : first + stop])
             progress((stop - start) * row_bytes)
 
@@ -278,15 +258,19 @@ class HDF5Source:
         row_bytes = out.nbytes // plan.rows
         runs = self._record_runs(plan, ds)
         if runs is not None:  # Note [Fields of raw records]
-            runs = _within(runs, plan.first, plan.first + plan.rows, ds.dtype.itemsize)
+            runs = _hdf5_chunks.runs_within(
+                runs, plan.first, plan.first + plan.rows, ds.dtype.itemsize
+            )
             what = f"{self.label}: dataset {plan.path!r}"
             _hdf5_chunks.copy_field(
-                self.label, what, ds, runs, lambda block: _field(plan, block), out, progress
+                ds.file.filename, what, ds, runs, lambda block: _field(plan, block), out, progress
             )
             return
         if plan.index is not None:  # a column of a pandas block: through a small block
             budget = _CHUNK // 16
-            for start, stop in self._steps(plan.rows, ds.dtype.itemsize, budget, ds.chunks):
+            for start, stop in _hdf5_chunks.row_steps(
+                plan.rows, ds.dtype.itemsize, budget, ds.chunks
+            ):
                 out.rows(start, stop)[...] = self._block(plan, ds, start, stop)
                 progress((stop - start) * row_bytes)
             return
@@ -307,7 +291,7 @@ class HDF5Source:
         file_space = ds.id.get_space()
         row_shape = tuple(ds.shape[1:])
         record_bytes = ds.dtype.itemsize * int(np.prod(row_shape))
-        for start, stop in self._steps(plan.rows, record_bytes, _CHUNK, ds.chunks):
+        for start, stop in _hdf5_chunks.row_steps(plan.rows, record_bytes, _CHUNK, ds.chunks):
             count = (stop - start, *row_shape)
             file_space.select_hyperslab((plan.first + start,) + (0,) * len(row_shape), count)
             ds.id.read(h5s.create_simple(count), file_space, out.rows(start, stop), mtype=mtype)
@@ -332,23 +316,6 @@ class HDF5Source:
         if plan.reader != "direct" or self._swmr or plan.rows != ds.shape[0]:
             return None  # (a node's share of the rows: read_direct selects them)
         return _hdf5_chunks.inflatable(ds)
-
-
-def _within(
-    runs: list[tuple[int, int, int]], start: int, stop: int, size: int
-) -> list[tuple[int, int, int]]:
-    """The parts of ``runs`` of records in rows ``[start, stop)``, renumbered from ``start``.
-
-    Example:
-        >>> _within([(0, 10, 100), (10, 10, 500)], 5, 12, 2)
-        [(0, 5, 110), (5, 2, 500)]
-    """
-    inside = []
-    for first, count, offset in runs:
-        lo, hi = max(first, start), min(first + count, stop)
-        if lo < hi:
-            inside.append((lo - start, hi - lo, offset + (lo - first) * size))
-    return inside
 
 
 def _field(plan: Plan, records: np.ndarray) -> np.ndarray:

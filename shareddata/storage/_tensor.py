@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch.multiprocessing import reductions as torch_reductions
 
-from .._compat import DisableTorchFunctionSubclass
+from .._compat import DisableTorchFunctionSubclass, coo_parts, make_subclass
 from ..errors import BatchSendError
 from ._linux import array_at, map_fd, page_floor, unmap
 from ._segment import Segment, attach
@@ -92,6 +92,8 @@ class SharedTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _SHARE_MEMORY:  # it is shared memory: torch would move it out, in place
+            return args[0]
         with DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
             if type(out) is torch.Tensor:
@@ -106,6 +108,9 @@ class SharedTensor(torch.Tensor):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
         return self.as_subclass(torch.Tensor).__deepcopy__(memo)
+
+
+_SHARE_MEMORY = torch.Tensor.share_memory_
 
 
 def _keep_views(out: Any, tensors: Any, args: Any) -> Any:
@@ -123,6 +128,8 @@ def _keep_views(out: Any, tensors: Any, args: Any) -> Any:
     if ref is None:
         return out
     ends = (tensors[0], tensors[-1])
+    if any(t.layout is not torch.strided for t in ends):  # sparse results hold new tensors
+        return out
     if not all(t.untyped_storage().data_ptr() == ref.address for t in ends):
         return out
     if type(out) is torch.Tensor:
@@ -131,8 +138,14 @@ def _keep_views(out: Any, tensors: Any, args: Any) -> Any:
 
 
 def shared_tensor(tensor: torch.Tensor, ref: MemoryRef) -> SharedTensor:
-    """``tensor`` (whose storage is the memory of ``ref``) as a :class:`SharedTensor`."""
-    shared = tensor.as_subclass(SharedTensor)
+    """``tensor`` (whose storage is the memory of ``ref``) as a :class:`SharedTensor`.
+
+    A sparse tensor (whose indices and values are the memory of ``ref``) too.
+    """
+    if tensor.layout is torch.strided:
+        shared = tensor.as_subclass(SharedTensor)
+    else:
+        shared = make_subclass(SharedTensor, tensor)
     shared._shared = ref
     return shared
 
@@ -142,6 +155,10 @@ def reduce_shared_tensor(tensor: SharedTensor) -> Any:
     try:
         ref = tensor.__dict__.get("_shared")
         with DisableTorchFunctionSubclass():  # plain attribute reads, no Python dispatch
+            if ref is not None and tensor.layout is torch.sparse_coo and not tensor.requires_grad:
+                # a sparse batch: its indices and values, views of the memory, cross by handle
+                parts = [shared_tensor(p, ref) for p in coo_parts(tensor)]
+                return _rebuild_coo, (*parts, tuple(tensor.shape), tensor.is_coalesced())
             if (
                 ref is not None
                 and not tensor.requires_grad
@@ -166,6 +183,15 @@ DTYPE_NAMES = {
     for name in dir(torch)
     if isinstance(dtype := getattr(torch, name, None), torch.dtype)
 }
+
+
+def _rebuild_coo(
+    indices: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...], coalesced: bool
+) -> torch.Tensor:
+    """Unpickle a sparse COO tensor from its indices and values (checked when made)."""
+    return torch.sparse_coo_tensor(
+        indices, values, shape, is_coalesced=coalesced, check_invariants=False
+    )
 
 
 def rebuild_tensor(

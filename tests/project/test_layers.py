@@ -111,7 +111,7 @@ LAYERS = [
     ["shareddata.sources", "shareddata.crossing", "shareddata.distributed"],
     ["shareddata.datasets"],
     ["shareddata.memory"],
-    ["shareddata._demo", "shareddata.testing", "shareddata"],
+    ["shareddata._demo", "shareddata._info", "shareddata.testing", "shareddata"],
     ["shareddata.cli"],
     ["shareddata.__main__"],
 ]

@@ -330,6 +330,45 @@ def test_blosc_is_refused_by_name_or_loads(files):
         assert len(ds) == ROWS
 
 
+def test_pandas_fixed_multiindex_levels_load_or_are_named(tmp_path):
+    index = pd.MultiIndex.from_product(
+        [["a", "b", "c"], [10, 20], pd.date_range("2024-01-01", periods=2)],
+        names=["letter", "num", "day"],
+    )
+    frame = pd.DataFrame({"x": np.arange(12.0)}, index=index)
+    with warnings.catch_warnings():
+        _quiet()
+        frame.to_hdf(tmp_path / "mi.h5", key="df", format="fixed")
+        frame.to_hdf(tmp_path / "mi-table.h5", key="df", format="table")
+    want = pd.read_hdf(tmp_path / "mi.h5", "df")
+    for name in ("mi.h5", "mi-table.h5"):
+        ds = HDF5Dataset(tmp_path / name, progress=False)
+        assert ds.columns == ["letter", "num", "day", "x"], name
+        batch = ds[list(range(12))]
+        np.testing.assert_array_equal(batch["num"].numpy(), want.index.get_level_values("num"))
+        days = want.index.get_level_values("day").to_numpy().view(np.int64)
+        np.testing.assert_array_equal(batch["day"].numpy(), days)
+        np.testing.assert_array_equal(batch["x"].numpy(), want["x"].to_numpy())
+    letters = HDF5Dataset(tmp_path / "mi.h5", ["df/letter"], progress=False)
+    names = {code: label for label, code in letters.labels["df/letter"].items()}
+    got = [names[int(c)] for c in letters[list(range(12))]["df/letter"]]
+    assert got == list(want.index.get_level_values("letter"))
+    # a level with NaN in it is left out with a warning naming it
+    holes = frame.reset_index()
+    holes.loc[3, "num"] = np.nan
+    with warnings.catch_warnings():
+        _quiet()
+        holes.set_index(["letter", "num"]).to_hdf(tmp_path / "nan.h5", key="df", format="fixed")
+    with pytest.warns(UserWarning, match=r"'num' .* MultiIndex level with missing values"):
+        assert HDF5Dataset(tmp_path / "nan.h5", progress=False).columns == ["letter", "day", "x"]
+    columns = pd.DataFrame(np.ones((3, 2)), columns=pd.MultiIndex.from_tuples([("a", 1), ("b", 2)]))
+    with warnings.catch_warnings():
+        _quiet()
+        columns.to_hdf(tmp_path / "mc.h5", key="df", format="fixed")
+    with pytest.raises(sd.UnsupportedDtypeError, match="columns are a MultiIndex.*flatten"):
+        HDF5Dataset(tmp_path / "mc.h5", progress=False)
+
+
 if __name__ == "__main__":  # the table for the docs / a report
     import tempfile
     from pathlib import Path
