@@ -209,6 +209,8 @@ QUICK_FILES = (
     "test_errors.py",
     "test_handoff.py",
     "test_storage.py",
+    "test_compat.py",
+    "test_locks.py",
     "sources/test_*.py",
     "project/test_quality.py",
 )
