@@ -120,7 +120,7 @@ def release_queued() -> None:
 def _release_queued() -> None:
     """Release every queued mapping; the caller holds ``_LOCK``."""
     global _idle_bytes
-    unmaps = []
+    unmaps: list[tuple[int, int]] = []
     while _QUEUED:
         live = _LIVE.pop(_QUEUED.popleft(), None)
         if live is None:
@@ -133,7 +133,7 @@ def _release_queued() -> None:
             while _idle_bytes > IDLE_BYTES:
                 oldest = _IDLE.pop(next(iter(_IDLE)))
                 _forget_idle(oldest)
-                unmaps.append(oldest)
+                unmaps.append((oldest[0], oldest[1]))
         else:
             unmaps.append((address, length))
     for mapping in unmaps:  # (unmapping with the lock held is safe: it takes no other lock)

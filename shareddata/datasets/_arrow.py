@@ -146,9 +146,9 @@ class ArrowDataset(ColumnDataset):
         else:
             source = ArrowSource(table, columns, **options)
             key = table_key(source, fill_value)
-        options = LoadOptions(storage_dir, progress, share, shard, timeout)
+        load = LoadOptions(storage_dir, progress, share, shard, timeout)
         super().__init__(
-            options.loader(source, (*key, records, uuid_as)),
+            load.loader(source, (*key, records, uuid_as)),
             transform=transform,
             output=output,
             nested=nested,

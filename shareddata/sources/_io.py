@@ -64,7 +64,7 @@ def read_exactly(
         >>> out.tolist()
         [3, 4, 5, 6]
     """
-    view = memoryview(out).cast("B") if isinstance(out, np.ndarray) else out
+    view = out.data.cast("B") if isinstance(out, np.ndarray) else out
     pos = 0
     while pos < len(view):
         n = os.preadv(fd, [view[pos : pos + _CHUNK]], offset + pos)

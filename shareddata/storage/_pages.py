@@ -167,7 +167,7 @@ class Population:
         self._next = 0
         self._error = 0
         self._stopped = False
-        self._cond = threading.Condition(ForkSafeLock())
+        self._cond = threading.Condition(ForkSafeLock())  # type: ignore[arg-type]
         madvise(self.base, self.size, MADV_HUGEPAGE)  # a hint; may do nothing
         with _POPULATIONS_LOCK:
             _POPULATIONS[id(self)] = self
