@@ -189,6 +189,19 @@ def test_pickles_as_a_handle(kind, tmp_path):
     assert_item(again[ROWS * 64 - 1], expected[-1], kind)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_deepcopy_gives_the_same_items_over_the_same_memory(kind, tmp_path):
+    """A dataset's data is read-only: ``copy.deepcopy`` (a val split made from a train
+    split) holds no second copy; a writable SharedArray's deep copy is a copy."""
+    import copy
+
+    ds, expected = make(kind, tmp_path, rows=ROWS)
+    again = copy.deepcopy(ds)
+    assert again is not ds and len(again) == ROWS
+    assert_item(again[ROWS - 1], expected[-1], kind)
+    assert again.segment_identity() == ds.segment_identity()
+
+
 # -- errors --------------------------------------------------------------------------------
 
 

@@ -371,3 +371,25 @@ def _discard_in_child(array: sd.SharedArray) -> str:
     except RuntimeError as e:
         return type(e).__name__
     return "discarded"
+
+
+def test_deepcopy_copies_a_writable_array_and_copy_aliases_it():
+    import copy
+
+    a = sd.SharedArray.from_array(np.arange(6, dtype=np.int32).reshape(2, 3))
+    deep = copy.deepcopy(a)
+    assert isinstance(deep, sd.SharedArray) and deep.segment is not a.segment
+    assert deep.shape == a.shape and deep.dtype == a.dtype and deep.writable
+    deep.numpy()[0, 0] = 99
+    assert a.numpy()[0, 0] == 0, "a write to the deep copy showed in the original"
+    assert deep.numpy().tolist() == [[99, 1, 2], [3, 4, 5]]
+    again = pickle.loads(pickle.dumps(deep))  # the copy is a SharedArray like any other
+    assert again.numpy()[0, 0] == 99
+    shallow = copy.copy(a)  # documented: another array over the same memory
+    shallow.numpy()[1, 1] = -1
+    assert a.numpy()[1, 1] == -1
+    nested = copy.deepcopy({"state": a, "same": a})  # the memo keeps one copy per array
+    assert nested["state"] is nested["same"] and nested["state"].segment is not a.segment
+    # a read-only array (a dataset's column) cannot change: its deep copy is itself
+    ro = a.readonly()
+    assert copy.deepcopy(ro) is ro

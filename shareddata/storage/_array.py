@@ -248,6 +248,30 @@ class SharedArray:
         self._data()
         return SharedArray(self.segment, self.offset, self.shape, self.dtype, writable=False)
 
+    def __copy__(self) -> SharedArray:
+        """Another ``SharedArray`` over the same memory (a write to one shows in the other)."""
+        if self._array is None:
+            return self
+        return SharedArray(self.segment, self.offset, self.shape, self.dtype, self.writable)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SharedArray:
+        """A new ``SharedArray`` holding a copy of the data (writable, in RAM).
+
+        A read-only array (a dataset's column) cannot change, so its deep copy is the
+        array itself, as for other immutable objects: ``copy.deepcopy(dataset)`` holds
+        no second copy of the data.
+
+        Example:
+            >>> import copy
+            >>> a = SharedArray.from_array(np.arange(3))
+            >>> b = copy.deepcopy(a); b.numpy()[0] = 9
+            >>> a.numpy().tolist(), b.numpy().tolist()
+            ([0, 1, 2], [9, 1, 2])
+        """
+        if not self.writable or self._array is None:
+            return self
+        return SharedArray.from_array(self._array)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return self._reduce(ticket=False)
 
