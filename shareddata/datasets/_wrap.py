@@ -9,9 +9,11 @@ memory with the same structure and types the original returned.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Set as AbstractSet
 from itertools import islice
 from typing import Any, cast
 
@@ -23,7 +25,7 @@ from .._text import format_bytes
 from ..columns._columns import BytesColumn, Column, ColumnSpec
 from ..columns._items import rebuild, restore
 from ..crossing._outbox import into_one_batch
-from ..distributed import NodeShard
+from ..distributed import SAMPLE_ITEMS, NodeShard, sample_digest
 from ..errors import (
     ArgumentTypeError,
     IndexOutOfRangeError,
@@ -66,8 +68,10 @@ class SharedDataset(ColumnDataset):
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
         share: under torchrun, ``"node"`` (the default there): local rank 0 reads the
             items once per node and the other local ranks attach without reading
-            the dataset (they never call its ``__getitem__``); ``"process"``: every
-            process reads its own copy.
+            the dataset (they call its ``__getitem__`` only for a sample of 16
+            items, which every rank compares with local rank 0's:
+            ranks that wrap different data get ``LocalRankError``, never another
+            rank's items); ``"process"``: every process reads its own copy.
         shard: ``"node"`` materialises only this node's contiguous share of the
             items (``ds.node_shard`` says which; sample with ``sd.NodeShardSampler``).
         timeout: seconds to wait for another local rank (default
@@ -123,7 +127,7 @@ class SharedDataset(ColumnDataset):
             raise InvalidArgumentError(f"{kind.__name__} is empty: there is nothing to share")
         columns = build(
             DatasetProducer(dataset, num_workers),  # reads items only where it loads
-            key=("SharedDataset", f"{kind.__module__}.{kind.__qualname__}", rows),
+            key=functools.partial(_dataset_key, dataset, rows),
             share=share,
             shard=shard,
             storage_dir=storage_dir,
@@ -166,6 +170,36 @@ class SharedDataset(ColumnDataset):
         )
 
 
+def _dataset_key(dataset: Any, rows: int) -> tuple[Any, ...]:
+    """What local ranks compare for a SharedDataset: its class, length and a sample of items."""
+    kind = type(dataset)
+    sample = sample_digest(lambda i: dataset[i], rows)
+    return (
+        "SharedDataset",
+        f"{kind.__module__}.{kind.__qualname__}",
+        rows,
+        f"sampled items {sample}",
+    )
+
+
+def _list_key(items: Any, size: int | None) -> tuple[Any, ...]:
+    """What local ranks compare for a SharedList: the type, length and a sample of items.
+
+    A sequence is sampled across its length; another collection that can be iterated
+    again (a dict's keys) by its first items; a one-shot iterable (a generator) not at
+    all: reading it here would leave nothing for the load.
+    """
+    kind = f"{type(items).__module__}.{type(items).__qualname__}"
+    if size is not None and isinstance(items, (Sequence, np.ndarray, torch.Tensor)):
+        sample = sample_digest(lambda i: items[i], size)
+    elif size is not None and not isinstance(items, (Iterator, AbstractSet)):
+        first = list(islice(iter(items), SAMPLE_ITEMS))
+        sample = sample_digest(first.__getitem__, len(first))
+    else:
+        return ("SharedList", kind, size)
+    return ("SharedList", kind, size, f"sampled items {sample}")
+
+
 def _check_transform(transform: Any) -> None:
     if transform is not None and not callable(transform):
         raise ArgumentTypeError(f"transform must be callable, got {type(transform).__name__}")
@@ -183,8 +217,10 @@ class SharedList(Sequence):
         items: any iterable of picklable objects.
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
         share: under torchrun, ``"node"`` (the default there): local rank 0 pickles
-            the items once per node and the other local ranks attach (they never
-            iterate ``items``); ``"process"``: every process keeps its own copy.
+            the items once per node and the other local ranks attach (they read
+            only a sample of ``items``, which every rank compares with local rank
+            0's; a one-shot iterable is never read there, and compared by type and
+            length only); ``"process"``: every process keeps its own copy.
         shard: ``"node"`` keeps only this node's contiguous share of the items
             (``items`` must have a length; ``node_shard`` says which).
         progress: show a progress bar for copies longer than ~2 s.
@@ -221,7 +257,7 @@ class SharedList(Sequence):
         size = len(items) if isinstance(items, Sized) else None
         columns = build(
             _Items(items),
-            key=("SharedList", f"{type(items).__module__}.{type(items).__qualname__}", size),
+            key=functools.partial(_list_key, items, size),
             share=share,
             shard=shard,
             storage_dir=storage_dir,
