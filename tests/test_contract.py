@@ -96,6 +96,81 @@ def test_batches_are_what_the_default_collate_makes_of_the_samples(kind, tmp_pat
             assert to_plain(ds[order]) == want, kwargs
 
 
+def _fields(batch):
+    """A batch's fields: (name, value) of a dict batch, (position, value) of a list one."""
+    return list(batch.items()) if isinstance(batch, dict) else list(enumerate(batch))
+
+
+@pytest.mark.parametrize("transform", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_by_index_means_the_same_for_every_kind(kind, transform, tmp_path):
+    """Note [A batch by index]: ``ds[indices]`` is the default collate of the samples, with
+    ragged fields as the list of their rows; no row is an empty batch of the same
+    structure; an n-D index lays the batch out in its shape, as numpy does. SharedList
+    gives lists of items, as its slices do."""
+    import numpy as np
+
+    if transform and kind == "shared_list":
+        pytest.skip("SharedList takes no transform")
+    kwargs = {"transform": _tag} if transform else {}
+    ds, _ = make(kind, tmp_path, rows=ROWS, ragged=kind != "numpy", **kwargs)
+    empties = ([], slice(5, 5), np.array([], np.int64), torch.tensor([], dtype=torch.long))
+    grids = (np.array([[1, 2], [3, 4]]), torch.tensor([[1, 2], [3, 4]]), [[1, 2], [3, 4]])
+    items = [ds[i] for i in range(8)]
+    if kind == "shared_list":
+        assert to_plain(ds[[1, 2]]) == to_plain([items[1], items[2]])
+        assert to_plain(ds[torch.tensor([3, -64])]) == to_plain([items[3], items[0]])
+        for empty in empties:
+            assert ds[empty] == []
+        for grid in grids:
+            want = [[items[1], items[2]], [items[3], items[4]]]
+            assert to_plain(ds[grid]) == to_plain(want)
+        assert ds[np.zeros((2, 0), np.int64)] == [[], []]
+    else:
+        # rows of different lengths (r: 1 and 2 long): the list of rows, as ParquetDataset
+        # always gave, never torch's "stack expects each tensor to be equal size"
+        batch = ds[[1, 2]]
+        for name, value in _fields(batch):
+            assert to_plain(list(value)) == to_plain([items[1][name], items[2][name]]), name
+        ragged = dict(_fields(batch)).get("r", dict(_fields(batch)).get(3))
+        if kind != "numpy":
+            assert isinstance(ragged, list) and [len(t) for t in ragged] == [1, 2], ragged
+        # no row: an empty batch with the fields, dtypes and row shapes of a batch
+        full = ds[[0, 1, 2, 3]]
+        for empty in empties:
+            got = ds[empty]
+            assert type(got) is type(full) and len(got) == len(full), (empty, got)
+            for (name, want), (_, value) in zip(_fields(full), _fields(got)):
+                if isinstance(want, torch.Tensor):
+                    assert isinstance(value, torch.Tensor) and value.dtype == want.dtype, name
+                    assert value.shape == (0, *want.shape[1:]), (empty, name, value.shape)
+                else:  # strs, ragged rows: a list of no row
+                    assert list(value) == [], (empty, name, value)
+        # an n-D index: the batch laid out in its shape (as numpy does), the same values
+        flat = ds[[1, 2, 3, 4]]
+        for grid in grids:
+            got = ds[grid]
+            for (name, want), (_, value) in zip(_fields(flat), _fields(got)):
+                if isinstance(want, torch.Tensor):
+                    assert value.shape == (2, 2, *want.shape[1:]) and value.dtype == want.dtype
+                    assert torch.equal(value.reshape(want.shape), want), name
+                else:
+                    rows = list(want)
+                    assert to_plain([list(r) for r in value]) == to_plain([rows[:2], rows[2:]])
+        y = dict(_fields(ds[np.zeros((2, 0), np.int64)])).get("y")
+        assert y is None or y.shape == (2, 0)
+    with pytest.raises(TypeError) as info:
+        ds[[[1, 2], [3]]]  # not rectangular: refused by name, as numpy refuses it
+    assert isinstance(info.value, sd.SharedDataError) and "different lengths" in str(info.value)
+
+
+def _tag(sample):
+    """A transform that keeps the sample's structure (and marks that it ran)."""
+    if isinstance(sample, dict):
+        return {**sample, "y": sample["y"] + 1000}
+    return sample
+
+
 def _as_they_come(samples):
     return samples
 

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from .._text import format_bytes
 from ..columns._columns import BytesColumn, Column, ColumnSpec
@@ -37,6 +37,7 @@ from ..errors import (
 from ..storage import SharedArray
 from ..storage._writer import VarStore
 from ._dataset import ColumnDataset, is_int
+from ._indexing import index_shape, index_tensor, nest_rows
 from ._load import Allocator, Part, Shard, Share, build, progress_bar
 from ._materialise import DatasetProducer
 
@@ -156,11 +157,6 @@ class SharedDataset(ColumnDataset):
             leaf_values.append(restore(kind, value))
         return rebuild(self._schema, leaf_values)
 
-    def __getitem__(self, index: Any) -> Any:
-        if is_int(index):
-            return super().__getitem__(index)
-        return default_collate(self.__getitems__(self._indices(index).tolist()))
-
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "restore": self._restore_kinds, "schema": self._schema}
 
@@ -271,21 +267,25 @@ class SharedList(Sequence):
         return len(self._column)
 
     def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            rows = range(*index.indices(len(self)))
-            if not rows:
-                return []
-            blobs = self._column.gather(torch.tensor(list(rows), dtype=torch.int64))
-            return [pickle.loads(b) for b in blobs]
-        if not is_int(index):
+        """An item for an int; a list of items for a slice or indices (Note [A batch by index]).
+
+        An n-D index gives nested lists of items, laid out in its shape, as numpy does.
+        """
+        if is_int(index):
+            i = int(index)
+            n = len(self)
+            if not -n <= i < n:
+                raise IndexOutOfRangeError(f"SharedList index {i} out of range for {n} items")
+            return pickle.loads(self._column.get(i + n if i < 0 else i))
+        if not isinstance(index, (slice, list, tuple, np.ndarray, torch.Tensor)):
             raise IndexTypeError(
-                f"SharedList indices must be integers or slices, got {type(index).__name__}"
+                f"SharedList indices must be integers, slices or sequences of integers, "
+                f"got {type(index).__name__}"
             )
-        i = int(index)
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexOutOfRangeError(f"SharedList index {i} out of range for {n} items")
-        return pickle.loads(self._column.get(i + n if i < 0 else i))
+        shape = index_shape(index)
+        idx = index_tensor(index, len(self), "SharedList")
+        items = [pickle.loads(b) for b in self._column.gather(idx)] if len(idx) else []
+        return items if shape is None else nest_rows(items, shape)
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
