@@ -40,6 +40,7 @@ from .errors import (
     SharedDataError,
     SharedMemoryFullError,
     SourceReadError,
+    TooManyOpenFilesError,
     UnpicklableItemError,
     UnsupportedDtypeError,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "SharedList",
     "SharedMemoryFullError",
     "SourceReadError",
+    "TooManyOpenFilesError",
     "UnpicklableItemError",
     "UnsupportedDtypeError",
     "__version__",

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 import shareddata as sd
 
 ROWS = 64
+TESTS = os.path.join(REPO, "tests")
 
 
 # -- items and batches ------------------------------------------------------------------
@@ -278,6 +279,55 @@ def test_deepcopy_gives_the_same_items_over_the_same_memory(kind, tmp_path):
 
 
 # -- errors --------------------------------------------------------------------------------
+
+
+_DESCRIPTORS_SCRIPT = """
+import gc, json, os, resource, sys
+sys.path.insert(0, sys.argv[3])
+from kinds import make
+
+kind, folder = sys.argv[1], sys.argv[2]
+fds = lambda: len(os.listdir("/proc/self/fd"))
+make(kind, folder, rows=16)  # the files, written before counting
+gc.collect()
+base = fds()
+keep = [make(kind, folder, rows=16, reuse=True, progress=False)[0] for _ in range(10)]
+out = {"per_dataset": (fds() - base) / 10}
+del keep
+gc.collect()
+base = fds()
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (base + 60, hard))
+keep = []
+try:
+    for _ in range(1000):
+        keep.append(make(kind, folder, rows=16, reuse=True, progress=False)[0])
+except Exception as e:
+    out.update(made=len(keep), mro=[c.__name__ for c in type(e).__mro__], message=str(e))
+del keep
+gc.collect()
+out["left_open"] = fds() - base
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_descriptor_per_dataset_and_a_named_error_past_the_limit(kind, tmp_path):
+    """Each dataset holds one descriptor (a SharedDataset one more per variable-length
+    field, and one for their offsets; before: twice as many, as Python's mmap kept a
+    duplicate). Past ``ulimit -n``: TooManyOpenFilesError naming the limit and the fix
+    (before: a bare ``OSError: [Errno 24]``), and nothing left open."""
+    command = [sys.executable, "-c", _DESCRIPTORS_SCRIPT, kind, str(tmp_path), TESTS]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    per_dataset = 3 if kind == "shared_dataset" else 1  # x, y in one segment; t; offsets
+    assert out["per_dataset"] == per_dataset, out
+    assert out["mro"][:3] == ["TooManyOpenFilesError", "SharedDataError", "OSError"], out
+    assert (
+        "ulimit -n" in out["message"] and str(out["made"]) and out["made"] >= 60 // per_dataset - 3
+    )
+    assert out["left_open"] == 0, out
 
 
 @pytest.mark.parametrize("kind", KINDS)

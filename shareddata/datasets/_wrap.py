@@ -34,7 +34,6 @@ from ..errors import (
     ShardingNotSupportedError,
     UnpicklableItemError,
 )
-from ..storage import SharedArray
 from ..storage._writer import VarStore
 from ._dataset import ColumnDataset, is_int
 from ._indexing import index_shape, index_tensor, nest_rows
@@ -376,11 +375,9 @@ class _Items:
                 size = sum(map(len, blobs))
                 step = max(1, min(256, step * (4 << 20) // max(size, 1)))
                 del blobs, chunk
-        segment, count = store.finish()
-        alloc.adopt(segment)
-        values = SharedArray(segment, 0, (count,), np.uint8)
-        (offsets,) = alloc([((len(store.offsets),), np.int64)], "SharedList's offsets")
-        offsets.numpy()[:] = np.frombuffer(store.offsets, np.int64)
+        values, offsets = store.finish_with_offsets()  # one segment: one descriptor
+        alloc.adopt(values.segment)
+        count = values.shape[0]
         spec = ColumnSpec("items", len(store.offsets) - 1, np.dtype(np.uint8), (), "bytes", count)
         return [(BytesColumn, spec, {"offsets": offsets, "values": values})], None
 
