@@ -165,6 +165,31 @@ def test_a_batch_by_index_means_the_same_for_every_kind(kind, transform, tmp_pat
     assert isinstance(info.value, sd.SharedDataError) and "different lengths" in str(info.value)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_index_batch_sampler_follows_torch_seed_for_every_kind(kind, tmp_path):
+    """IndexBatchSampler batches (``ds[tensor]``) of every kind, in an order that
+    ``torch.manual_seed`` fixes (like ``DataLoader(shuffle=True)``) and each epoch changes."""
+    ds, expected = make(kind, tmp_path, rows=ROWS)
+
+    def epochs(seed):
+        torch.manual_seed(seed)
+        sampler = sd.IndexBatchSampler(ds, 16, shuffle=True)
+        loader = DataLoader(ds, sampler=sampler, batch_size=None)
+        return [[to_plain(batch) for batch in loader] for _ in range(2)], sampler
+
+    (first, second), sampler = epochs(7)
+    assert epochs(7)[0] == [first, second]  # seeded: the same orders
+    assert first != second and epochs(8)[0][0] != first  # another epoch, another seed
+    sampler.set_epoch(0)
+    for indices, batch in zip(sampler, first):
+        assert batch == to_plain(ds[indices])
+        if kind == "shared_list":
+            for item, i in zip(ds[indices], indices.tolist()):
+                assert_item(item, expected[i], kind)
+        else:
+            assert_batch(ds[indices], [expected[i] for i in indices.tolist()], kind)
+
+
 def _tag(sample):
     """A transform that keeps the sample's structure (and marks that it ran)."""
     if isinstance(sample, dict):

@@ -113,7 +113,7 @@ class Segment:
         # over the whole segment: ctypes keeps one array type per length, forever
         raw = (ctypes.c_uint8 * self.size).from_address(self.address)
         raw.segment = self  # type: ignore[attr-defined]  # the base of every view
-        return np.frombuffer(raw, np.uint8)[offset : offset + nbytes]
+        return np.frombuffer(memoryview(raw), np.uint8)[offset : offset + nbytes]
 
     @classmethod
     def create(
