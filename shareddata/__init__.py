@@ -40,6 +40,7 @@ from .errors import (
     SharedDataError,
     SharedMemoryFullError,
     SourceReadError,
+    TooManyOpenFilesError,
     UnpicklableItemError,
     UnsupportedDtypeError,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "SharedMemoryFullError",
     "SharedTensor",
     "SourceReadError",
+    "TooManyOpenFilesError",
     "UnpicklableItemError",
     "UnsupportedDtypeError",
     "__version__",

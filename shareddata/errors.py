@@ -16,6 +16,7 @@ working::
     ├── MissingDependencyError  (+ ImportError)        an optional extra is not installed
     ├── SharedMemoryFullError   (+ MemoryError)        not enough room, raised before loading
     ├── AttachError             (+ OSError)            a process cannot map a segment
+    ├── TooManyOpenFilesError   (+ OSError)            the descriptor limit (ulimit -n) is reached
     ├── DuplicationError        (+ AssertionError)     verify() found duplicated data
     ├── InconclusiveError       (+ AssertionError)     verify() cannot tell: below its resolution
     ├── InvalidArgumentError    (+ ValueError)         an argument's value is not allowed
@@ -63,6 +64,7 @@ __all__ = [
     "SharedDataError",
     "SharedMemoryFullError",
     "SourceReadError",
+    "TooManyOpenFilesError",
     "UnpicklableItemError",
     "UnsupportedDtypeError",
 ]
@@ -117,6 +119,14 @@ class SharedMemoryFullError(SharedDataError, MemoryError):
 
 class AttachError(SharedDataError, OSError):
     """A process could not map a shared segment created by another process."""
+
+
+class TooManyOpenFilesError(SharedDataError, OSError):
+    """This process reached its limit of open descriptors (``RLIMIT_NOFILE``, ``ulimit -n``).
+
+    Every shared segment holds one descriptor; the message names the limit and the fix.
+    Its ``errno`` is ``EMFILE`` (or ``ENFILE`` for the system-wide limit).
+    """
 
 
 class DuplicationError(SharedDataError, AssertionError):

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 import shareddata as sd
 
 ROWS = 64
+TESTS = os.path.join(REPO, "tests")
 
 
 # -- items and batches ------------------------------------------------------------------
@@ -94,6 +95,106 @@ def test_batches_are_what_the_default_collate_makes_of_the_samples(kind, tmp_pat
             assert to_plain(next(iter(loader))) == want, (kwargs, workers)
         if kind != "shared_list":
             assert to_plain(ds[order]) == want, kwargs
+
+
+def _fields(batch):
+    """A batch's fields: (name, value) of a dict batch, (position, value) of a list one."""
+    return list(batch.items()) if isinstance(batch, dict) else list(enumerate(batch))
+
+
+@pytest.mark.parametrize("transform", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_by_index_means_the_same_for_every_kind(kind, transform, tmp_path):
+    """Note [A batch by index]: ``ds[indices]`` is the default collate of the samples, with
+    ragged fields as the list of their rows; no row is an empty batch of the same
+    structure; an n-D index lays the batch out in its shape, as numpy does. SharedList
+    gives lists of items, as its slices do."""
+    import numpy as np
+
+    if transform and kind == "shared_list":
+        pytest.skip("SharedList takes no transform")
+    kwargs = {"transform": _tag} if transform else {}
+    ds, _ = make(kind, tmp_path, rows=ROWS, ragged=kind != "numpy", **kwargs)
+    empties = ([], slice(5, 5), np.array([], np.int64), torch.tensor([], dtype=torch.long))
+    grids = (np.array([[1, 2], [3, 4]]), torch.tensor([[1, 2], [3, 4]]), [[1, 2], [3, 4]])
+    items = [ds[i] for i in range(8)]
+    if kind == "shared_list":
+        assert to_plain(ds[[1, 2]]) == to_plain([items[1], items[2]])
+        assert to_plain(ds[torch.tensor([3, -64])]) == to_plain([items[3], items[0]])
+        for empty in empties:
+            assert ds[empty] == []
+        for grid in grids:
+            want = [[items[1], items[2]], [items[3], items[4]]]
+            assert to_plain(ds[grid]) == to_plain(want)
+        assert ds[np.zeros((2, 0), np.int64)] == [[], []]
+    else:
+        # rows of different lengths (r: 1 and 2 long): the list of rows, as ParquetDataset
+        # always gave, never torch's "stack expects each tensor to be equal size"
+        batch = ds[[1, 2]]
+        for name, value in _fields(batch):
+            assert to_plain(list(value)) == to_plain([items[1][name], items[2][name]]), name
+        ragged = dict(_fields(batch)).get("r", dict(_fields(batch)).get(3))
+        if kind != "numpy":
+            assert isinstance(ragged, list) and [len(t) for t in ragged] == [1, 2], ragged
+        # no row: an empty batch with the fields, dtypes and row shapes of a batch
+        full = ds[[0, 1, 2, 3]]
+        for empty in empties:
+            got = ds[empty]
+            assert type(got) is type(full) and len(got) == len(full), (empty, got)
+            for (name, want), (_, value) in zip(_fields(full), _fields(got)):
+                if isinstance(want, torch.Tensor):
+                    assert isinstance(value, torch.Tensor) and value.dtype == want.dtype, name
+                    assert value.shape == (0, *want.shape[1:]), (empty, name, value.shape)
+                else:  # strs, ragged rows: a list of no row
+                    assert list(value) == [], (empty, name, value)
+        # an n-D index: the batch laid out in its shape (as numpy does), the same values
+        flat = ds[[1, 2, 3, 4]]
+        for grid in grids:
+            got = ds[grid]
+            for (name, want), (_, value) in zip(_fields(flat), _fields(got)):
+                if isinstance(want, torch.Tensor):
+                    assert value.shape == (2, 2, *want.shape[1:]) and value.dtype == want.dtype
+                    assert torch.equal(value.reshape(want.shape), want), name
+                else:
+                    rows = list(want)
+                    assert to_plain([list(r) for r in value]) == to_plain([rows[:2], rows[2:]])
+        y = dict(_fields(ds[np.zeros((2, 0), np.int64)])).get("y")
+        assert y is None or y.shape == (2, 0)
+    with pytest.raises(TypeError) as info:
+        ds[[[1, 2], [3]]]  # not rectangular: refused by name, as numpy refuses it
+    assert isinstance(info.value, sd.SharedDataError) and "different lengths" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_index_batch_sampler_follows_torch_seed_for_every_kind(kind, tmp_path):
+    """IndexBatchSampler batches (``ds[tensor]``) of every kind, in an order that
+    ``torch.manual_seed`` fixes (like ``DataLoader(shuffle=True)``) and each epoch changes."""
+    ds, expected = make(kind, tmp_path, rows=ROWS)
+
+    def epochs(seed):
+        torch.manual_seed(seed)
+        sampler = sd.IndexBatchSampler(ds, 16, shuffle=True)
+        loader = DataLoader(ds, sampler=sampler, batch_size=None)
+        return [[to_plain(batch) for batch in loader] for _ in range(2)], sampler
+
+    (first, second), sampler = epochs(7)
+    assert epochs(7)[0] == [first, second]  # seeded: the same orders
+    assert first != second and epochs(8)[0][0] != first  # another epoch, another seed
+    sampler.set_epoch(0)
+    for indices, batch in zip(sampler, first):
+        assert batch == to_plain(ds[indices])
+        if kind == "shared_list":
+            for item, i in zip(ds[indices], indices.tolist()):
+                assert_item(item, expected[i], kind)
+        else:
+            assert_batch(ds[indices], [expected[i] for i in indices.tolist()], kind)
+
+
+def _tag(sample):
+    """A transform that keeps the sample's structure (and marks that it ran)."""
+    if isinstance(sample, dict):
+        return {**sample, "y": sample["y"] + 1000}
+    return sample
 
 
 def _as_they_come(samples):
@@ -189,7 +290,69 @@ def test_pickles_as_a_handle(kind, tmp_path):
     assert_item(again[ROWS * 64 - 1], expected[-1], kind)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_deepcopy_gives_the_same_items_over_the_same_memory(kind, tmp_path):
+    """A dataset's data is read-only: ``copy.deepcopy`` (a val split made from a train
+    split) holds no second copy; a writable SharedArray's deep copy is a copy."""
+    import copy
+
+    ds, expected = make(kind, tmp_path, rows=ROWS)
+    again = copy.deepcopy(ds)
+    assert again is not ds and len(again) == ROWS
+    assert_item(again[ROWS - 1], expected[-1], kind)
+    assert again.segment_identity() == ds.segment_identity()
+
+
 # -- errors --------------------------------------------------------------------------------
+
+
+_DESCRIPTORS_SCRIPT = """
+import gc, json, os, resource, sys
+sys.path.insert(0, sys.argv[3])
+from kinds import make
+
+kind, folder = sys.argv[1], sys.argv[2]
+fds = lambda: len(os.listdir("/proc/self/fd"))
+make(kind, folder, rows=16)  # the files, written before counting
+gc.collect()
+base = fds()
+keep = [make(kind, folder, rows=16, reuse=True, progress=False)[0] for _ in range(10)]
+out = {"per_dataset": (fds() - base) / 10}
+del keep
+gc.collect()
+base = fds()
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (base + 60, hard))
+keep = []
+try:
+    for _ in range(1000):
+        keep.append(make(kind, folder, rows=16, reuse=True, progress=False)[0])
+except Exception as e:
+    out.update(made=len(keep), mro=[c.__name__ for c in type(e).__mro__], message=str(e))
+del keep
+gc.collect()
+out["left_open"] = fds() - base
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_descriptor_per_dataset_and_a_named_error_past_the_limit(kind, tmp_path):
+    """Each dataset holds one descriptor (a SharedDataset one more per variable-length
+    field, and one for their offsets; before: twice as many, as Python's mmap kept a
+    duplicate). Past ``ulimit -n``: TooManyOpenFilesError naming the limit and the fix
+    (before: a bare ``OSError: [Errno 24]``), and nothing left open."""
+    command = [sys.executable, "-c", _DESCRIPTORS_SCRIPT, kind, str(tmp_path), TESTS]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    per_dataset = 3 if kind == "shared_dataset" else 1  # x, y in one segment; t; offsets
+    assert out["per_dataset"] == per_dataset, out
+    assert out["mro"][:3] == ["TooManyOpenFilesError", "SharedDataError", "OSError"], out
+    assert (
+        "ulimit -n" in out["message"] and str(out["made"]) and out["made"] >= 60 // per_dataset - 3
+    )
+    assert out["left_open"] == 0, out
 
 
 @pytest.mark.parametrize("kind", KINDS)

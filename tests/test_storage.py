@@ -35,7 +35,7 @@ def _child_try_write_readonly(arr, q):
     except ValueError:
         q.put("refused")
     # Force a write through the raw mapping: it must stay private (copy-on-write).
-    raw = np.frombuffer(arr.segment.mmap, np.uint8)
+    raw = arr.segment.view()
     raw[:8] = 255
     q.put(int(raw[0]))
 
@@ -371,3 +371,116 @@ def _discard_in_child(array: sd.SharedArray) -> str:
     except RuntimeError as e:
         return type(e).__name__
     return "discarded"
+
+
+def test_deepcopy_copies_a_writable_array_and_copy_aliases_it():
+    import copy
+
+    a = sd.SharedArray.from_array(np.arange(6, dtype=np.int32).reshape(2, 3))
+    deep = copy.deepcopy(a)
+    assert isinstance(deep, sd.SharedArray) and deep.segment is not a.segment
+    assert deep.shape == a.shape and deep.dtype == a.dtype and deep.writable
+    deep.numpy()[0, 0] = 99
+    assert a.numpy()[0, 0] == 0, "a write to the deep copy showed in the original"
+    assert deep.numpy().tolist() == [[99, 1, 2], [3, 4, 5]]
+    again = pickle.loads(pickle.dumps(deep))  # the copy is a SharedArray like any other
+    assert again.numpy()[0, 0] == 99
+    shallow = copy.copy(a)  # documented: another array over the same memory
+    shallow.numpy()[1, 1] = -1
+    assert a.numpy()[1, 1] == -1
+    nested = copy.deepcopy({"state": a, "same": a})  # the memo keeps one copy per array
+    assert nested["state"] is nested["same"] and nested["state"].segment is not a.segment
+    # a read-only array (a dataset's column) cannot change: its deep copy is itself
+    ro = a.readonly()
+    assert copy.deepcopy(ro) is ro
+
+
+def test_a_segment_holds_one_descriptor():
+    """Note [One descriptor per segment]: the mapping holds none (Python's mmap held a
+    duplicate: 2 per array, 4 per SharedList), and every view keeps the mapping alive."""
+    gc.collect()
+    fds = open_fds()
+    arrays = [sd.SharedArray.from_array(np.arange(1000) + k) for k in range(20)]
+    assert open_fds() - fds == 20
+    names = [sd.SharedList([{"k": k}] * 10, progress=False) for k in range(20)]
+    assert open_fds() - fds == 40
+    views = [a.torch()[10:20] for a in arrays]  # the views alone keep the memory
+    del arrays, names
+    gc.collect()
+    assert open_fds() - fds == 20
+    assert [int(v[0]) for v in views] == [10 + k for k in range(20)]
+    del views
+    gc.collect()
+    assert open_fds() == fds
+
+
+_LIMITS_SCRIPT = """
+import gc, json, os, resource, sys
+import numpy as np
+import shareddata as sd
+
+def fds():
+    return len(os.listdir("/proc/self/fd"))
+
+out = {}
+base = fds()
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (base + 200, hard))
+keep = []
+try:
+    for _ in range(1000):
+        keep.append(sd.SharedArray.empty(64, np.uint8))
+except Exception as e:
+    out["nofile"] = {"made": len(keep), "mro": [c.__name__ for c in type(e).__mro__],
+                     "errno": e.errno, "message": str(e)}
+del keep
+gc.collect()
+out["fds_after"] = fds() - base
+with open("/proc/self/status") as f:
+    mapped = [int(l.split()[1]) << 10 for l in f if l.startswith("VmSize:")][0]
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), resource.RLIM_INFINITY))
+try:
+    sd.SharedArray.empty(768 << 20, np.uint8)
+except Exception as e:
+    out["as"] = {"mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+gc.collect()
+out["fds_after_as"] = fds() - base
+small = sd.SharedArray.from_array(np.arange(5))  # still works below the limit
+out["small"] = small.numpy().tolist()
+print(json.dumps(out))
+"""
+
+
+def test_descriptor_and_address_space_limits_are_named_errors():
+    """ulimit -n: TooManyOpenFilesError (an OSError, EMFILE) naming the limit and the fix,
+    after one array per descriptor; ulimit -v: SharedMemoryFullError naming RLIMIT_AS (before:
+    bare OSError Errno 24 / Errno 12 from mmap). Nothing is left open after either."""
+    import errno
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run = subprocess.run(
+        [sys.executable, "-c", _LIMITS_SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    nofile = out["nofile"]
+    assert nofile["mro"][:3] == ["TooManyOpenFilesError", "SharedDataError", "OSError"], nofile
+    assert nofile["errno"] == errno.EMFILE
+    assert nofile["made"] >= 190, nofile  # one descriptor per array (was 2: 100 arrays)
+    assert "ulimit -n" in nofile["message"] and "RLIMIT_NOFILE" in nofile["message"]
+    assert "setrlimit" in nofile["message"]
+    assert out["fds_after"] == 0
+    address = out["as"]
+    assert address["mro"][:3] == ["SharedMemoryFullError", "SharedDataError", "MemoryError"]
+    assert "ulimit -v" in address["message"] and "RLIMIT_AS" in address["message"]
+    assert "768.0 MiB" in address["message"], address["message"]
+    assert out["fds_after_as"] == 0
+    assert out["small"] == [0, 1, 2, 3, 4]

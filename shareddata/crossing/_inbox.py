@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import AttachError
+from ..errors import AttachError, TooManyOpenFilesError
+from ..storage._capacity import named_os_errors
 from ..storage._linux import ForkSafeLock, array_at, file_identity, map_fd, unmap
 
 __all__ = ["IDLE_BYTES", "MAX_UNRECEIVED", "receive", "release_queued"]
@@ -148,8 +149,12 @@ def _forget_idle(idle: tuple[int, int, np.ndarray]) -> None:
 def _map_batch(pid: int, fd: int, ident: tuple[int, int], total: int) -> int:
     """Map ``total`` bytes of the memfd ``fd`` of process ``pid``; its address."""
     path = f"/proc/{pid}/fd/{fd}"
+    what = f"a batch from DataLoader worker {pid}"
     try:
-        new_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        with named_os_errors(what):
+            new_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except TooManyOpenFilesError:
+        raise
     except OSError as e:
         raise AttachError(
             f"cannot receive a batch from DataLoader worker {pid}: opening {path} failed ({e}). "
@@ -163,7 +168,8 @@ def _map_batch(pid: int, fd: int, ident: tuple[int, int], total: int) -> int:
                 f"another file: the worker made more than {MAX_UNRECEIVED} batch memfds that "
                 f"were not received and closed the oldest. {UNRECEIVED_HINT}"
             )
-        return map_fd(new_fd, total)
+        with named_os_errors(what, total):
+            return map_fd(new_fd, total)
     finally:
         os.close(new_fd)
 

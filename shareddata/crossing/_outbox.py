@@ -84,6 +84,7 @@ from torch.multiprocessing import reductions as torch_reductions
 
 from .._compat import storage_use_count
 from ..storage import SharedTensor, shared_tensor
+from ..storage._capacity import named_os_errors
 from ..storage._linux import (
     MADV_POPULATE_WRITE,
     ForkSafeLock,
@@ -150,7 +151,8 @@ class _Memfd:
     )  # fmt: skip
 
     def __init__(self, total: int) -> None:
-        fd = os.memfd_create("shareddata-batch", os.MFD_CLOEXEC)
+        with named_os_errors("a DataLoader worker's batch"):
+            fd = os.memfd_create("shareddata-batch", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, total)
             ident = file_identity(fd)
@@ -179,7 +181,8 @@ class _Memfd:
         if self.address and self.length < total:
             self.unmap()
         if not self.address:
-            self.address, self.length = map_fd(fd, total), total
+            with named_os_errors("a DataLoader worker's batch", total):
+                self.address, self.length = map_fd(fd, total), total
             if populate:  # its pages exist: map them all in one call
                 madvise(self.address, total, MADV_POPULATE_WRITE)
         if self.storage is None or self.data != data:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sized
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -10,6 +11,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .._compat import disabled_torch_function
+from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["IndexBatchSampler"]
 
@@ -61,12 +63,22 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
     (``dataset[indices]``), and the DataLoader neither samples nor collates per
     sample. Batches are the same shape as the default collate's.
 
+    The shuffle follows torch's random state, as ``DataLoader(shuffle=True)``'s
+    ``RandomSampler`` does: without ``seed``, the sampler draws its base seed from
+    ``generator`` (torch's default generator if ``None``) when it is first
+    iterated, so ``torch.manual_seed(s)`` before that makes a run reproducible and
+    runs differ otherwise. Each epoch then has its own order, derived from the base
+    seed and the epoch number (epoch 1 of one seed is not epoch 0 of another).
+
     Args:
         data_source: the dataset (or its length).
         batch_size: samples per batch.
         shuffle: a new random order every epoch (see :meth:`set_epoch`).
         drop_last: drop the last incomplete batch.
-        seed: base seed of the shuffle; epoch ``e`` uses ``seed + e``.
+        seed: base seed of the shuffle, the same on every run; ``None`` (the
+            default) draws it from ``generator``.
+        generator: the ``torch.Generator`` the base seed is drawn from when ``seed``
+            is ``None`` (default: torch's default generator).
 
     Example:
         >>> import numpy as np, shareddata as sd
@@ -75,6 +87,13 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         >>> loader = DataLoader(ds, sampler=sd.IndexBatchSampler(ds, 4), batch_size=None)
         >>> [b["data"].tolist() for b in loader]
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        >>> a = sd.IndexBatchSampler(10, 5, shuffle=True, seed=1)
+        >>> b = sd.IndexBatchSampler(10, 5, shuffle=True, seed=1)
+        >>> first = [t.tolist() for t in a]
+        >>> first == [t.tolist() for t in b]  # one seed: the same orders, run after run
+        True
+        >>> first == [t.tolist() for t in a]  # the next pass is epoch 1: another order
+        False
     """
 
     def __init__(
@@ -84,15 +103,25 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         *,
         shuffle: bool = False,
         drop_last: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+            raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ArgumentTypeError(
+                f"seed must be an int or None (drawn from torch's generator), got {seed!r}"
+            )
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ArgumentTypeError(
+                f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+            )
         self.n = data_source if isinstance(data_source, int) else len(data_source)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
+        self.generator = generator
         self.epoch = 0
         self._epoch_set = False
 
@@ -104,9 +133,14 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         self.epoch = epoch
         self._epoch_set = True
 
+    def _base_seed(self) -> int:
+        if self.seed is None:  # drawn once, as RandomSampler draws its seed
+            self.seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator))
+        return self.seed
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            g = torch.Generator().manual_seed(epoch_seed(self._base_seed(), self.epoch))
             order = torch.randperm(self.n, generator=g)
             if not self._epoch_set:
                 self.epoch += 1
@@ -120,3 +154,16 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         if self.drop_last:
             return self.n // self.batch_size
         return (self.n + self.batch_size - 1) // self.batch_size
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of ``epoch``'s order: a hash of both, so no two (seed, epoch) pairs share one.
+
+    (``seed + epoch`` would give seed 0's epoch 1 the order of seed 1's epoch 0.)
+
+    Example:
+        >>> epoch_seed(0, 1) == epoch_seed(1, 0)
+        False
+    """
+    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes < 2**63

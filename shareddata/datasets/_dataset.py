@@ -20,15 +20,13 @@ from ..columns._columns import Column, ColumnSpec, TensorColumn
 from ..columns._items import nest_paths, rebuild
 from ..crossing._batch import Samples, collate_columns
 from ..crossing._outbox import worker_buffers
-from ..errors import ArgumentTypeError, IndexOutOfRangeError, IndexTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, IndexOutOfRangeError, InvalidArgumentError
+from ._indexing import index_shape, index_tensor, lenient_collate, rows_by_index
 from ._load import Source, check_lengths
 
 __all__ = ["ColumnDataset", "Source"]
 
 Output = Literal["dict", "tuple"]
-
-
-_NO_MASKS = "boolean masks are not supported as indices; use mask.nonzero()"
 
 
 def is_int(index: Any) -> bool:
@@ -157,87 +155,44 @@ class ColumnDataset(Dataset):
         return i + n if i < 0 else i
 
     def _indices(self, indices: Any, check: bool = True) -> torch.Tensor:
-        """``indices`` as a 1-D int64 tensor in ``[0, len)``: negatives wrap, others raise.
-
-        One bounds check per batch, on a numpy view (cheaper than torch's
-        reductions for a few hundred indices); the common inputs (a list of ints
-        from a ``BatchSampler``, an int64 tensor from ``IndexBatchSampler``) take
-        no other conversion. ``check=False`` skips the bounds (and the wrapping of
-        negatives): only for a gather that checks them itself.
-        """
-        if isinstance(indices, slice):
-            return torch.arange(*indices.indices(self._len), dtype=torch.int64)
-        if isinstance(indices, torch.Tensor):
-            if indices.dtype == torch.bool:
-                raise IndexTypeError(_NO_MASKS)
-            if indices.is_floating_point() or indices.is_complex():
-                raise IndexTypeError(f"indices must be integers, got dtype {indices.dtype}")
-            idx = indices.reshape(-1)
-            if idx.dtype != torch.int64 or idx.device.type != "cpu":
-                idx = idx.to(device="cpu", dtype=torch.int64)
-            if not check:
-                return idx
-            array = idx.numpy()
-        else:
-            if isinstance(indices, (list, tuple)) and len(indices) == 0:
-                return torch.empty(0, dtype=torch.int64)
-            array = np.asarray(indices)
-            if array.dtype == np.bool_:
-                raise IndexTypeError(_NO_MASKS)
-            if array.dtype.kind not in "iu":
-                flat = array.reshape(-1)
-                if array.dtype.hasobject and all(is_int(i) for i in flat):
-                    bad = max(flat, key=abs)  # ints beyond int64, as ds[2**64] says
-                    raise IndexOutOfRangeError(
-                        f"index {bad} is out of range for {type(self).__name__} of {self._len} rows"
-                    )
-                raise IndexTypeError(f"indices must be integers, got dtype {array.dtype}")
-            array = array.reshape(-1)
-            if array.dtype != np.int64:
-                if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
-                    raise IndexOutOfRangeError(
-                        f"index {array.max()} is out of range for {type(self).__name__} "
-                        f"of {self._len} rows"
-                    )
-                array = array.astype(np.int64)
-            idx = torch.from_numpy(array)
-            if not check:
-                return idx
-        n = self._len
-        if array.size:
-            lo, hi = int(array.min()), int(array.max())
-            if lo < -n or hi >= n:
-                bad = lo if lo < -n else hi
-                raise IndexOutOfRangeError(
-                    f"index {bad} is out of range for {type(self).__name__} of {n} rows"
-                )
-            if lo < 0:
-                idx = torch.where(idx < 0, idx + n, idx)
-        return idx
+        """``indices`` as a flat int64 tensor in ``[0, len)`` (:func:`_indexing.index_tensor`)."""
+        return index_tensor(indices, self._len, type(self).__name__, check)
 
     def __getitem__(self, index: Any) -> Any:
-        """One sample for an int; a batch (values stacked per column) for indices.
+        """One sample for an int; a batch (values stacked per field) for indices.
 
         ``ds[[3, 1, 4]]``, ``ds[2:10]``, ``ds[tensor]`` gather every column once and
         return the batch the default collate makes of those samples (same containers,
         same values; ``collate_columns`` in ``_batch.py`` is the one place that says
-        how), except that a column it cannot collate (rows of different lengths)
+        how), except that a field it cannot collate (rows of different lengths)
         stays the list of its rows. A ``transform`` is applied per sample, then the
-        samples are collated.
+        samples are collated. No row (``ds[[]]``) gives an empty batch of the same
+        structure, an n-D index a batch laid out in its shape, as numpy does (Note [A
+        batch by index] in ``_indexing.py``).
         """
         if is_int(index):
             i = self._check_index(index)
             sample = self._pack([c.get(i) for c in self._columns.values()])
             return sample if self.transform is None else self.transform(sample)
-        if self.transform is not None or type(self)._pack is not ColumnDataset._pack:
-            from torch.utils.data import default_collate
-
-            return default_collate(self.__getitems__(self._indices(index).tolist()))
-        shared = get_worker_info() is not None  # leaving a worker: build it in shared memory
-        batched = self._gather(index, shared)[1]
-        stacked = [isinstance(b, torch.Tensor) for b in batched]
-        tuples = self.output != "dict"
-        return collate_columns(self._names, batched, stacked, self._nesting, tuples, lenient=True)
+        shape = index_shape(index)
+        if shape is None:
+            if self.transform is not None or type(self)._pack is not ColumnDataset._pack:
+                idx = self._indices(index)
+                if len(idx):
+                    return lenient_collate(self.__getitems__(idx.tolist()))
+            else:
+                shared = get_worker_info() is not None  # leaving a worker: in shared memory
+                idx, batched = self._gather(index, shared)
+                names, nesting, tuples = self._names, self._nesting, self.output != "dict"
+                if not len(idx):  # no row: each column as gathered, 0 rows or no value
+                    if tuples and nesting is None:  # as the default collate: tuples of text
+                        text = [c.kind in ("str", "bytes") for c in self._columns.values()]
+                        batched = [() if t else b for b, t in zip(batched, text)]
+                    return collate_columns(names, batched, [True] * len(names), nesting, tuples)
+                stacked = [isinstance(b, torch.Tensor) for b in batched]
+                return collate_columns(names, batched, stacked, nesting, tuples, lenient=True)
+            shape = (0,)
+        return rows_by_index(self.__getitems__, self._indices(index), shape, self._len)
 
     def _gather(self, indices: Any, shared: bool) -> tuple[torch.Tensor, list[Any]]:
         """The checked indices and each column's gathered batch.

@@ -187,7 +187,8 @@ def build(
         source: a :class:`Source` or :class:`Producer`, or a function that makes one
             (called only where the data is loaded: attaching ranks never open files).
         key: the dataset's arguments, equal on every local rank (default: the
-            source's type and label); ranks check they build the same dataset.
+            source's type and label); ranks check they build the same dataset. A
+            function returning them is called only when local ranks share.
         share: ``"node"`` (one copy per node; the default under torchrun) or
             ``"process"`` (this process loads its own copy).
         shard: ``"node"`` loads only this node's contiguous share of the rows (the

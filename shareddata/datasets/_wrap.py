@@ -9,21 +9,23 @@ memory with the same structure and types the original returned.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Set as AbstractSet
 from itertools import islice
 from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from .._text import format_bytes
 from ..columns._columns import BytesColumn, Column, ColumnSpec
 from ..columns._items import rebuild, restore
 from ..crossing._outbox import into_one_batch
-from ..distributed import NodeShard
+from ..distributed import SAMPLE_ITEMS, NodeShard, sample_digest
 from ..errors import (
     ArgumentTypeError,
     IndexOutOfRangeError,
@@ -32,9 +34,9 @@ from ..errors import (
     ShardingNotSupportedError,
     UnpicklableItemError,
 )
-from ..storage import SharedArray
 from ..storage._writer import VarStore
 from ._dataset import ColumnDataset, is_int
+from ._indexing import index_shape, index_tensor, nest_rows
 from ._load import Allocator, Part, Shard, Share, build, progress_bar
 from ._materialise import DatasetProducer
 
@@ -66,8 +68,10 @@ class SharedDataset(ColumnDataset):
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
         share: under torchrun, ``"node"`` (the default there): local rank 0 reads the
             items once per node and the other local ranks attach without reading
-            the dataset (they never call its ``__getitem__``); ``"process"``: every
-            process reads its own copy.
+            the dataset (they call its ``__getitem__`` only for a sample of 16
+            items, which every rank compares with local rank 0's:
+            ranks that wrap different data get ``LocalRankError``, never another
+            rank's items); ``"process"``: every process reads its own copy.
         shard: ``"node"`` materialises only this node's contiguous share of the
             items (``ds.node_shard`` says which; sample with ``sd.NodeShardSampler``).
         timeout: seconds to wait for another local rank (default
@@ -123,7 +127,7 @@ class SharedDataset(ColumnDataset):
             raise InvalidArgumentError(f"{kind.__name__} is empty: there is nothing to share")
         columns = build(
             DatasetProducer(dataset, num_workers),  # reads items only where it loads
-            key=("SharedDataset", f"{kind.__module__}.{kind.__qualname__}", rows),
+            key=functools.partial(_dataset_key, dataset, rows),
             share=share,
             shard=shard,
             storage_dir=storage_dir,
@@ -152,11 +156,6 @@ class SharedDataset(ColumnDataset):
             leaf_values.append(restore(kind, value))
         return rebuild(self._schema, leaf_values)
 
-    def __getitem__(self, index: Any) -> Any:
-        if is_int(index):
-            return super().__getitem__(index)
-        return default_collate(self.__getitems__(self._indices(index).tolist()))
-
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "restore": self._restore_kinds, "schema": self._schema}
 
@@ -164,6 +163,36 @@ class SharedDataset(ColumnDataset):
         SharedDataset._init(
             self, state["columns"], state["restore"], state["transform"], state["schema"]
         )
+
+
+def _dataset_key(dataset: Any, rows: int) -> tuple[Any, ...]:
+    """What local ranks compare for a SharedDataset: its class, length and a sample of items."""
+    kind = type(dataset)
+    sample = sample_digest(lambda i: dataset[i], rows)
+    return (
+        "SharedDataset",
+        f"{kind.__module__}.{kind.__qualname__}",
+        rows,
+        f"sampled items {sample}",
+    )
+
+
+def _list_key(items: Any, size: int | None) -> tuple[Any, ...]:
+    """What local ranks compare for a SharedList: the type, length and a sample of items.
+
+    A sequence is sampled across its length; another collection that can be iterated
+    again (a dict's keys) by its first items; a one-shot iterable (a generator) not at
+    all: reading it here would leave nothing for the load.
+    """
+    kind = f"{type(items).__module__}.{type(items).__qualname__}"
+    if size is not None and isinstance(items, (Sequence, np.ndarray, torch.Tensor)):
+        sample = sample_digest(lambda i: items[i], size)
+    elif size is not None and not isinstance(items, (Iterator, AbstractSet)):
+        first = list(islice(iter(items), SAMPLE_ITEMS))
+        sample = sample_digest(first.__getitem__, len(first))
+    else:
+        return ("SharedList", kind, size)
+    return ("SharedList", kind, size, f"sampled items {sample}")
 
 
 def _check_transform(transform: Any) -> None:
@@ -183,8 +212,10 @@ class SharedList(Sequence):
         items: any iterable of picklable objects.
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
         share: under torchrun, ``"node"`` (the default there): local rank 0 pickles
-            the items once per node and the other local ranks attach (they never
-            iterate ``items``); ``"process"``: every process keeps its own copy.
+            the items once per node and the other local ranks attach (they read
+            only a sample of ``items``, which every rank compares with local rank
+            0's; a one-shot iterable is never read there, and compared by type and
+            length only); ``"process"``: every process keeps its own copy.
         shard: ``"node"`` keeps only this node's contiguous share of the items
             (``items`` must have a length; ``node_shard`` says which).
         progress: show a progress bar for copies longer than ~2 s.
@@ -221,7 +252,7 @@ class SharedList(Sequence):
         size = len(items) if isinstance(items, Sized) else None
         columns = build(
             _Items(items),
-            key=("SharedList", f"{type(items).__module__}.{type(items).__qualname__}", size),
+            key=functools.partial(_list_key, items, size),
             share=share,
             shard=shard,
             storage_dir=storage_dir,
@@ -235,21 +266,25 @@ class SharedList(Sequence):
         return len(self._column)
 
     def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            rows = range(*index.indices(len(self)))
-            if not rows:
-                return []
-            blobs = self._column.gather(torch.tensor(list(rows), dtype=torch.int64))
-            return [pickle.loads(b) for b in blobs]
-        if not is_int(index):
+        """An item for an int; a list of items for a slice or indices (Note [A batch by index]).
+
+        An n-D index gives nested lists of items, laid out in its shape, as numpy does.
+        """
+        if is_int(index):
+            i = int(index)
+            n = len(self)
+            if not -n <= i < n:
+                raise IndexOutOfRangeError(f"SharedList index {i} out of range for {n} items")
+            return pickle.loads(self._column.get(i + n if i < 0 else i))
+        if not isinstance(index, (slice, list, tuple, np.ndarray, torch.Tensor)):
             raise IndexTypeError(
-                f"SharedList indices must be integers or slices, got {type(index).__name__}"
+                f"SharedList indices must be integers, slices or sequences of integers, "
+                f"got {type(index).__name__}"
             )
-        i = int(index)
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexOutOfRangeError(f"SharedList index {i} out of range for {n} items")
-        return pickle.loads(self._column.get(i + n if i < 0 else i))
+        shape = index_shape(index)
+        idx = index_tensor(index, len(self), "SharedList")
+        items = [pickle.loads(b) for b in self._column.gather(idx)] if len(idx) else []
+        return items if shape is None else nest_rows(items, shape)
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
@@ -340,11 +375,9 @@ class _Items:
                 size = sum(map(len, blobs))
                 step = max(1, min(256, step * (4 << 20) // max(size, 1)))
                 del blobs, chunk
-        segment, count = store.finish()
-        alloc.adopt(segment)
-        values = SharedArray(segment, 0, (count,), np.uint8)
-        (offsets,) = alloc([((len(store.offsets),), np.int64)], "SharedList's offsets")
-        offsets.numpy()[:] = np.frombuffer(store.offsets, np.int64)
+        values, offsets = store.finish_with_offsets()  # one segment: one descriptor
+        alloc.adopt(values.segment)
+        count = values.shape[0]
         spec = ColumnSpec("items", len(store.offsets) - 1, np.dtype(np.uint8), (), "bytes", count)
         return [(BytesColumn, spec, {"offsets": offsets, "values": values})], None
 

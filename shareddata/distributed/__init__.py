@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from ..errors import LocalRankError, LocalRankTimeoutError, ShardingNotSupportedError
 from ._context import TIMEOUT_ENV, NodeContext, Shard, Share, node_context, resolve_timeout
-from ._fingerprint import describe, fingerprint
+from ._fingerprint import SAMPLE_ITEMS, describe, fingerprint, sample_digest
 from ._node_load import load_on_node
 from ._shard import NodeShard, NodeShardSampler, global_indices, node_rows
 from ._wire import error_info, exchange, rebuild_error, socket_name
 
 __all__ = [
+    "SAMPLE_ITEMS",
     "TIMEOUT_ENV",
     "LocalRankError",
     "LocalRankTimeoutError",
@@ -36,6 +37,7 @@ __all__ = [
     "node_context",
     "node_rows",
     "rebuild_error",
+    "sample_digest",
     "resolve_timeout",
     "socket_name",
 ]

@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Mapping
+import random
+from collections.abc import Callable, Iterator, Mapping, Set
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["describe", "fingerprint"]
+__all__ = ["describe", "fingerprint", "sample_digest"]
 
 
 _SAMPLE_ELEMENTS = 4096
+SAMPLE_ITEMS = 16
+"""Items of a wrapped dataset or list that :func:`sample_digest` reads on every local rank."""
 
 
 def _digest(obj: Any, h: Any, depth: int = 0) -> None:
-    if depth > 6:
+    if depth > 8:
         h.update(b"...")
         return
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        data = memoryview(obj).cast("B")
+        h.update(b"bytes%d:" % data.nbytes)
+        h.update(data)
+    elif obj is None or isinstance(obj, (bool, int, float, complex, str)):
         h.update(repr(obj).encode())
     elif isinstance(obj, os.PathLike):
         h.update(b"path:" + os.fsencode(os.fspath(obj)))
@@ -38,12 +46,27 @@ def _digest(obj: Any, h: Any, depth: int = 0) -> None:
             _digest(v, h, depth + 1)
         h.update(b"}")
     elif isinstance(obj, (list, tuple)):
-        h.update(b"[")
+        h.update(f"{type(obj).__qualname__}[".encode())
         for v in obj:
             _digest(v, h, depth + 1)
         h.update(b"]")
-    else:  # anything else: its type (its repr may hold an address)
+    elif isinstance(obj, Set):  # in no order: a set's order differs with the hash seed
+        h.update(b"set{" + b"".join(sorted(_sub(v, depth) for v in obj)) + b"}")
+    else:  # anything else: its type, and what pickling it would save (not its repr,
+        # which may hold an address)
         h.update(f"<{type(obj).__module__}.{type(obj).__qualname__}>".encode())
+        try:
+            reduced = obj.__reduce_ex__(4)
+        except Exception:
+            return
+        if isinstance(reduced, tuple):
+            _digest(reduced[1:3], h, depth + 1)  # the arguments and the state
+
+
+def _sub(obj: Any, depth: int) -> bytes:
+    h = hashlib.sha1(usedforsecurity=False)
+    _digest(obj, h, depth + 1)
+    return h.digest()
 
 
 def _digest_array(array: np.ndarray, h: Any, header: str) -> None:
@@ -65,6 +88,46 @@ def fingerprint(key: Any) -> str:
     """
     h = hashlib.sha1(usedforsecurity=False)
     _digest(key, h)
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _fixed_random_state() -> Iterator[None]:
+    """The global random states (torch CPU, numpy, Python) seeded, then put back."""
+    state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(0)
+            random.seed(0)
+            np.random.seed(0)
+            yield
+    finally:
+        random.setstate(state)
+        np.random.set_state(np_state)
+
+
+def sample_digest(get: Callable[[int], Any], length: int, count: int = SAMPLE_ITEMS) -> str:
+    """A hash of ``count`` items spread over ``range(length)``, first and last included.
+
+    What tells apart the data of two wrapped datasets (or lists) of one class and
+    length on two local ranks. The items are read with torch's, numpy's and Python's
+    random state seeded (and restored after), so that a ``__getitem__`` that draws
+    random numbers (an augmentation) gives the same sample on every rank.
+
+    Example:
+        >>> sample_digest([1, 2, 3].__getitem__, 3) == sample_digest([1, 2, 4].__getitem__, 3)
+        False
+        >>> sample_digest(lambda i: torch.rand(2) + i, 10) == sample_digest(
+        ...     lambda i: torch.rand(2) + i, 10)
+        True
+    """
+    h = hashlib.sha1(usedforsecurity=False)
+    h.update(b"%d:" % length)
+    if length > 0:
+        rows = sorted({round(k * (length - 1) / max(count - 1, 1)) for k in range(count)})
+        with _fixed_random_state():
+            for i in rows:
+                _digest(get(i), h)
     return h.hexdigest()[:16]
 
 

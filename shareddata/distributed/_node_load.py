@@ -117,7 +117,9 @@ def load_on_node(
             ranks: handles of shared segments, never data.
         share: ``"node"``, ``"process"``, or ``None``: ``"node"`` under torchrun.
         shard: ``"node"`` to load only this node's rows, or ``None``.
-        key: the dataset's arguments, equal on every local rank (fingerprinted).
+        key: the dataset's arguments, equal on every local rank (fingerprinted), or a
+            function that returns them, called only when local ranks share (for a
+            key that costs reading data: a sample of items).
         close: called instead of ``load`` on ranks that attach (frees the source).
         timeout: seconds to wait for another local rank (default
             ``$SHAREDDATA_TIMEOUT`` or 300).
@@ -146,6 +148,8 @@ def load_on_node(
     limit = resolve_timeout(timeout)
     with _DATASETS_LOCK:
         number = next(_DATASETS)
+    if callable(key):
+        key = key()
     wanted = fingerprint((key, shard))
     label = describe(key) if shard is None else f"{describe(key)} with shard={shard!r}"
     name = socket_name(ctx, "dataset", number)

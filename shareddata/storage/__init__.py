@@ -8,15 +8,15 @@ Modules, one job each (lower ones never import higher ones):
 - ``_segment``: :class:`Segment`, one anonymous shared file: created, pickled as a
   handle, attached in another process, sealed against ``fork`` children, freed
   (Note [How shared segments are made, shared and freed], Note [Sealed segments],
-  Note [Freeing a failed load]);
+  Note [Freeing a failed load], Note [One descriptor per segment]);
 - ``_tensor``: :class:`SharedTensor`, the tensor type over our memory, and how it
   crosses processes by handle (Note [Tensors over our memory cross by handle]);
 - ``_array``: :class:`SharedArray` over a segment, :func:`allocate` of several arrays
   in one segment, :func:`seal` of a filled dataset's arrays.
 
 Handing a segment to a process that has not opened it yet is ``_handoff.py``; the
-room left and the errors for a full memory are ``_capacity.py``; the libc calls are
-``_linux.py``.
+room left and the errors for a full memory (or no descriptor left) are
+``_capacity.py``; the libc calls are ``_linux.py``.
 """
 
 from ._array import SharedArray, allocate, seal, to_numpy_dtype

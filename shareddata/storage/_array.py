@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import weakref
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -18,7 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import AttachError, UnsupportedDtypeError
+from ..errors import (
+    AttachError,
+    SharedDataError,
+    SharedMemoryFullError,
+    TooManyOpenFilesError,
+    UnsupportedDtypeError,
+)
 from ._pages import ready
 from ._segment import Segment, attach
 from ._tensor import SegmentRef, shared_tensor
@@ -118,35 +123,35 @@ class SharedArray:
                 f"array of shape {self.shape} and dtype {self.dtype} at offset {offset} "
                 f"does not fit in a segment of {segment.size} bytes"
             )
-        raw = np.frombuffer(segment.mmap, self.dtype, count, self.offset)
-        # Every view of this array (a numpy slice, a torch tensor over it) has ``raw`` as
-        # its base: the segment lives as long as any of them, so a view of ``torch()``
-        # still crosses by handle after the array itself is dropped (a pool worker
-        # returning a slice of its own SharedArray; Note [Tensors over our memory cross
-        # by handle] in ``_tensor.py``).
-        weakref.finalize(raw, _hold, segment).atexit = False
+        # Every view of this array (a numpy slice, a torch tensor over it) holds the
+        # segment (Segment.view): it lives as long as any of them, so a view of
+        # ``torch()`` still crosses by handle after the array itself is dropped (a pool
+        # worker returning a slice of its own SharedArray; Note [Tensors over our memory
+        # cross by handle] in ``_tensor.py``).
+        raw = segment.view(self.offset, count * self.dtype.itemsize).view(self.dtype)
         array = raw.reshape(self.shape)
         if not writable:
             array.flags.writeable = False
         self._array: np.ndarray | None = array
         self._tensor: torch.Tensor | None = None
-        self._error: str | None = None
+        self._error: SharedDataError | None = None
 
     @classmethod
     def _unattached(
-        cls, error: AttachError, shape: Sequence[int], dtype: Any, writable: bool
+        cls, error: SharedDataError, shape: Sequence[int], dtype: Any, writable: bool
     ) -> SharedArray:
         """An array whose segment could not be attached: raises ``error`` on first use."""
         self = cls.__new__(cls)
         self.segment = None  # type: ignore[assignment]
         self.offset, self.shape = 0, tuple(int(s) for s in shape)
         self.dtype, self.writable = to_numpy_dtype(dtype), writable
-        self._array, self._tensor, self._error = None, None, str(error)
+        self._array, self._tensor, self._error = None, None, error
         return self
 
     def _data(self) -> np.ndarray:
         if self._array is None:
-            raise AttachError(str(self._error))
+            error = self._error
+            raise type(error)(*error.args) if error is not None else AttachError("not attached")
         return self._array
 
     @classmethod
@@ -248,6 +253,30 @@ class SharedArray:
         self._data()
         return SharedArray(self.segment, self.offset, self.shape, self.dtype, writable=False)
 
+    def __copy__(self) -> SharedArray:
+        """Another ``SharedArray`` over the same memory (a write to one shows in the other)."""
+        if self._array is None:
+            return self
+        return SharedArray(self.segment, self.offset, self.shape, self.dtype, self.writable)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SharedArray:
+        """A new ``SharedArray`` holding a copy of the data (writable, in RAM).
+
+        A read-only array (a dataset's column) cannot change, so its deep copy is the
+        array itself, as for other immutable objects: ``copy.deepcopy(dataset)`` holds
+        no second copy of the data.
+
+        Example:
+            >>> import copy
+            >>> a = SharedArray.from_array(np.arange(3))
+            >>> b = copy.deepcopy(a); b.numpy()[0] = 9
+            >>> a.numpy().tolist(), b.numpy().tolist()
+            ([0, 1, 2], [9, 1, 2])
+        """
+        if not self.writable or self._array is None:
+            return self
+        return SharedArray.from_array(self._array)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return self._reduce(ticket=False)
 
@@ -261,10 +290,6 @@ class SharedArray:
         flag = "" if self.writable else ", read-only"
         flag += "" if self._error is None else ", not attached"
         return f"SharedArray(shape={self.shape}, dtype={self.dtype}{flag})"
-
-
-def _hold(segment: Segment) -> None:
-    """Nothing: a finalizer's arguments live until the object it watches is gone."""
 
 
 def seal(arrays: Sequence[SharedArray]) -> list[SharedArray]:
@@ -292,7 +317,7 @@ def _rebuild(
     # pool; the error is raised where the array is used (Note [Handing a segment over])
     try:
         segment = attach(*handle)
-    except AttachError as e:
+    except (AttachError, SharedMemoryFullError, TooManyOpenFilesError) as e:
         return SharedArray._unattached(e, shape, dtype, writable)
     return SharedArray(segment, offset, shape, dtype, writable)
 

@@ -9,19 +9,30 @@ at once, never a SIGBUS later (``docs/internals.md#sigbus``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 
 from .._text import format_bytes
-from ..errors import ArgumentTypeError, MissingFileError, SharedMemoryFullError
+from ..errors import (
+    ArgumentTypeError,
+    MissingFileError,
+    SharedDataError,
+    SharedMemoryFullError,
+    TooManyOpenFilesError,
+)
 
 __all__ = [
     "FULL_ERRNOS",
     "STORAGE_ENV",
     "available_memory",
     "check_capacity",
+    "descriptor_error",
     "fallocate",
     "full_error",
+    "mapping_error",
+    "named_os_errors",
     "resolve_storage_dir",
 ]
 
@@ -145,6 +156,123 @@ def full_error(needed: int, free: int, storage_dir: str | None, what: str) -> Sh
         f"{what} needs {format_bytes(needed)} ({needed} bytes) of shared memory but only "
         f"{format_bytes(free)} ({free} bytes) is free in {where}. Nothing was loaded. Fix: {fixes}."
     )
+
+
+def descriptor_error(error: OSError, what: str) -> TooManyOpenFilesError | None:
+    """The named error for ``EMFILE``/``ENFILE`` (no descriptor left); ``None`` for others.
+
+    Every shared segment holds one descriptor in every process that maps it: a process
+    that keeps more datasets and arrays alive than ``ulimit -n`` allows gets this
+    error, naming the limit and the fix, when it opens the next one.
+
+    Example:
+        >>> e = descriptor_error(OSError(errno.EMFILE, "Too many open files"), "a SharedArray")
+        >>> e.errno == errno.EMFILE, "ulimit -n" in str(e)
+        (True, True)
+    """
+    if error.errno == errno.ENFILE:
+        return TooManyOpenFilesError(
+            errno.ENFILE,
+            f"cannot open a descriptor for {what}: the system-wide limit of open files "
+            "(fs.file-max) is reached. Close files or processes, or raise "
+            "`sysctl fs.file-max`.",
+        )
+    if error.errno != errno.EMFILE:
+        return None
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        held = soft
+    higher = hard if hard != resource.RLIM_INFINITY else max(soft * 4, 65536)
+    return TooManyOpenFilesError(
+        errno.EMFILE,
+        f"cannot open a descriptor for {what}: this process holds {held} open files and its "
+        f"limit (RLIMIT_NOFILE, `ulimit -n`) is {soft}. Every shareddata dataset and "
+        "SharedArray holds one descriptor per shared segment (a SharedDataset one more per "
+        "variable-length field) for as long as it lives. Fix: raise the limit before "
+        f"starting Python (`ulimit -n {higher}`; the hard limit here is "
+        f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}), or in Python "
+        f"`resource.setrlimit(resource.RLIMIT_NOFILE, ({higher}, hard))`; or keep fewer "
+        "datasets and arrays alive at once (one array of many rows instead of many arrays).",
+    )
+
+
+def mapping_error(error: OSError, size: int, what: str) -> SharedMemoryFullError | None:
+    """The named error for ``ENOMEM`` from ``mmap`` (no address space); ``None`` for others.
+
+    Mapping needs address space, not memory: ``ulimit -v`` (``RLIMIT_AS``) counts every
+    mapping of the process, shared ones included, and ``vm.max_map_count`` bounds how many
+    there are.
+
+    Example:
+        >>> e = mapping_error(OSError(errno.ENOMEM, "Cannot allocate memory"), 1 << 30, "x.npy")
+        >>> isinstance(e, MemoryError), "ulimit -v" in str(e)
+        (True, True)
+    """
+    if error.errno != errno.ENOMEM:
+        return None
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        limit = (
+            "unlimited here, so the kernel refused for another reason: too many mappings "
+            "(`sysctl vm.max_map_count`) or strict overcommit (`vm.overcommit_memory=2`)"
+        )
+    else:
+        limit = f"{format_bytes(soft)} ({soft} bytes)"
+        mapped = _mapped_bytes()
+        if mapped is not None:
+            limit += f", of which this process maps {format_bytes(mapped)} already"
+    return SharedMemoryFullError(
+        f"{what} could not be mapped: mapping {format_bytes(size)} ({size} bytes) needs that "
+        f"much address space in this process, and the kernel refused it (ENOMEM). The "
+        f"address-space limit (RLIMIT_AS, `ulimit -v`) is {limit}; every mapping counts "
+        "against it, shared memory and the interpreter's own libraries included. Nothing was "
+        "loaded. Fix: raise or remove the limit (`ulimit -v unlimited` before starting "
+        "Python), or load less at once (fewer columns, a smaller dataset)."
+    )
+
+
+@contextlib.contextmanager
+def named_os_errors(what: str, size: int = 0) -> Iterator[None]:
+    """Turn ``EMFILE``/``ENFILE`` inside into :func:`descriptor_error`'s named error.
+
+    With ``size`` (the bytes being mapped), ``ENOMEM`` becomes :func:`mapping_error`'s.
+
+    Example:
+        >>> with named_os_errors("a batch"):  # doctest: +ELLIPSIS
+        ...     raise OSError(errno.EMFILE, "Too many open files")
+        Traceback (most recent call last):
+        ...
+        shareddata.errors.TooManyOpenFilesError: [Errno 24] cannot open a descriptor for a batch...
+    """
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, SharedDataError):
+            raise
+        named: Exception | None = descriptor_error(e, what)
+        if named is None and size:
+            named = mapping_error(e, size, what)
+        if named is None:
+            raise
+        raise named from e
+
+
+def _mapped_bytes() -> int | None:
+    """The address space this process maps (``VmSize``), or ``None`` if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def check_capacity(

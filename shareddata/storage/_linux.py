@@ -270,30 +270,21 @@ def open_tmpfile(directory: str) -> int:
     return fd
 
 
-def replace_with_anonymous(mapped: mmap.mmap, size: int, ident: tuple[int, int]) -> bool:
-    """Swap ``mapped``'s pages for anonymous zeros and let go of the file.
+def replace_with_anonymous(address: int, size: int) -> bool:
+    """Swap the pages mapped at ``address`` for anonymous zeros (``MAP_FIXED``), in place.
 
-    Note [Freeing a failed load] in ``_storage/_segment.py``: the mapping is replaced in place
-    (``MAP_FIXED``), and every descriptor of this process on the file ``ident``
-    (device, inode) is pointed at ``/dev/null`` (``dup2``), so the ``mmap`` object's
-    own duplicate stays valid and is closed by it later.
+    Note [Freeing a failed load] in ``storage/_segment.py``: arrays over the range stay
+    valid memory; the file's pages are no longer mapped here.
 
     Returns:
         True on success; False if the mapping could not be replaced.
+
+    Example:
+        >>> fd = os.memfd_create("probe"); os.ftruncate(fd, 4096)
+        >>> address = map_fd(fd, 4096); array_at(address, 1)[0] = 7
+        >>> replace_with_anonymous(address, 4096), int(array_at(address, 1)[0])
+        (True, 0)
+        >>> unmap(address, 4096); os.close(fd)
     """
-    address = address_of(mapped)
     result = libc().mmap(address, size, PROT_READ_WRITE, MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0)
-    if result != address:
-        return False
-    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                st = os.stat(f"/proc/self/fd/{name}")
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) == ident and int(name) != null:
-                os.dup2(null, int(name))  # the mmap object's duplicate (and our own fd)
-    finally:
-        os.close(null)
-    return True
+    return bool(result == address)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._capacity import FULL_ERRNOS, available_memory, fallocate, full_error
-from ._linux import MADV_HUGEPAGE, MADV_POPULATE_WRITE, ForkSafeLock, address_of, madvise
+from ._linux import MADV_HUGEPAGE, MADV_POPULATE_WRITE, ForkSafeLock, madvise
 
 __all__ = ["Population", "populate", "population_failed", "population_threads", "ready"]
 
@@ -75,6 +75,7 @@ def populate(address: int, nbytes: int, threads: int | None = None) -> int:
 
     Example:
         >>> import mmap
+        >>> from shareddata.storage._linux import address_of
         >>> m = mmap.mmap(-1, 64 << 20)
         >>> populate(address_of(m), len(m), threads=2)
         0
@@ -159,7 +160,7 @@ class Population:
     def __init__(self, segment: Any, directory: str | None, what: str) -> None:
         """Start allocating the pages of ``segment`` (a ``Segment``, which imports this module)."""
         self.fd, self.size = segment.fd, segment.size
-        self.base = address_of(segment.mmap)
+        self.base = segment.address
         self.directory, self.what = directory, what
         self.steps = -(-self.size // _POPULATE_STEP)
         self._done = [False] * self.steps

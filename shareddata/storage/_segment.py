@@ -34,13 +34,15 @@ process map a dataset's segment copy-on-write too (Note [Sealed segments]).
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import mmap
 import os
 import secrets
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+import numpy as np
 
 from ..errors import AttachError
 from . import _handoff
@@ -50,18 +52,19 @@ from ._capacity import (
     check_capacity,
     fallocate,
     full_error,
+    named_os_errors,
     resolve_storage_dir,
 )
 from ._linux import (
     MADV_HUGEPAGE,
     ForkSafeLock,
-    address_of,
     file_identity,
     is_tmpfs,
     madvise,
     map_fd,
     open_tmpfile,
     replace_with_anonymous,
+    unmap,
 )
 from ._pages import Population, populate, population_failed
 
@@ -78,17 +81,39 @@ class Segment:
     The segment is freed by the kernel when every process has dropped it.
     """
 
-    def __init__(self, fd: int, size: int, token: str, writable: bool = True) -> None:
+    def __init__(
+        self, fd: int, size: int, token: str, writable: bool = True, what: str = "a shared segment"
+    ) -> None:
         self.fd = fd
         self.size = size
         self.token = token
         self.writable = writable
-        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY
-        self.mmap = mmap.mmap(fd, size, access=access)
         self._ident = file_identity(fd)
+        # Note [One descriptor per segment]: mapped with no descriptor of its own
+        with named_os_errors(what, size):  # no address space left: named
+            self.address = map_fd(fd, size, private=not writable)
+        # unmapped when nothing refers to the segment any more (every array over it
+        # holds it: :meth:`view`); not at exit, where other finalizers may still read it
+        self._unmap = weakref.finalize(self, unmap, self.address, size)
+        self._unmap.atexit = False
         # closes fd, or holds it while a receiver has yet to open it (_handoff.release)
         self._finalizer = weakref.finalize(self, _handoff.release, fd)
         self.created_here = False  # set by create(): only the creator may discard()
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """A writable ``uint8`` array over ``nbytes`` at ``offset`` of the mapping.
+
+        The array, and every view of it (numpy or torch), holds the segment: the
+        mapping stays as long as any of them does.
+        """
+        if nbytes is None:
+            nbytes = self.size - offset
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) beyond a segment of {self.size}")
+        # over the whole segment: ctypes keeps one array type per length, forever
+        raw = (ctypes.c_uint8 * self.size).from_address(self.address)
+        raw.segment = self  # type: ignore[attr-defined]  # the base of every view
+        return np.frombuffer(memoryview(raw), np.uint8)[offset : offset + nbytes]
 
     @classmethod
     def create(
@@ -119,7 +144,13 @@ class Segment:
             SharedMemoryFullError: before anything is written, when there is no room.
         """
         directory = resolve_storage_dir(storage_dir)
-        size = max(int(nbytes), 1)
+        with named_os_errors(what):  # no descriptor left (reading the room takes one too)
+            return cls._create(max(int(nbytes), 1), directory, what, reserve, ahead)
+
+    @classmethod
+    def _create(
+        cls, size: int, directory: str | None, what: str, reserve: bool, ahead: bool
+    ) -> Segment:
         check_capacity(size, directory, what)
         if directory is None:
             fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
@@ -139,7 +170,7 @@ class Segment:
                 if e.errno in FULL_ERRNOS:
                     raise full_error(size, available_memory(directory), directory, what) from e
                 raise
-            segment = cls(fd, size, secrets.token_hex(8))
+            segment = cls(fd, size, secrets.token_hex(8), what=what)
         except BaseException:
             os.close(fd)
             raise
@@ -160,8 +191,8 @@ class Segment:
     def _reserve(self, by_faults: bool, directory: str | None, what: str) -> None:
         """Allocate (``by_faults``) and map every page: Note [Allocating shared pages]."""
         if by_faults:
-            madvise(address_of(self.mmap), self.size, MADV_HUGEPAGE)  # a hint; may do nothing
-        error = populate(address_of(self.mmap), self.size)
+            madvise(self.address, self.size, MADV_HUGEPAGE)  # a hint; may do nothing
+        error = populate(self.address, self.size)
         if by_faults and error:
             population_failed(error, self.fd, self.size, directory, what)
 
@@ -205,12 +236,10 @@ class Segment:
         return self
 
     def close(self) -> None:
-        """Unmap and close now (arrays over the segment must be gone)."""
+        """Unmap and close now: for a segment that no array refers to (a failed create)."""
         _ATTACHED.pop((self.token, self.writable), None)
-        try:
-            self.mmap.close()
-        except BufferError:  # views still exist: they keep the mapping alive
-            return
+        _SEALED.discard(self)
+        self._unmap()
         self._finalizer()
 
     def seal(self) -> None:
@@ -240,11 +269,9 @@ class Segment:
         _handoff.forget(self.fd)  # freed on purpose: no receiver is waited for
         _ATTACHED.pop((self.token, self.writable), None)
         _SEALED.discard(self)
-        try:
-            self.mmap.close()
-        except BufferError:  # views are alive: swap the pages out from under them
-            if not replace_with_anonymous(self.mmap, self.size, self._ident):
-                return  # could not: the views keep it until they are gone
+        # views may be alive: swap the pages out from under them
+        if not replace_with_anonymous(self.address, self.size):
+            return  # could not: the views keep it until they are gone
         self._finalizer()
 
     def __repr__(self) -> str:
@@ -258,18 +285,28 @@ class Segment:
 # reader, the ``__cause__`` of a library's exception, a closure. A notebook keeps the
 # last exception (``sys.last_value``) until the next one, so a failed 100 GiB load
 # would stay in RAM and make the retry fail for lack of room. The loader therefore
-# discards the segment at once, whatever still refers to it:
-#
-# * the mapping is replaced in place by anonymous zero pages (``mmap`` with
-#   ``MAP_FIXED`` at the same address), so a leftover array stays valid memory and
-#   reads zeros instead of crashing; Python's ``mmap`` object unmaps that range
-#   when it is collected, as it would have;
-# * Python's ``mmap`` keeps a duplicate of the descriptor (for ``size()``): that
-#   descriptor number is pointed at ``/dev/null`` with ``dup2`` (so it stays owned
-#   by the ``mmap`` object, which closes it later) and our own descriptor is closed.
-#
-# The kernel then frees the pages at once. Nothing in ``shareddata`` touches a
-# discarded segment again.
+# discards the segment at once, whatever still refers to it: the mapping is replaced
+# in place by anonymous zero pages (``mmap`` with ``MAP_FIXED`` at the same address),
+# so a leftover array stays valid memory and reads zeros instead of crashing, and the
+# segment's descriptor, its only one in this process (Note [One descriptor per
+# segment]), is closed. The kernel then frees the pages at once; the anonymous range
+# is unmapped when the last array over it is gone. Nothing in ``shareddata`` touches
+# a discarded segment again.
+
+
+# Note [One descriptor per segment]
+# =================================
+# A process that maps a segment holds one descriptor of it: the one it hands out as
+# ``/proc/<pid>/fd/<fd>`` (Note [How shared segments are made, shared and freed]).
+# The mapping itself holds none: it is made with ``map_fd`` (``mmap`` through libc),
+# not Python's ``mmap.mmap``, which keeps a duplicate of the descriptor for as long
+# as it lives (two per segment: ``ulimit -n`` was reached at half as many datasets).
+# Arrays over the segment are numpy arrays over a ctypes buffer that holds the
+# ``Segment`` (:meth:`Segment.view`), so the mapping lives as long as any array,
+# tensor or view over it, and is unmapped by a finalizer when the last is gone (not
+# at exit: other finalizers may still read it). When the limit is reached anyway,
+# :class:`~shareddata.TooManyOpenFilesError` names it and the fix; when the address
+# space is (``ulimit -v``), :class:`~shareddata.SharedMemoryFullError`.
 
 
 # Note [Sealed segments]
@@ -292,11 +329,7 @@ def _remap_sealed_in_child() -> None:
         return
     for segment in list(_SEALED):
         try:
-            address = address_of(segment.mmap)
-        except (ValueError, TypeError):  # closed meanwhile
-            continue
-        try:
-            map_fd(segment.fd, segment.size, private=True, at=address)
+            map_fd(segment.fd, segment.size, private=True, at=segment.address)
         except OSError:  # no address space left: this child keeps the shared mapping
             pass
 
@@ -321,6 +354,8 @@ def attach(
 
     Raises:
         AttachError: the sender no longer holds the file, or may not be read.
+        TooManyOpenFilesError: this process has no descriptor left (``ulimit -n``).
+        SharedMemoryFullError: this process has no address space left (``ulimit -v``).
     """
     with _ATTACH_LOCK:
         # A writable mapping serves read-only arrays too; a copy-on-write one never
@@ -332,8 +367,10 @@ def attach(
             _handoff.acknowledge(existing.fd, size, slot, nonce)
             return existing
         path = f"/proc/{pid}/fd/{fd}"
+        what = f"shared segment {token} sent by process {pid}"
         try:
-            new_fd = _open_for_attach(path, writable)
+            with named_os_errors(what):  # no descriptor left: named
+                new_fd = _open_for_attach(path, writable)
         except FileNotFoundError as e:
             holder = "this process" if pid == os.getpid() else f"process {pid}, which sent it,"
             raise AttachError(
@@ -357,7 +394,7 @@ def attach(
                     "file (the sender closed the segment and reused the descriptor)."
                 )
             _handoff.acknowledge(new_fd, size, slot, nonce)
-            segment = Segment(new_fd, size, token, writable=writable)
+            segment = Segment(new_fd, size, token, writable=writable, what=what)
         except BaseException:
             os.close(new_fd)
             raise

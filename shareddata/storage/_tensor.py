@@ -47,6 +47,7 @@ from torch.multiprocessing import reductions as torch_reductions
 
 from .._compat import DisableTorchFunctionSubclass, coo_parts, make_subclass
 from ..errors import BatchSendError
+from ._capacity import named_os_errors
 from ._linux import array_at, map_fd, page_floor, unmap
 from ._segment import Segment, attach
 
@@ -254,22 +255,18 @@ def _rebuild_segment_storage(
     writable = handle[-1]
     segment = attach(*handle)
     if writable:
-        array = np.frombuffer(segment.mmap, np.uint8, nbytes, offset)
-        weakref.finalize(array, _keep, segment)  # the segment lives as long as the array
+        array = segment.view(offset, nbytes)  # the segment lives as long as the array
     else:
         array = _private_mapping(segment.fd, offset, nbytes)
     return torch.from_numpy(array).untyped_storage()
-
-
-def _keep(segment: Any) -> None:
-    """Nothing: a finalizer's argument is held until the object it watches is gone."""
 
 
 def _private_mapping(fd: int, offset: int, nbytes: int) -> np.ndarray:
     """A copy-on-write mapping of ``nbytes`` at ``offset`` of ``fd``, unmapped when garbage."""
     start = page_floor(offset)
     length = offset + nbytes - start
-    mapped = array_at(map_fd(fd, length, start, private=True), length)
+    with named_os_errors("a tensor received from another process", length):
+        mapped = array_at(map_fd(fd, length, start, private=True), length)
     address = mapped.ctypes.data
     weakref.finalize(mapped, unmap, address, length).atexit = False
     return mapped[offset - start : offset - start + nbytes]

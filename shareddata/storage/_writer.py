@@ -21,10 +21,11 @@ from .._text import format_bytes
 from ..errors import (
     SharedMemoryFullError,
 )
-from . import Segment
-from ._capacity import available_memory, full_error, resolve_storage_dir
+from ._array import SharedArray, aligned
+from ._capacity import available_memory, full_error, named_os_errors, resolve_storage_dir
 from ._handoff import file_size
-from ._linux import MADV_POPULATE_READ, address_of, madvise, open_tmpfile
+from ._linux import MADV_POPULATE_READ, madvise, open_tmpfile
+from ._segment import Segment
 
 __all__ = ["FULL_ERRNOS", "VarStore", "map_written", "pwrite_all"]
 
@@ -128,7 +129,8 @@ class VarStore:
             return
         end = self.written + self._pending_bytes
         if end > self.checked:
-            self._grow(end)
+            with named_os_errors(self.what):  # reading the room takes a descriptor
+                self._grow(end)
         views, self._pending, self._pending_bytes = self._pending, [], 0
         try:
             done = os.pwritev(self.fd, views, self.written)
@@ -147,10 +149,11 @@ class VarStore:
         self.written = end
 
     def _open(self) -> None:
-        if self.directory is None:
-            self.fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
-        else:
-            self.fd = open_tmpfile(self.directory)
+        with named_os_errors(self.what):  # no descriptor left: named
+            if self.directory is None:
+                self.fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
+            else:
+                self.fd = open_tmpfile(self.directory)
 
     def _grow(self, end: int) -> None:
         """Check room for the file to grow to ``end`` bytes (and up to a step more).
@@ -180,8 +183,26 @@ class VarStore:
         segment = Segment(self.fd, size, secrets.token_hex(8))  # closes fd when dropped
         segment.created_here = True
         self.fd = -1
-        map_written(address_of(segment.mmap), self.written)
+        map_written(segment.address, self.written)
         return segment, self.written // self.dtype.itemsize
+
+    def finish_with_offsets(self) -> tuple[SharedArray, SharedArray]:
+        """Hand the file over with the offsets after the values: ``(values, offsets)``.
+
+        One segment, so one descriptor, for a whole column (``SharedList``): the
+        offsets (int64, rows + 1) are written past the values, aligned, as the
+        values were, capacity checked.
+        """
+        self.flush()
+        count = self.written // self.dtype.itemsize
+        start = aligned(self.written)
+        offsets = np.frombuffer(self.offsets, np.int64)
+        self._queue(bytes(start - self.written))
+        self._queue(offsets)
+        self.flush()
+        segment, _ = self.finish()
+        values = SharedArray(segment, 0, (count,), self.dtype)
+        return values, SharedArray(segment, start, offsets.shape, np.int64)
 
     def discard(self) -> None:
         """Free the file now (a failed load)."""

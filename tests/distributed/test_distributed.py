@@ -143,8 +143,9 @@ def test_two_local_ranks_share_one_copy(data_256, tmp_path):
     expected = hashlib.sha1(np.load(data_256, mmap_mode="r").tobytes()).hexdigest()
     assert r0["sha1"] == expected
     # SharedDataset(MyDataset()) and SharedList(...) with no code change: local rank 0
-    # reads the items, rank 1 attaches without calling __getitem__; one copy per node.
-    assert r0["wrap_calls"] >= 8192 and r1["wrap_calls"] == 0
+    # reads the items, rank 1 attaches calling __getitem__ only for the sample that ranks
+    # compare (the fingerprint of the data); one copy per node.
+    assert r0["wrap_calls"] >= 8192 and r1["wrap_calls"] == distributed.SAMPLE_ITEMS
     assert r0["wrap_ok"] and r1["wrap_ok"]
     assert r0["dataset_segments"] == r1["dataset_segments"]
     assert r0["list_segments"] == r1["list_segments"]
@@ -264,6 +265,32 @@ def test_ranks_that_select_differently_are_refused(tmp_path):
     shard = got["shard", 1]["message"]  # says what differs, not "in-memory data"
     assert "shard='node'" in shard and "in-memory data differs" not in shard, shard
     assert got["same", 0]["type"] is None and got["same", 1]["type"] is None
+
+
+def test_ranks_that_wrap_different_data_are_refused(tmp_path):
+    """SharedDataset / SharedList of one class and length over different data on two local
+    ranks: LocalRankError on both (before: rank 1 silently got rank 0's items). Equal
+    data is shared, and the attaching rank reads only a sample of the items; a dataset
+    that augments at random (from each rank's own random state) still agrees."""
+    run = torchrun(
+        "--standalone", "--nproc_per_node=2", os.path.join(SCRIPTS, "failures.py"), "wrapped",
+        str(tmp_path), SHAREDDATA_TIMEOUT="30",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = {(r["scenario"], r["local_rank"]): r for r in results(run.stdout)}
+    for scenario in ("shared dataset data", "shared list data"):
+        for rank in (0, 1):
+            assert got[scenario, rank]["type"] == "LocalRankError", (scenario, rank, got)
+        assert "items" in got[scenario, 1]["message"], got[scenario, 1]["message"]
+    for scenario in ("shared dataset same", "shared list same", "shared dataset random"):
+        for rank in (0, 1):
+            assert got[scenario, rank]["type"] is None, (scenario, rank, got[scenario, rank])
+    assert got["shared list generator", 1]["type"] is None  # compared by type only
+    calls = {rank: got["calls", rank] for rank in (0, 1)}
+    assert calls[0]["item"] == calls[1]["item"] == 5
+    assert calls[1]["calls"] == distributed.SAMPLE_ITEMS, calls  # a sample, not 64 items
+    assert calls[0]["calls"] >= 64 + distributed.SAMPLE_ITEMS, calls  # every item, and the sample
+    assert got["noisy item", 0]["value"] == got["noisy item", 1]["value"]
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ def test_public_api_is_pinned():
         "SharedMemoryFullError",
         "SharedTensor",
         "SourceReadError",
+        "TooManyOpenFilesError",
         "UnpicklableItemError",
         "UnsupportedDtypeError",
         "__version__",
@@ -83,6 +84,7 @@ def test_every_error_is_a_shareddata_error_and_a_builtin():
         sd.MissingDependencyError: ImportError,
         sd.SharedMemoryFullError: MemoryError,
         sd.AttachError: OSError,
+        sd.TooManyOpenFilesError: OSError,
     }
     for cls, builtin in builtins.items():
         assert issubclass(cls, sd.SharedDataError) and issubclass(cls, builtin)

@@ -19,7 +19,7 @@ import torch
 from ...columns._items import Leaf, host_numpy
 from ...storage import Segment, SharedArray
 from ...storage._capacity import resolve_storage_dir
-from ...storage._linux import MADV_POPULATE_READ, address_of, madvise
+from ...storage._linux import MADV_POPULATE_READ, madvise
 from ...storage._writer import pwrite_all
 
 __all__ = ["BlockWriter", "Writer", "chunk_rows"]
@@ -121,7 +121,7 @@ class Writer:
 
     def __init__(self, segment: Segment, chunk: int, storage_dir: Any, what: str) -> None:
         self._blocks = BlockWriter(segment, chunk, storage_dir, what)
-        self._base = address_of(segment.mmap)
+        self._base = segment.address
         self._populate = True
         self._jobs: queue.Queue[Any] = queue.Queue(maxsize=2)
         self._error: BaseException | None = None

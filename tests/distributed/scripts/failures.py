@@ -6,6 +6,10 @@ Scenarios (argv[1]):
   memory); then the ranks build different data (a mismatch); then local rank 0
   never builds the dataset at all (the other rank must time out). Each rank prints
   ``RESULT {json}`` with what it raised and how long it took.
+* ``selection``: one file, a different selection per rank.
+* ``wrapped``: SharedDataset / SharedList of one class and length over different data
+  (refused), over the same data (shared; the attaching rank reads only a sample),
+  and over a dataset whose items are randomly augmented (shared).
 * ``dies``: local rank 0 is SIGKILLed in the middle of its load.
 """
 
@@ -16,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 import shareddata as sd
 from shareddata.columns._columns import ColumnSpec
@@ -100,12 +105,67 @@ def selection_scenario(folder):
     attempt("same", lambda: sd.HDF5Dataset(path.format("xy.h5"), ["x", "y"]))  # agreed: fine
 
 
+class Rows(torch.utils.data.Dataset):
+    """A user's dataset: 64 items ``(tensor, int)`` from ``offset``; ``noise`` adds a random
+    augmentation drawn from torch's global generator (seeded differently on each rank)."""
+
+    def __init__(self, offset, noise=False):
+        self.offset, self.noise, self.calls = offset, noise, 0
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        self.calls += 1
+        x = torch.full((3,), float(i + self.offset))
+        if self.noise:
+            x = x + torch.rand(3)
+        return x, i + self.offset
+
+
+def wrapped_scenario(folder):
+    """SharedDataset / SharedList of one class and length over different data: refused."""
+    torch.manual_seed(1000 + LOCAL_RANK)  # each rank's own random state, as in training
+    differ = 1 if LOCAL_RANK else 0  # rank 1's row 63 only differs (the last item sampled)
+    rows = [{"id": i, "label": f"#{i}"} for i in range(64)]
+    other = rows[:63] + [{"id": 63, "label": "#63" if not differ else "changed"}]
+    attempt("shared dataset data", lambda: sd.SharedDataset(Rows(differ * 100)))
+    attempt("shared list data", lambda: sd.SharedList(other))
+    same = Rows(0)
+    got = {}
+
+    def wrap_same():
+        got["ds"] = sd.SharedDataset(same)
+
+    attempt("shared dataset same", wrap_same)
+    ds = got.get("ds")
+    line = {"scenario": "calls", "local_rank": LOCAL_RANK, "calls": same.calls}
+    line["item"] = ds[5][1] if ds is not None else None
+    sys.stdout.write("RESULT " + json.dumps(line) + "\n")
+    sys.stdout.flush()
+    attempt("shared list same", lambda: sd.SharedList(rows))
+    noisy = Rows(0, noise=True)
+
+    def wrap_noisy():
+        got["noisy"] = sd.SharedDataset(noisy)
+
+    attempt("shared dataset random", wrap_noisy)
+    if "noisy" in got:  # every rank reads local rank 0's (random) items
+        value = got["noisy"][7][0].tolist()
+        line = {"scenario": "noisy item", "local_rank": LOCAL_RANK, "value": value}
+        sys.stdout.write("RESULT " + json.dumps(line) + "\n")
+        sys.stdout.flush()
+    attempt("shared list generator", lambda: sd.SharedList(r for r in rows))
+
+
 def main():
     scenario, folder = sys.argv[1], sys.argv[2]
     if scenario == "errors":
         errors_scenario(folder)
     elif scenario == "selection":
         selection_scenario(folder)
+    elif scenario == "wrapped":
+        wrapped_scenario(folder)
     elif scenario == "dies":
         attempt("dies", lambda: build(lambda: _Dying()))
 
