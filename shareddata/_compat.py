@@ -23,6 +23,12 @@ __all__ = [
     "DisableTorchFunctionSubclass",
     "coo_parts",
     "collate",
+    "collate_float_fn",
+    "collate_int_fn",
+    "collate_numpy_array_fn",
+    "collate_numpy_scalar_fn",
+    "collate_str_fn",
+    "collate_tensor_fn",
     "default_collate_fn_map",
     "dataloader_progress",
     "dataloader_worker_pids",
@@ -101,8 +107,21 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
 # ``default_collate`` dispatches on a registry of types, and its docstring documents
 # registering a type there ("Option 2"); the registry and the generic ``collate`` live
 # in ``torch.utils.data._utils.collate``. shareddata registers only its own types
-# (``Row``, ``RowTuple``: Note [The default collate's shortcut] in ``crossing/_batch.py``).
-from torch.utils.data._utils.collate import collate, default_collate_fn_map  # noqa: E402
+# (``Row``, ``RowTuple``, ``RowList``, ``SharedTensor``: Note [The default collate's
+# shortcut] in ``crossing/_batch.py``). The registry's own functions (``collate``'s
+# docstring names them as what to extend) are recognised in a worker's collate into
+# one memfd (Note [Collating into one memfd] in ``crossing/_collate.py``): without
+# them every tensor of such a batch would leave the worker in a segment of its own.
+from torch.utils.data._utils.collate import (  # noqa: E402
+    collate,
+    collate_float_fn,
+    collate_int_fn,
+    collate_numpy_array_fn,
+    collate_numpy_scalar_fn,
+    collate_str_fn,
+    collate_tensor_fn,
+    default_collate_fn_map,
+)
 
 
 def read_npy_header_3(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:

@@ -63,6 +63,21 @@ def test_collate_registry_dispatches_on_a_registered_type():
         del _compat.default_collate_fn_map[Mine]
 
 
+def test_the_registry_holds_torchs_own_collate_functions():
+    # a worker's collate into one memfd (crossing/_collate.py) recognises them
+    fns = _compat.default_collate_fn_map
+    assert fns[torch.Tensor] is _compat.collate_tensor_fn
+    assert fns[np.ndarray] is _compat.collate_numpy_array_fn
+    assert fns[(np.bool_, np.number, np.object_)] is _compat.collate_numpy_scalar_fn
+    assert fns[float] is _compat.collate_float_fn and fns[int] is _compat.collate_int_fn
+    assert fns[str] is _compat.collate_str_fn and fns[bytes] is _compat.collate_str_fn
+    out = torch.empty(2, 3)
+    batch = [torch.ones(3), torch.zeros(3)]
+    assert torch.equal(torch.stack(batch, 0, out=out), _compat.collate_tensor_fn(batch))
+    assert _compat.collate_int_fn([1, 2]).dtype == torch.int64
+    assert _compat.collate_float_fn([1.0]).dtype == torch.float64
+
+
 def test_only_shareddata_types_are_registered_for_the_default_collate():
     types = [t for t in _compat.default_collate_fn_map if isinstance(t, type)]
     ours = [t for t in types if t.__module__.startswith("shareddata")]

@@ -20,7 +20,6 @@ pickled) and recompiles the fast path.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -43,6 +42,7 @@ __all__ = [
     "check_leaf",
     "classify",
     "compile_fast_path",
+    "describe_leaf",
     "describe_value",
     "field_name",
     "flatten",
@@ -50,8 +50,8 @@ __all__ = [
     "infer_schema",
     "nest_paths",
     "numeric_list",
+    "plain_tensor",
     "rebuild",
-    "restore",
     "unnest",
 ]
 
@@ -69,12 +69,24 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 @dataclass
 class Leaf:
+    """One leaf of the schema: how its values are stored (``dtype``: the column's).
+
+    ``tensor_type`` is a tensor leaf's class when it is not ``torch.Tensor`` (an
+    ``nn.Parameter``, a subclass), ``requires_grad`` its flag, ``array_dtype`` an
+    ndarray leaf's own dtype when its byte order is not native (``>i4``): the
+    column holds native values, given back in that order (Note [What comes back]
+    in ``_restore.py``).
+    """
+
     path: str
     kind: str
     dtype: np.dtype
     shape: tuple[int, ...] = ()
     ragged: bool = False
     torch_dtype: torch.dtype | None = None
+    tensor_type: type | None = None
+    requires_grad: bool = False
+    array_dtype: np.dtype | None = None
 
 
 def field_name(path: str) -> str:
@@ -83,10 +95,36 @@ def field_name(path: str) -> str:
 
 def describe_value(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"tensor {value.dtype} {tuple(value.shape)}"
+        name = "tensor" if type(value) is torch.Tensor else type(value).__name__
+        grad = " requiring grad" if value.requires_grad else ""
+        extra = " with attributes" if type(value) is not torch.Tensor and value.__dict__ else ""
+        return f"{name} {value.dtype} {tuple(value.shape)}{grad}{extra}"
     if isinstance(value, np.ndarray):
-        return f"ndarray {value.dtype} {value.shape}"
+        dtype = value.dtype if value.dtype.isnative else value.dtype.str  # ">i4"
+        return f"ndarray {dtype} {value.shape}"
     return type(value).__name__
+
+
+def describe_leaf(leaf: Leaf) -> str:
+    """What a leaf's values are, as :func:`describe_value` says it of a value (no shape)."""
+    if leaf.kind == "tensor":
+        name = "tensor" if leaf.tensor_type is None else leaf.tensor_type.__name__
+        dtype = str(leaf.torch_dtype)[len("torch.") :]
+        return f"{name} {dtype}" + (" requiring grad" if leaf.requires_grad else "")
+    if leaf.kind == "ndarray" and leaf.array_dtype is not None:
+        return f"ndarray {leaf.array_dtype.str}"
+    return f"{leaf.kind} {leaf.dtype}" if leaf.kind in FIXED - {"int"} else leaf.kind
+
+
+def _rebuildable(value: torch.Tensor) -> bool:
+    """Whether a tensor of a subclass comes back as itself from its data (``as_subclass``).
+
+    Not a wrapper subclass (its own ``__torch_dispatch__``: its data is not its
+    storage) and no attributes of its own (``as_subclass`` would not carry them).
+    """
+    cls = type(value)
+    dispatch = getattr(cls, "__torch_dispatch__", None)
+    return dispatch is torch.Tensor.__torch_dispatch__ and not value.__dict__
 
 
 _STORED_AS = {torch.bfloat16: torch.int16}
@@ -109,12 +147,20 @@ def classify(value: Any, path: str) -> Leaf | None:
     if isinstance(value, torch.Tensor):
         if value.layout is not torch.strided or value.is_quantized or value.is_nested:
             return Leaf(path, "pickle", np.dtype(np.uint8))  # sparse, quantized: kept whole
+        cls = type(value)
+        if cls is not torch.Tensor and not _rebuildable(value):
+            return Leaf(path, "pickle", np.dtype(np.uint8))  # kept whole: pickle keeps all
         dtype = to_numpy_dtype(_STORED_AS.get(value.dtype, value.dtype))
-        return Leaf(path, "tensor", dtype, tuple(value.shape), torch_dtype=value.dtype)
-    if isinstance(value, np.ndarray):
-        if value.dtype.hasobject or value.dtype.fields is not None or value.dtype.kind in _PICKLED:
+        return Leaf(
+            path, "tensor", dtype, tuple(value.shape), torch_dtype=value.dtype,
+            tensor_type=None if cls is torch.Tensor else cls, requires_grad=value.requires_grad,
+        )  # fmt: skip
+    if isinstance(value, np.ndarray):  # np.memmap too: given back as an ndarray
+        dtype = value.dtype
+        if dtype.hasobject or dtype.fields is not None or dtype.kind in _PICKLED:
             return Leaf(path, "pickle", np.dtype(np.uint8))
-        return Leaf(path, "ndarray", value.dtype.newbyteorder("="), value.shape)
+        own = None if dtype.isnative else dtype
+        return Leaf(path, "ndarray", dtype.newbyteorder("="), value.shape, array_dtype=own)
     if isinstance(value, np.generic) and value.dtype.kind not in _PICKLED:
         return Leaf(path, "npscalar", value.dtype.newbyteorder("="))
     if isinstance(value, bool):
@@ -133,6 +179,11 @@ def classify(value: Any, path: str) -> Leaf | None:
     if type(value) in (tuple, dict):
         return None
     return Leaf(path, "pickle", np.dtype(np.uint8))
+
+
+def plain_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A tensor's data as a plain tensor that requires no grad (what its column stores)."""
+    return value.as_subclass(torch.Tensor).detach()
 
 
 def _all_int(values: list[Any]) -> bool:
@@ -183,8 +234,8 @@ def flatten(item: Any, node: Any, out: list[Any], index: int, where: str = "") -
             f"item {index}, field {field_name(where)}: expected a {expected.__name__} as in "
             f"item 0, got {describe_value(item)}. Every item must have the same structure."
         )
-    if tag == "dict":
-        if list(item) != [k for k, _ in body]:
+    if tag == "dict":  # the keys of item 0, in any order
+        if len(item) != len(body) or any(k not in item for k, _ in body):
             raise ItemMismatchError(
                 f"item {index}, field {field_name(where)}: keys {list(item)} differ from item 0's "
                 f"{[k for k, _ in body]}."
@@ -201,15 +252,19 @@ def flatten(item: Any, node: Any, out: list[Any], index: int, where: str = "") -
         flatten(value, child, out, index, _join(where, i))
 
 
-def rebuild(node: Any, values: Sequence[Any]) -> Any:
-    """The item for ``node`` of a schema from its leaf values (the inverse of flattening)."""
+def rebuild(node: Any, values: Sequence[Any], batch: bool = False) -> Any:
+    """The item for ``node`` of a schema from its leaf values (the inverse of flattening).
+
+    Dicts come back with item 0's keys in item 0's order. ``batch``: the batch the
+    default collate makes from the leaves' batches (tuples become lists, as there).
+    """
     tag, body = node
     if tag == "leaf":
         return values[body]
     if tag == "dict":
-        return {k: rebuild(child, values) for k, child in body}
-    built = [rebuild(child, values) for child in body]
-    return tuple(built) if tag == "tuple" else built
+        return {k: rebuild(child, values, batch) for k, child in body}
+    built = [rebuild(child, values, batch) for child in body]
+    return tuple(built) if tag == "tuple" and not batch else built
 
 
 def nest_paths(names: Sequence[str], paths: Sequence[tuple[str, ...]]) -> Any:
@@ -270,34 +325,20 @@ def unnest(item: Any, node: Any, out: list[Any]) -> bool:
     """Put each leaf value of ``item`` at its column's place in ``out`` (undoes :func:`rebuild`).
 
     Returns False, leaving ``out`` partly filled, where ``item`` no longer has the
-    schema's structure (a key added, removed or replaced by a non-dict).
+    schema's structure (a key added, removed or replaced by a non-dict; a tuple or
+    list of another length).
     """
     tag, body = node
     if tag == "leaf":
         out[body] = item
         return True
-    if not isinstance(item, dict) or len(item) != len(body):
+    if tag == "dict":
+        if not isinstance(item, dict) or len(item) != len(body):
+            return False
+        return all(key in item and unnest(item[key], child, out) for key, child in body)
+    if not isinstance(item, tuple if tag == "tuple" else list) or len(item) != len(body):
         return False
-    return all(key in item and unnest(item[key], child, out) for key, child in body)
-
-
-def restore(kind: str, value: Any) -> Any:
-    """A leaf value as the original returned it, from what its column gives."""
-    if kind == "tensor":
-        return value
-    if kind == "bfloat16":  # stored as its bits (int16)
-        return value.view(torch.bfloat16)
-    if kind == "ndarray":
-        return value.numpy()
-    if kind == "npscalar":
-        return value.numpy()[()]
-    if kind in ("int", "float", "bool"):
-        return value.item()
-    if kind in ("intlist", "floatlist"):
-        return value.tolist()
-    if kind == "pickle":
-        return pickle.loads(value)
-    return value  # str, bytes
+    return all(unnest(value, child, out) for value, child in zip(item, body))
 
 
 def check_leaf(leaf: Leaf, value: Any, index: int) -> None:
@@ -312,14 +353,18 @@ def check_leaf(leaf: Leaf, value: Any, index: int) -> None:
     else:
         ok = got.kind == leaf.kind
         if ok and leaf.kind in ("tensor", "ndarray", "npscalar"):
-            ok = got.dtype == leaf.dtype and got.torch_dtype == leaf.torch_dtype
+            ok = (
+                got.dtype == leaf.dtype
+                and got.torch_dtype == leaf.torch_dtype
+                and got.tensor_type is leaf.tensor_type
+                and got.requires_grad == leaf.requires_grad
+                and got.array_dtype == leaf.array_dtype
+            )
     if not ok:
-        dtype = leaf.dtype if leaf.torch_dtype is None else str(leaf.torch_dtype)[len("torch.") :]
-        expected = f"{leaf.kind} {dtype}" if leaf.kind in FIXED - {"int"} else leaf.kind
         raise ItemMismatchError(
-            f"item {index}, field {field_name(leaf.path)}: expected {expected} as in item 0, "
-            f"got {describe_value(value)}. Make every item return the same types (cast in the "
-            "dataset), or wrap the value in a type that pickles."
+            f"item {index}, field {field_name(leaf.path)}: expected {describe_leaf(leaf)} as in "
+            f"item 0, got {describe_value(value)}. Make every item return the same types (cast "
+            "in the dataset), or wrap the value in a type that pickles."
         )
 
 
@@ -330,12 +375,20 @@ def _condition(leaf: Leaf, n: int, v: str, env: dict[str, Any]) -> str | None:
     """Source of the test that the value in variable ``v`` surely fits leaf ``n``."""
     kind = leaf.kind
     if kind in ("tensor", "ndarray"):
-        cls, ndim = ("Tensor", "dim()") if kind == "tensor" else ("ndarray", "ndim")
-        env[f"D{n}"] = leaf.torch_dtype if kind == "tensor" else leaf.dtype
-        dtype = f"{v}.dtype is D{n}" if kind == "tensor" else f"{v}.dtype == D{n}"
         env[f"S{n}"] = leaf.shape
+        if kind == "tensor":
+            env[f"C{n}"] = leaf.tensor_type or torch.Tensor
+            env[f"D{n}"] = leaf.torch_dtype
+            test = f"type({v}) is C{n} and {v}.dtype is D{n}"
+            test += f" and {v}.requires_grad is {leaf.requires_grad}"
+            if leaf.tensor_type is not None:
+                test += f" and not {v}.__dict__"
+            ndim = "dim()"
+        else:  # an np.memmap too; the item's own dtype (a big-endian one too)
+            env[f"D{n}"] = leaf.dtype if leaf.array_dtype is None else leaf.array_dtype
+            test, ndim = f"type({v}) in NDARRAYS and {v}.dtype == D{n}", "ndim"
         shape = f"{v}.{ndim} == {len(leaf.shape)}" if leaf.ragged else f"{v}.shape == S{n}"
-        return f"type({v}) is {cls} and {dtype} and {shape}"
+        return f"{test} and {shape}"
     if kind == "npscalar":
         env[f"T{n}"], env[f"D{n}"] = leaf.dtype.type, leaf.dtype
         return f"type({v}) is T{n} and {v}.dtype == D{n}"
@@ -358,7 +411,8 @@ def compile_fast_path(
         def fast(item):
             if type(item) is not tuple or len(item) != 3: return False
             v0, v1, v2, = item
-            if not (type(v0) is Tensor and v0.dtype is D0 and v0.shape == S0): return False
+            if not (type(v0) is C0 and v0.dtype is D0 and v0.requires_grad is False
+                    and v0.shape == S0): return False
             if not (type(v1) is int and -9223372036854775808 <= v1 <= ...): return False
             if not (type(v2) is str): return False
             A0(v0); A1(v1); A2(v2)
@@ -368,10 +422,10 @@ def compile_fast_path(
     written into its source.
     """
     env: dict[str, Any] = {
-        "Tensor": torch.Tensor,
-        "ndarray": np.ndarray,
+        "NDARRAYS": (np.ndarray, np.memmap),
         "_all_int": _all_int,
         "_all_float": _all_float,
+        "plain": plain_tensor,
     }
     lines: list[str] = []
     leaf_var: dict[int, str] = {}
@@ -387,7 +441,9 @@ def compile_fast_path(
         elif tag == "dict":
             k = next(names)
             env[f"K{k}"] = tuple(key for key, _ in body)
-            lines.append(f"if type({var}) is not dict or tuple({var}) != K{k}: return False")
+            env[f"KS{k}"] = {key for key, _ in body}
+            test = f"type({var}) is not dict or (tuple({var}) != K{k} and {var}.keys() != KS{k})"
+            lines.append(f"if {test}: return False")  # item 0's keys, in any order
             for j, (key, child) in enumerate(body):
                 env[f"K{k}_{j}"] = key
                 sub = f"v{next(names)}"
@@ -404,7 +460,9 @@ def compile_fast_path(
     visit(schema, "item")
     for n, sink in enumerate(sinks):
         env[f"A{n}"] = sink.append
-        lines.append(f"A{n}({leaf_var[n]})")
+        leaf = leaves[n]
+        special = leaf.kind == "tensor" and (leaf.tensor_type or leaf.requires_grad)
+        lines.append(f"A{n}(plain({leaf_var[n]}))" if special else f"A{n}({leaf_var[n]})")
     source = "def fast(item):\n" + "".join(f"    {line}\n" for line in [*lines, "return True"])
     exec(compile(source, "<SharedDataset fast path>", "exec"), env)
     return env["fast"]  # type: ignore[no-any-return]

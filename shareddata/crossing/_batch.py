@@ -8,9 +8,9 @@ copy of the data, in a second shared segment when it runs in a worker. Note
 
 Note [The default collate's shortcut]
 -------------------------------------
-The samples that ``__getitems__`` returns are :class:`Row` (a ``dict``) or
-:class:`RowTuple` (a ``tuple``) objects, in a :class:`Samples` list that keeps the
-gathered columns. Both types are registered in torch's
+The samples that ``__getitems__`` returns are :class:`Row` (a ``dict``),
+:class:`RowTuple` (a ``tuple``) or :class:`RowList` (a ``list``) objects, in a
+:class:`Samples` list that keeps the gathered columns. These types are registered in torch's
 ``default_collate_fn_map``, the documented way to teach ``default_collate`` a
 type ("Option 2" in its docstring). When ``default_collate`` meets a batch of
 them, :func:`collate_rows` checks that the batch is still exactly the list that
@@ -20,7 +20,8 @@ returned as they are (in a worker they were gathered straight into shared memory
 so the batch travels to the main process without another copy). In every other
 case (a custom ``collate_fn`` that filtered, reordered, replaced or added values,
 or samples mixed from several batches) it collates the generic way, exactly as
-``default_collate`` does for plain dicts and tuples. Values changed in place
+``default_collate`` does for plain dicts and tuples (in a worker into one memfd:
+Note [Collating into one memfd] in ``_collate.py``). Values changed in place
 (``sample["x"] += 1``) are views of the gathered batch, so the batch has the
 change either way.
 
@@ -28,9 +29,17 @@ The result has the structure ``default_collate`` gives for plain samples: a
 ``dict`` {column: batch} for dict samples, a ``list`` of column batches for tuple
 samples; fixed-shape columns give one stacked tensor, string and bytes columns a
 list, variable-length columns whatever ``default_collate`` does with their rows.
-Nested samples (Note [Nested items] in ``_items.py``) are checked leaf by leaf (each
-dict still has exactly its keys, each leaf the same object), and the gathered
-columns are returned nested the same way.
+Nested samples (Note [Nested items] in ``_items.py``; a ``SharedDataset``'s items,
+whatever tree of tuples, lists and dicts they are) are checked leaf by leaf (each
+dict still has exactly its keys, each tuple and list its length, each leaf the
+same object), and the gathered columns are returned nested the same way, tuples
+as lists (as ``default_collate`` gives them). A ``SharedDataset`` whose items are
+a tensor alone gives the tensors themselves: in a worker they are views of the
+batch's memfd, :class:`~shareddata.storage.SharedTensor` s, registered too. Where a
+column's batch is not what ``default_collate`` makes of its values (rows of
+varying length, a ``SharedDataset`` leaf of Note [What comes back] in
+``columns/_restore.py``), its rows are collated as ``default_collate`` collates
+them, in a worker into one memfd.
 
 Note [Samples made when first used]
 -----------------------------------
@@ -63,10 +72,17 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._compat import collate, default_collate_fn_map
-from ..columns._items import rebuild, unnest
+from torch.utils.data import get_worker_info
 
-__all__ = ["Row", "RowTuple", "Samples", "collate_columns", "collate_rows"]
+from .._compat import collate, collate_tensor_fn, default_collate_fn_map
+from ..columns._items import rebuild, unnest
+from ..storage import SharedTensor
+from ._collate import collate_in_one_memfd
+
+__all__ = [
+    "Row", "RowList", "RowTuple", "Samples",
+    "collate_columns", "collate_rows", "collate_shared", "schema_of",
+]  # fmt: skip
 
 
 class Row(dict):  # type: ignore[type-arg]
@@ -79,6 +95,23 @@ class RowTuple(tuple):  # type: ignore[type-arg]
     """One sample of a gathered batch, values in column order: a plain ``tuple`` to its user."""
 
     __slots__ = ()
+
+
+class RowList(list):  # type: ignore[type-arg]
+    """One sample of a gathered batch whose items are lists: a plain ``list`` to its user."""
+
+    __slots__ = ()
+
+
+def schema_of(nesting: Any, tuples: bool) -> Any:
+    """The schema samples are made from (None for flat samples).
+
+    ``nesting`` itself, except that with ``tuples`` (``output="tuple"``) a dict's
+    values, in order, are a tuple.
+    """
+    if nesting is not None and tuples and nesting[0] == "dict":
+        return ("tuple", [child for _, child in nesting[1]])
+    return nesting
 
 
 class Samples(list):  # type: ignore[type-arg]
@@ -98,9 +131,13 @@ class Samples(list):  # type: ignore[type-arg]
             row (views of ``batched`` for tensors), called at the first use.
         n: the number of rows (used when there are no columns).
         nesting: for nested samples, their schema (Note [Nested items] in
-            ``_items.py``); None for flat ones. Nested tuple samples hold the
-            item's top-level values.
+            ``_items.py``: a tree of tuples, lists and dicts); None for flat ones.
+            With ``tuples``, a dict schema's samples hold its top-level values.
         tuples: ``RowTuple`` samples rather than ``Row``.
+        firsts: per column, the function that makes row 0's value alone (None:
+            ``batched[0]`` for a stacked column, ``split(batched)[0]`` otherwise).
+        portable: ``splits`` and ``firsts`` are module-level functions: a list that
+            crosses as its columns pickles them (else it remakes them from ``stacked``).
 
     Example:
         >>> import torch
@@ -114,8 +151,8 @@ class Samples(list):  # type: ignore[type-arg]
     """
 
     __slots__ = (
-        "batched", "names", "nesting", "stacked",
-        "_splits", "_n", "_tuples", "_pending", "_first", "_first_values", "_values", "_rows",
+        "batched", "names", "nesting", "stacked", "_splits", "_firsts", "_portable",
+        "_n", "_tuples", "_pending", "_first", "_first_values", "_values", "_rows",
     )  # fmt: skip
 
     names: list[str]
@@ -132,10 +169,14 @@ class Samples(list):  # type: ignore[type-arg]
         n: int,
         nesting: Any = None,
         tuples: bool = False,
+        firsts: Sequence[Callable[[Any], Any] | None] | None = None,
+        portable: bool = False,
     ) -> None:
         super().__init__()
-        self.names, self.batched, self.stacked, self.nesting = names, batched, stacked, nesting
+        self.names, self.batched, self.stacked = names, batched, stacked
+        self.nesting = schema_of(nesting, tuples)
         self._splits, self._n, self._tuples = splits, n, tuples
+        self._firsts, self._portable = firsts, portable
         self._pending = True
         self._first: Any = None
         self._first_values: list[Any] = []
@@ -146,12 +187,14 @@ class Samples(list):  # type: ignore[type-arg]
     def _make(self, per_row: Any) -> list[Any]:
         """Samples from per-row value tuples (one value per column, column order)."""
         nesting, names = self.nesting, self.names
-        if self._tuples:
-            if nesting is not None:
-                return [RowTuple(rebuild(nesting, r).values()) for r in per_row]
-            return list(map(RowTuple, per_row))
         if nesting is not None:
-            return [Row(rebuild(nesting, r)) for r in per_row]
+            tag = nesting[0]
+            if tag == "leaf":  # the items are values alone
+                return [r[nesting[1]] for r in per_row]
+            made = {"dict": Row, "tuple": RowTuple, "list": RowList}[tag]
+            return [made(rebuild(nesting, r)) for r in per_row]
+        if self._tuples:
+            return list(map(RowTuple, per_row))
         if len(names) == 1:
             name = names[0]
             return [Row({name: r[0]}) for r in per_row]
@@ -179,9 +222,12 @@ class Samples(list):  # type: ignore[type-arg]
         if self._pending and type(index) is int and index == 0 and self._n:
             # what default_collate looks at first: the first sample alone
             if self._first is None:
+                firsts = self._firsts or [None] * len(self.batched)
                 self._first_values = [
-                    b[0] if stacked else split(b)[0]
-                    for split, b, stacked in zip(self._splits, self.batched, self.stacked)
+                    first(b) if first is not None else b[0] if stacked else split(b)[0]
+                    for split, first, b, stacked in zip(
+                        self._splits, firsts, self.batched, self.stacked
+                    )
                 ]
                 self._first = self._make([tuple(self._first_values)])[0]
             return self._first
@@ -198,8 +244,9 @@ class Samples(list):  # type: ignore[type-arg]
             # never looked at (``collate_fn=lambda b: b``): cross as the gathered
             # columns, a few tensors instead of one per row and column; the samples
             # are made where they are first used (Note [Samples made when first used])
+            portable = (self._splits, self._firsts) if self._portable else (None, None)
             args = (self.names, self.batched, self.stacked, self._n, self.nesting, self._tuples)
-            return _from_columns, args
+            return _from_columns, (*args, *portable)
         return list, (list(self),)
 
     def intact(self) -> bool:
@@ -235,24 +282,27 @@ class Samples(list):  # type: ignore[type-arg]
     ) -> bool:
         """:meth:`_intact` for nested samples (Note [Nested items] in ``_items.py``)."""
         out: list[Any] = [None] * len(self.names)
-        _, body = nesting
         for j, row in enumerate(rows):
-            if isinstance(row, Row):
-                ok = unnest(row, nesting, out)
-            else:  # a tuple of the top-level values, in order
-                ok = len(row) == len(body)
-                ok = ok and all(unnest(v, child, out) for v, (_, child) in zip(row, body))
-            if not ok or not all(o is v[j] for o, v in zip(out, values)):
+            if not unnest(row, nesting, out) or not all(o is v[j] for o, v in zip(out, values)):
                 return False
         return True
 
 
 def _from_columns(
-    names: list[str], batched: list[Any], stacked: list[bool], n: int, nesting: Any, tuples: bool
+    names: list[str],
+    batched: list[Any],
+    stacked: list[bool],
+    n: int,
+    nesting: Any,
+    tuples: bool,
+    splits: Any = None,
+    firsts: Any = None,
 ) -> Samples:
     """Unpickle :class:`Samples` that crossed as their columns (still to be made)."""
-    splits = [_unbind if s else _as_is for s in stacked]
-    return Samples(names, batched, stacked, splits, n, nesting, tuples)
+    portable = splits is not None
+    if splits is None:
+        splits = [_unbind if s else _as_is for s in stacked]
+    return Samples(names, batched, stacked, splits, n, nesting, tuples, firsts, portable)
 
 
 def _unbind(batch: Any) -> list[Any]:
@@ -301,6 +351,15 @@ def collate_rows(
         return collate_columns(
             batch.names, batch.batched, batch.stacked, batch.nesting, batch._tuples, collate_fn_map
         )
+    if collate_fn_map is None:
+        collate_fn_map = default_collate_fn_map
+    if get_worker_info() is not None:  # leaving a worker: Note [Collating into one memfd]
+        return collate_in_one_memfd(lambda fns: _collate_samples(batch, fns), collate_fn_map)
+    return _collate_samples(batch, collate_fn_map)
+
+
+def _collate_samples(batch: Sequence[Any], collate_fn_map: dict[Any, Callable[..., Any]]) -> Any:
+    """``default_collate`` of samples that are dicts, tuples or lists."""
     elem = batch[0]
     if isinstance(elem, dict):
         return {
@@ -310,6 +369,29 @@ def collate_rows(
     if any(len(e) != size for e in batch):
         raise RuntimeError("each element in list of batch should be of equal size")
     return [collate(s, collate_fn_map=collate_fn_map) for s in zip(*batch)]
+
+
+def collate_shared(
+    batch: Sequence[Any], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
+) -> Any:
+    """``default_collate`` for :class:`SharedTensor` s (a worker's views of its batch).
+
+    The gathered column when ``batch`` is an intact :class:`Samples` of items that
+    are tensors alone; in a worker, the tensors stacked into one memfd (Note
+    [Collating into one memfd] in ``_collate.py``); elsewhere torch's own stack.
+    """
+    if (
+        isinstance(batch, Samples)
+        and batch.nesting == ("leaf", 0)
+        and batch.stacked[0]
+        and batch.intact()
+    ):
+        return batch.batched[0]
+    if collate_fn_map is None:
+        collate_fn_map = default_collate_fn_map
+    if get_worker_info() is not None:
+        return collate_in_one_memfd(lambda fns: collate(batch, collate_fn_map=fns), collate_fn_map)
+    return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
 
 
 def collate_columns(
@@ -324,41 +406,70 @@ def collate_columns(
     """What ``default_collate`` makes of samples, from their columns as gathered.
 
     A stacked column is taken as it is; the others (one value per row) are collated
-    as ``default_collate`` collates them: from a tuple sample as a tuple (a str
-    column comes out as a tuple of str), from a dict as a list; tensors of one shape
-    are stacked. Samples of ``output="tuple"`` give a list of columns, as
-    ``default_collate`` gives for tuples. ``lenient``: a column that
-    ``default_collate`` cannot collate (rows of different lengths) stays the list of
-    its rows instead of raising.
+    as ``default_collate`` collates them (in a worker into one memfd: Note
+    [Collating into one memfd] in ``_collate.py``): from a tuple or list sample as a
+    tuple (a str column comes out as a tuple of str), from a dict as a list; tensors
+    of one shape are stacked. Samples of ``output="tuple"`` give a list of columns,
+    as ``default_collate`` gives for tuples; nested samples the same tree, tuples as
+    lists. ``lenient``: a column that ``default_collate`` cannot collate (rows of
+    different lengths) stays the list of its rows instead of raising.
     """
-    if nesting is None and all(stacked):  # every column as gathered
+    schema = schema_of(nesting, tuples)
+    if schema is None and all(stacked):  # every column as gathered
         return list(batched) if tuples else dict(zip(names, batched))
     if collate_fn_map is None:
         collate_fn_map = default_collate_fn_map
-    top = _top_level(names, nesting) if tuples else ()
-    columns = []
-    for k, (b, done) in enumerate(zip(batched, stacked)):
-        if not done:
-            rows = (tuple if k in top else list)(b)
+    in_sequence = _in_sequence(names, schema, tuples)
+    rows = {
+        k: (tuple if k in in_sequence else list)(b)
+        for k, (b, done) in enumerate(zip(batched, stacked))
+        if not done
+    }
+
+    def collate_rows_of(fns: dict[Any, Callable[..., Any]]) -> dict[int, Any]:
+        out = {}
+        for k, column in rows.items():
             try:
-                b = collate(rows, collate_fn_map=collate_fn_map)
+                out[k] = collate(column, collate_fn_map=fns)
             except (RuntimeError, TypeError):
                 if not lenient:
                     raise
-                b = list(b)
-        columns.append(b)
-    if nesting is not None:
-        nested = rebuild(nesting, columns)
-        return list(nested.values()) if tuples else nested
+                out[k] = list(column)
+        return out
+
+    if rows and get_worker_info() is not None:  # leaving a worker
+        collated = collate_in_one_memfd(collate_rows_of, collate_fn_map)
+    else:
+        collated = collate_rows_of(collate_fn_map)
+    columns = [collated.get(k, b) for k, b in enumerate(batched)]
+    if schema is not None:
+        return rebuild(schema, columns, batch=True)
     return columns if tuples else dict(zip(names, columns))
 
 
-def _top_level(names: Sequence[str], nesting: Any) -> range | set[int]:
-    """The columns that are values of the samples themselves (not inside a nested dict)."""
-    if nesting is None:
-        return range(len(names))
-    return {child[1] for _, child in nesting[1] if child[0] == "leaf"}
+def _in_sequence(names: Sequence[str], schema: Any, tuples: bool) -> set[int] | range:
+    """The columns whose values sit in a tuple or list of the samples (not in a dict)."""
+    if schema is None:
+        return range(len(names)) if tuples else set()
+    found: set[int] = set()
+
+    def visit(node: Any, in_sequence: bool) -> None:
+        tag, body = node
+        if tag == "leaf":
+            if in_sequence:
+                found.add(body)
+        elif tag == "dict":
+            for _, child in body:
+                visit(child, False)
+        else:
+            for child in body:
+                visit(child, True)
+
+    visit(schema, False)
+    return found
 
 
 default_collate_fn_map[Row] = collate_rows
 default_collate_fn_map[RowTuple] = collate_rows
+default_collate_fn_map[RowList] = collate_rows
+default_collate_fn_map[SharedTensor] = collate_shared

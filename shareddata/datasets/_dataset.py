@@ -9,7 +9,7 @@ pickles into workers as handles (``_storage/``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +27,39 @@ from ._load import Source, check_lengths
 __all__ = ["ColumnDataset", "Source"]
 
 Output = Literal["dict", "tuple"]
+
+
+class BatchValues(NamedTuple):
+    """What the samples of a gathered batch are made of (the arguments of :class:`Samples`).
+
+    A :class:`ColumnDataset`'s values are its columns; a ``SharedDataset``'s are its
+    items' leaves (a ragged leaf is two columns).
+    """
+
+    names: list[Any]
+    batched: list[Any]
+    stacked: list[bool]
+    splits: list[Callable[[Any], Any]]
+    firsts: list[Callable[[Any], Any] | None] | None
+    nesting: Any
+    tuples: bool
+    portable: bool = False
+
+    def samples(self, n: int) -> Samples:
+        """The :class:`Samples` of ``n`` rows, made when first used."""
+        return Samples(
+            self.names, self.batched, self.stacked, self.splits, n, self.nesting,
+            self.tuples, self.firsts, self.portable,
+        )  # fmt: skip
+
+    def collated(self) -> Any:
+        """The batch ``default_collate`` makes of the samples.
+
+        A column it cannot collate (rows of varying length) stays the list of its rows.
+        """
+        return collate_columns(
+            self.names, self.batched, self.stacked, self.nesting, self.tuples, lenient=True
+        )
 
 
 def is_int(index: Any) -> bool:
@@ -176,21 +209,22 @@ class ColumnDataset(Dataset):
             return sample if self.transform is None else self.transform(sample)
         shape = index_shape(index)
         if shape is None:
-            if self.transform is not None or type(self)._pack is not ColumnDataset._pack:
+            if self.transform is not None:
                 idx = self._indices(index)
                 if len(idx):
                     return lenient_collate(self.__getitems__(idx.tolist()))
             else:
                 shared = get_worker_info() is not None  # leaving a worker: in shared memory
                 idx, batched = self._gather(index, shared)
-                names, nesting, tuples = self._names, self._nesting, self.output != "dict"
-                if not len(idx):  # no row: each column as gathered, 0 rows or no value
+                if len(idx):  # each column's batch as gathered, the others collated
+                    return self._values(batched).collated()
+                if type(self)._pack is ColumnDataset._pack:
+                    # no row: each column as gathered, 0 rows or no value
+                    names, nesting, tuples = self._names, self._nesting, self.output != "dict"
                     if tuples and nesting is None:  # as the default collate: tuples of text
                         text = [c.kind in ("str", "bytes") for c in self._columns.values()]
                         batched = [() if t else b for b, t in zip(batched, text)]
                     return collate_columns(names, batched, [True] * len(names), nesting, tuples)
-                stacked = [isinstance(b, torch.Tensor) for b in batched]
-                return collate_columns(names, batched, stacked, nesting, tuples, lenient=True)
             shape = (0,)
         return rows_by_index(self.__getitems__, self._indices(index), shape, self._len)
 
@@ -234,13 +268,9 @@ class ColumnDataset(Dataset):
         # grow the worker's heap by several MiB, which glibc keeps).
         shared = get_worker_info() is not None
         idx, batched = self._gather(indices, shared)
-        columns = self._columns.values()
-        if self.transform is None and type(self)._pack is ColumnDataset._pack:
-            stacked = [isinstance(b, torch.Tensor) for b in batched]
-            splits = [c.split for c in columns]
-            tuples = self.output != "dict"
-            return Samples(self._names, batched, stacked, splits, len(idx), self._nesting, tuples)
-        values = [c.split(b) for c, b in zip(columns, batched)]
+        if self.transform is None:
+            return self._values(batched).samples(len(idx))
+        values = [c.split(b) for c, b in zip(self._columns.values(), batched)]
         if values:
             samples = [self._pack(row) for row in zip(*values)]
         else:
@@ -248,6 +278,17 @@ class ColumnDataset(Dataset):
         if self.transform is not None:
             samples = [self.transform(s) for s in samples]
         return samples
+
+    def _values(self, batched: list[Any]) -> BatchValues:
+        """What the samples of a gathered batch (each column's batch) are made of.
+
+        Subclasses whose samples are not their columns (``SharedDataset``) say it here,
+        so that ``__getitems__`` and ``ds[indices]`` take the same shortcut for them.
+        """
+        stacked = [isinstance(b, torch.Tensor) for b in batched]
+        splits = [c.split for c in self._columns.values()]
+        tuples = self.output != "dict"
+        return BatchValues(self._names, batched, stacked, splits, None, self._nesting, tuples)
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(self._len):

@@ -23,7 +23,9 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from .._text import format_bytes
 from ..columns._columns import BytesColumn, Column, ColumnSpec
-from ..columns._items import rebuild, restore
+from ..columns._items import rebuild
+from ..columns._restore import LeafType, leaf_batches, restore
+from ..crossing._batch import Row, RowList, RowTuple
 from ..crossing._outbox import into_one_batch
 from ..distributed import SAMPLE_ITEMS, NodeShard, sample_digest
 from ..errors import (
@@ -35,7 +37,7 @@ from ..errors import (
     UnpicklableItemError,
 )
 from ..storage._writer import VarStore
-from ._dataset import ColumnDataset, is_int
+from ._dataset import BatchValues, ColumnDataset, is_int
 from ._indexing import index_shape, index_tensor, nest_rows
 from ._load import Allocator, Part, Shard, Share, build, progress_bar
 from ._materialise import DatasetProducer
@@ -138,26 +140,41 @@ class SharedDataset(ColumnDataset):
         self._init(columns, kinds, transform, schema)
 
     def _init(
-        self, columns: dict[str, Column], restore: list[str], transform: Any, schema: Any
+        self, columns: dict[str, Column], types: list[LeafType], transform: Any, schema: Any
     ) -> None:
         super().__init__(columns, transform=transform, output="tuple")
-        self._restore_kinds = restore
+        self._types = types
         self._schema = schema
+        # what a batch's samples are made of: flat tuples or dicts of the leaves in
+        # order take the columns' own path; any other tree is rebuilt from its schema
+        tag, body = schema
+        children = [c for _, c in body] if tag == "dict" else body if tag != "leaf" else None
+        flat = children is not None and all(c == ("leaf", k) for k, c in enumerate(children))
+        self._leaf_names: list[Any] = [k for k, _ in body] if flat and tag == "dict" else []
+        self._leaf_names = self._leaf_names or [str(k) for k in range(len(types))]
+        self._flat_tuples = flat and tag == "tuple"
+        self._leaf_nesting = None if flat and tag != "list" else schema
 
     def _pack(self, values: Sequence[Any]) -> Any:
         leaf_values: list[Any] = []
         it = iter(values)
-        for kind in self._restore_kinds:
+        for t in self._types:
             value = next(it)
-            if kind.endswith("+ragged"):
-                shape = next(it).tolist()
-                value = value.reshape(shape)
-                kind = kind[: -len("+ragged")]
-            leaf_values.append(restore(kind, value))
+            if t.ragged:
+                value = value.reshape(next(it).tolist())
+            leaf_values.append(restore(t, value))
         return rebuild(self._schema, leaf_values)
 
+    def _values(self, batched: list[Any]) -> BatchValues:
+        """The leaves' batches (Note [What comes back] in ``columns/_restore.py``)."""
+        values, stacked, splits, firsts = leaf_batches(self._types, batched)
+        return BatchValues(
+            self._leaf_names, values, stacked, splits, firsts, self._leaf_nesting,
+            self._flat_tuples, portable=True,
+        )  # fmt: skip
+
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "restore": self._restore_kinds, "schema": self._schema}
+        return {**super().__getstate__(), "restore": self._types, "schema": self._schema}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         SharedDataset._init(
@@ -295,10 +312,16 @@ class SharedList(Sequence):
 
         In a DataLoader worker the tensors of the batch's items are copied into one
         batch memfd, which leaves the worker as one handle (``into_one_batch`` in
-        ``crossing/_outbox.py``), not as one shared segment per tensor.
+        ``crossing/_outbox.py``), not as one shared segment per tensor; items that are
+        dicts, tuples and lists come as ``Row``, ``RowTuple`` and ``RowList`` (plain
+        ``dict``, ``tuple`` and ``list`` to their user), which the default collate
+        collates into one memfd too (Note [Collating into one memfd] in
+        ``crossing/_collate.py``).
         """
         items = [self[i] for i in indices]
-        return into_one_batch(items) if get_worker_info() is not None else items
+        if get_worker_info() is None:
+            return items
+        return [_ROWS.get(type(item), _same)(item) for item in into_one_batch(items)]
 
     @property
     def nbytes(self) -> int:
@@ -314,6 +337,13 @@ class SharedList(Sequence):
 
     def __repr__(self) -> str:
         return f"SharedList({len(self)} items, {format_bytes(self.nbytes)})"
+
+
+_ROWS: dict[type, Callable[[Any], Any]] = {dict: Row, tuple: RowTuple, list: RowList}
+
+
+def _same(item: Any) -> Any:
+    return item
 
 
 def _rebuild_list(column: BytesColumn, node_shard: NodeShard | None = None) -> SharedList:

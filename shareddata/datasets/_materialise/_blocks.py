@@ -79,8 +79,8 @@ class _Box:
 
 def box(value: Any) -> Any:
     """``value`` with its tensors as :class:`_Box` (a block sent back by a worker)."""
-    if isinstance(value, torch.Tensor) and value.dtype in _BOXABLE:
-        return _Box(value.detach().cpu().numpy())
+    if type(value) is torch.Tensor and not value.requires_grad and value.dtype in _BOXABLE:
+        return _Box(value.cpu().numpy())  # (a Parameter, a subclass: pickled as they are)
     if type(value) in (tuple, list):
         return type(value)(box(v) for v in value)
     if type(value) is dict:

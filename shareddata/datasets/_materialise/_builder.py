@@ -33,7 +33,9 @@ from ...columns._items import (
     host_numpy,
     infer_schema,
     numeric_list,
+    plain_tensor,
 )
+from ...columns._restore import LeafType
 from ...errors import ItemMismatchError, ItemValueError, UnpicklableItemError
 from ...storage import SharedArray
 from ...storage._writer import VarStore
@@ -197,7 +199,7 @@ class Builder:
             )
         if leaf.kind in ("tensor", "ndarray"):
             if leaf.kind == "tensor":
-                value = value.detach()
+                value = plain_tensor(value)  # its data: the type comes back from the leaf
             if value.ndim != len(leaf.shape):
                 raise ItemMismatchError(
                     f"item {index}, field {field_name(leaf.path)}: {describe_value(value)} has "
@@ -301,7 +303,7 @@ class Builder:
         if leaf.ragged:
             for value in values:
                 data = host_numpy(value) if isinstance(value, torch.Tensor) else value
-                data = np.ascontiguousarray(data)
+                data = np.ascontiguousarray(data, dtype=leaf.dtype)  # native byte order
                 buffer.add(data.reshape(-1).view(np.uint8), data.shape)
         elif leaf.kind == "str":
             self._put_text(buffer, leaf, values)
@@ -354,7 +356,7 @@ class Builder:
         lengths = map(len, values) if ascii_only else [len(v.encode("utf-8")) for v in values]
         buffer.extend(data, lengths)
 
-    def finish(self) -> tuple[list[Part], list[str]]:
+    def finish(self) -> tuple[list[Part], list[LeafType]]:
         """Hand each variable-length file over as its column's values; list every column.
 
         The values' files become segments as they are; the offsets (and shapes) are
@@ -374,7 +376,7 @@ class Builder:
         what = "SharedDataset's variable-length offsets"
         shared = iter(self.alloc(layouts, what) if layouts else [])
         parts: list[Part] = []
-        kinds: list[str] = []
+        kinds: list[LeafType] = []
         taken: set[str] = set()
 
         def unique(name: str) -> str:
@@ -411,6 +413,5 @@ class Builder:
                     )
                     parts.append((TensorColumn, spec, {"data": shapes}))
                 del buffer  # free the private offsets now
-            kind = "bfloat16" if leaf.torch_dtype is torch.bfloat16 else leaf.kind
-            kinds.append(kind + ("+ragged" if leaf.ragged else ""))
+            kinds.append(LeafType.of(leaf))
         return parts, kinds

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ...columns._restore import LeafType
 from ...errors import InvalidArgumentError
 from .._load import Allocator, Part, progress_bar
 from ._blocks import fetch
@@ -20,7 +21,7 @@ def build_columns(
     update: Callable[[int], None],
     workers: int = 0,
     offset: int = 0,
-) -> tuple[list[Part], list[str], Any]:
+) -> tuple[list[Part], list[LeafType], Any]:
     """Materialise items ``offset .. offset + rows - 1`` of ``dataset`` into shared columns.
 
     Args:
@@ -32,9 +33,9 @@ def build_columns(
         offset: the index of the first item (a node's shard starts there).
 
     Returns:
-        The columns' parts (by name, in leaf order), each leaf's kind (for
-        :func:`restore`; ``"+ragged"`` when a ``.shape`` column follows), and the
-        schema (for :func:`rebuild`).
+        The columns' parts (by name, in leaf order), each leaf's type (for
+        :func:`restore`; a ragged leaf's ``.shape`` column follows its values), and
+        the schema (for :func:`rebuild`).
 
     Raises:
         ItemMismatchError: an item whose structure or types differ from item 0's.
