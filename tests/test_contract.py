@@ -459,6 +459,39 @@ def test_share_shard_and_storage_dir(kind, tmp_path):
             assert (shard.start, shard.stop, shard.total) == (0, ROWS, ROWS)
 
 
+# -- how a batch leaves a worker -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampler", ["default collate", "IndexBatchSampler"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_leaves_a_worker_as_one_memfd(kind, sampler, tmp_path, monkeypatch):
+    """With the default collate (fixed-shape rows) and with ``IndexBatchSampler`` (ragged
+    rows too: a list of rows), every kind's batch reaches the main process as ONE worker
+    memfd and no torch ``/dev/shm`` segment, and holds the rows (issue 22: SharedDataset
+    and SharedList took torch's path, a segment per stacked tensor)."""
+    import test_crossing as crossing
+
+    if kind == "shared_list" and sampler == "IndexBatchSampler":
+        pytest.skip("a SharedList is a sequence of items: it has no batch indexing")
+    ragged = sampler == "IndexBatchSampler" and kind != "numpy"
+    ds, expected = make(kind, tmp_path, rows=ROWS, ragged=ragged)
+    crossing._count_receptions(monkeypatch)
+    if sampler == "default collate":
+        order = list(range(ROWS))[::-1]
+        kw = {"batch_size": 16, "sampler": order}
+    else:
+        order = list(range(ROWS))
+        kw = {"sampler": sd.IndexBatchSampler(ds, 16), "batch_size": None}
+    loader = DataLoader(ds, num_workers=2, multiprocessing_context="fork", timeout=60, **kw)
+    n = 0
+    for k, batch in enumerate(loader):
+        assert_batch(batch, [expected[i] for i in order[16 * k : 16 * (k + 1)]], kind)
+        crossing._assert_one_memfd(batch, f"{kind}, {sampler}")
+        n += 1
+    assert n == ROWS // 16
+    assert {"receive": n} == crossing.RECEIVED, crossing.RECEIVED
+
+
 # -- worker processes, every start method ----------------------------------------------------
 
 

@@ -607,3 +607,277 @@ def test_bfloat16_tensors_are_stored_as_their_bits_and_come_back_bfloat16():
         sd.ItemMismatchError, match=r"item 1, field 'emb': expected tensor bfloat16"
     ):
         sd.SharedDataset([items[0], {"emb": torch.ones(8, dtype=torch.int16), "r": items[0]["r"]}])
+
+
+# -- items come back with the types they had (issue 22; Note [What comes back]) ----------------
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass that only marks a type (as torchvision's tv_tensors.Image does)."""
+
+
+class Annotated(torch.Tensor):
+    """A tensor subclass whose instances carry attributes: kept whole, pickled."""
+
+
+def _annotated(i):
+    t = torch.full((2,), float(i)).as_subclass(Annotated)
+    t.source = f"file{i}"
+    return t
+
+
+class Typed(Dataset):
+    """Items whose types a plain copy would lose: Parameters, subclasses, requires_grad,
+    big-endian arrays (fixed and ragged), np.memmap rows, dicts in another key order."""
+
+    def __init__(self, path, n=12):
+        self.n, self.path = n, str(path)
+        mm = np.memmap(self.path, dtype=">f8", mode="w+", shape=(n, 3))
+        mm[:] = np.arange(n * 3).reshape(n, 3) / 4
+        mm.flush()
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        mm = np.memmap(self.path, dtype=">f8", mode="r", shape=(self.n, 3))
+        item = {
+            "param": torch.nn.Parameter(torch.full((2,), float(i))),
+            "frozen": torch.nn.Parameter(torch.full((2,), float(i)), requires_grad=False),
+            "marked": (torch.arange(3.0) + i).as_subclass(Marked),
+            "grad": torch.full((2,), float(i)).requires_grad_(),
+            "annotated": _annotated(i),
+            "big": (np.arange(3) + i).astype(">i4"),
+            "big_ragged": (np.arange(i % 3 + 1) + i).astype(">f8"),
+            "mm": mm[i],
+            "meta": {"b": i, "a": str(i)} if i % 2 else {"a": str(i), "b": i},
+        }
+        return item if i % 2 == 0 else dict(reversed(list(item.items())))
+
+
+def _as_typed(got, want, where):
+    """``got`` holds ``want``'s values, with its type, dtype and requires_grad."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), where
+        for k in want:
+            _as_typed(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, torch.Tensor):
+        assert type(got) is type(want), (where, type(got), type(want))
+        assert got.dtype == want.dtype and got.requires_grad == want.requires_grad, where
+        assert torch.equal(got.detach(), want.detach()), where
+        assert getattr(got, "__dict__", {}) == getattr(want, "__dict__", {}), where
+    elif isinstance(want, np.ndarray):
+        assert type(got) is np.ndarray, (where, type(got))  # an np.memmap too
+        assert got.dtype == want.dtype and got.dtype.str == want.dtype.str, (where, got.dtype)
+        assert np.array_equal(got, want), where
+    else:
+        assert type(got) is type(want) and got == want, where
+
+
+def test_items_come_back_with_their_types(tmp_path):
+    original = Typed(tmp_path / "mm")
+    assert original[0]["big"].dtype.str == ">i4" and type(original[0]["mm"]) is np.memmap
+    keys = list(original[0])
+    for ds in (
+        sd.SharedDataset(original, progress=False),
+        sd.SharedDataset(original, num_workers=2, progress=False),  # read by workers
+    ):
+        assert type(ds[3]["param"]) is torch.nn.Parameter and ds[3]["param"].requires_grad
+        assert ds[3]["big"].dtype.str == ">i4" and ds[3]["big_ragged"].dtype.str == ">f8"
+        for i in range(len(original)):
+            _as_typed(ds[i], original[i], f"ds[{i}]")
+            # every item in item 0's key order (the default collate's), its keys in any
+            assert list(ds[i]) == keys and list(ds[i]["meta"]) == ["a", "b"]
+        for got, i in zip(ds.__getitems__([5, 0, 7]), [5, 0, 7]):
+            _as_typed(got, original[i], f"sample {i}")
+        back = pickle.loads(pickle.dumps(ds))
+        _as_typed(back[9], original[9], "unpickled ds[9]")
+    # from fork workers, never looked at in the worker (made on arrival) and looked at:
+    # arrays cross as numpy pickles them (native byte order before pickle protocol 5,
+    # for any dataset), so only the tensors' types are compared here
+    for collate in (list, lambda b: [dict(s) for s in b]):
+        loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=collate, timeout=60)
+        for k, got in enumerate(s for b in loader for s in b):
+            want = original[k]
+            for name in ("param", "frozen", "marked", "grad", "annotated"):
+                _as_typed(got[name], want[name], f"item {k} from a worker")
+            assert np.array_equal(got["mm"], want["mm"]) and got["meta"] == want["meta"]
+
+
+def test_batches_of_typed_items_are_what_the_default_collate_makes_of_them(tmp_path):
+    from torch.utils.data import default_collate
+
+    original = Typed(tmp_path / "mm")
+    ds = sd.SharedDataset(original, progress=False)
+    order = [2, 7, 4, 11]
+    # default_collate refuses big-endian arrays, and stacks parameters that require
+    # grad into a batch that does too (in a worker: refused, out= has no autograd)
+    for name, error in [("big", ValueError), ("mm", ValueError)]:
+        with pytest.raises(error) as theirs:
+            default_collate([original[i][name] for i in order])
+        with pytest.raises(error) as mine:
+            default_collate([s[name] for s in ds.__getitems__(order)])
+        assert str(mine.value) == str(theirs.value)
+    collatable = ["param", "frozen", "marked", "grad", "meta"]
+
+    class Pick(Dataset):
+        def __len__(self):
+            return len(original)
+
+        def __getitem__(self, i):
+            return {k: original[i][k] for k in collatable}
+
+    picked = sd.SharedDataset(Pick(), progress=False)
+    want = default_collate([Pick()[i] for i in order])
+    for got in (
+        next(iter(DataLoader(picked, batch_size=4, sampler=order))),
+        picked[order],  # what IndexBatchSampler batches are
+    ):
+        assert list(got) == list(want)
+        for k in ("param", "frozen", "marked", "grad"):
+            assert type(got[k]) is type(want[k]), (k, type(got[k]), type(want[k]))
+            assert got[k].requires_grad == want[k].requires_grad, k
+            assert torch.equal(got[k].detach(), want[k].detach()), k
+        assert got["meta"]["a"] == want["meta"]["a"]
+        assert torch.equal(got["meta"]["b"], want["meta"]["b"])
+    # in a worker the default collate refuses to stack tensors that require grad
+    # (out= has no autograd): the original and SharedDataset raise the same error
+    errors = []
+    for d in (Pick(), picked):
+        with pytest.raises(RuntimeError) as info:
+            next(iter(DataLoader(d, batch_size=4, num_workers=1, timeout=60)))
+        errors.append(str(info.value).split("Original Traceback")[0])
+    assert errors[0] == errors[1] and "DataLoader worker" in errors[0]
+    # the whole item, through SharedDataset's own batches: the same error as the original's
+    with pytest.raises(ValueError, match="byte order"):
+        next(iter(DataLoader(original, batch_size=4)))
+    with pytest.raises(ValueError, match="byte order"):
+        next(iter(DataLoader(ds, batch_size=4)))
+
+
+class Keyed(Dataset):
+    """Dict items whose keys come in another order from item to item."""
+
+    def __len__(self):
+        return 9
+
+    def __getitem__(self, i):
+        item = {"x": torch.full((3,), float(i)), "y": i, "t": f"#{i}", "r": list(range(i % 3))}
+        order = [["x", "y", "t", "r"], ["t", "r", "y", "x"], ["y", "x", "r", "t"]][i % 3]
+        return {k: item[k] for k in order}
+
+
+def test_dicts_with_keys_in_another_order_are_accepted():
+    from torch.utils.data import default_collate
+
+    original = Keyed()
+    for workers in (0, 2):
+        ds = sd.SharedDataset(original, num_workers=workers, progress=False)
+        for i in range(len(original)):
+            got, want = ds[i], original[i]
+            assert list(got) == ["x", "y", "t", "r"]  # item 0's order
+            assert all(got[k] == want[k] for k in "ytr") and torch.equal(got["x"], want["x"])
+        mine = next(iter(DataLoader(ds, batch_size=9, collate_fn=lambda b: b)))
+        plain = [{k: s[k] for k in s} for s in mine]
+        theirs = default_collate([{k: original[i][k] for k in ("x", "y", "t")} for i in range(9)])
+        got = default_collate([{k: s[k] for k in ("x", "y", "t")} for s in plain])
+        assert torch.equal(got["x"], theirs["x"]) and torch.equal(got["y"], theirs["y"])
+        assert got["t"] == theirs["t"]
+
+
+def test_items_whose_types_differ_from_item_0s_are_refused_by_name(tmp_path):
+    def items(first, other):
+        return [{"v": first}] * 3 + [{"v": other}] + [{"v": first}]
+
+    p = torch.nn.Parameter(torch.ones(2))
+    cases = [
+        (p, torch.ones(2), r"item 3, field 'v': expected Parameter float32 requiring grad as "
+                           r"in item 0, got tensor torch.float32 \(2,\)"),
+        (torch.ones(2), torch.ones(2, requires_grad=True),
+         r"expected tensor float32 as in item 0, got tensor torch.float32 \(2,\) requiring"),
+        (np.ones(2, ">f8"), np.ones(2, "<f8"), r"expected ndarray >f8 as in item 0, got ndarray "
+                                               r"float64"),
+        (torch.ones(2).as_subclass(Marked), _annotated(1).as_subclass(Marked),
+         r"expected Marked float32 as in item 0"),
+    ]  # fmt: skip
+    for first, other, match in cases:
+        if type(other) is Marked:
+            other.source = "x"  # a Marked that carries an attribute: not rebuildable
+        with pytest.raises(sd.ItemMismatchError, match=match):
+            sd.SharedDataset(items(first, other), progress=False)
+    # keys: the same ones in any order, not others
+    with pytest.raises(sd.ItemMismatchError, match=r"item 1, field 'm': keys \['a', 'c'\]"):
+        sd.SharedDataset([{"m": {"a": 1, "b": 2}}, {"m": {"a": 1, "c": 2}}], progress=False)
+
+
+def test_shared_array_from_array_makes_big_endian_native():
+    # the documented conversion: a SharedArray is a tensor's memory too (torch has
+    # native byte order only), so from_array keeps the values in native order
+    big = np.arange(6, dtype=">i4").reshape(2, 3)
+    a = sd.SharedArray.from_array(big)
+    assert a.dtype == np.dtype("int32") and a.dtype.isnative
+    assert np.array_equal(a.numpy(), big) and a.torch().tolist() == big.tolist()
+
+
+class Nested(Dataset):
+    """Items nested in tuples, dicts and lists, with numbers, text and numpy values."""
+
+    def __init__(self, ragged=False):
+        self.ragged = ragged
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        boxes = torch.rand((i % 3 + 1) if self.ragged else 2, 4, generator=g)
+        meta = {"label": i % 5, "boxes": boxes, "names": (f"a{i}", f"b{i}")}
+        return torch.rand(2, 3, generator=g), meta, [i / 3, np.float32(i), np.arange(2) + i]
+
+
+def _plain_batch(batch):
+    from kinds import to_plain
+
+    plain = to_plain(batch)
+    return plain, type(batch).__name__
+
+
+@pytest.mark.parametrize("kind", ["shared_dataset", "shared_list"])
+def test_nested_and_ragged_items_leave_a_worker_as_one_memfd(kind, monkeypatch):
+    """SharedDataset and SharedList batches of nested items (default collate and
+    IndexBatchSampler) and of ragged ones (samples as they are) cross as one memfd,
+    and equal what the original dataset gives (issue 22)."""
+    import test_crossing as crossing
+    from torch.utils.data import default_collate, default_convert
+
+    def wrap(original):
+        if kind == "shared_dataset":
+            return sd.SharedDataset(original, progress=False)
+        return sd.SharedList([original[i] for i in range(len(original))], progress=False)
+
+    fixed, ragged = Nested(), Nested(ragged=True)
+    shared, shared_ragged = wrap(fixed), wrap(ragged)
+    crossing._count_receptions(monkeypatch)
+    kw = {"num_workers": 2, "multiprocessing_context": "fork", "timeout": 60}
+    loaders = [
+        (DataLoader(shared, batch_size=8, **kw), fixed, "default collate"),
+        (DataLoader(shared_ragged, batch_size=8, collate_fn=_as_list, **kw), ragged, "samples"),
+    ]
+    if kind == "shared_dataset":
+        sampler = sd.IndexBatchSampler(shared, 8)
+        loaders.append((DataLoader(shared, sampler=sampler, batch_size=None, **kw), fixed, "ibs"))
+    for loader, original, what in loaders:
+        crossing.RECEIVED.clear()
+        n = 0
+        for k, batch in enumerate(loader):
+            items = [original[i] for i in range(8 * k, 8 * (k + 1))]
+            if what == "samples":
+                for got, want in zip(batch, items):
+                    _equal(got, want, sample=True)
+            else:  # (batch_size=None: the DataLoader's default_convert makes tuples lists)
+                want = default_collate(items)
+                want = default_convert(want) if what == "ibs" else want
+                assert _plain_batch(batch) == _plain_batch(want), what
+            crossing._assert_one_memfd(batch, f"{kind}, {what}")
+            n += 1
+        assert n == 6 and {"receive": n} == crossing.RECEIVED, (what, crossing.RECEIVED)

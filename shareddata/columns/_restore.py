@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..storage import SharedTensor
 from ._items import Leaf
 
 __all__ = ["LeafType", "leaf_batches", "restore"]
@@ -107,6 +108,13 @@ def restore(t: LeafType, value: Any) -> Any:
     if kind == "tensor" or kind == "bfloat16":
         if kind == "bfloat16":  # stored as its bits (int16)
             value = value.view(torch.bfloat16)
+        if t.cls is None and not t.requires_grad:
+            return value
+        if type(value) is SharedTensor:
+            # a view of a worker's batch: torch would send a Parameter or a subclass
+            # over it by moving its storage into a segment of torch's, in place, from
+            # under the batch's memfd (Note [Reusing a batch's pages]): a copy of its own
+            value = value.as_subclass(torch.Tensor).clone()
         if t.cls is not None:
             value = value.as_subclass(t.cls)
         return value.requires_grad_() if t.requires_grad else value  # a leaf tensor

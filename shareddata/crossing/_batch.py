@@ -77,7 +77,7 @@ from torch.utils.data import get_worker_info
 from .._compat import collate, collate_tensor_fn, default_collate_fn_map
 from ..columns._items import rebuild, unnest
 from ..storage import SharedTensor
-from ._collate import collate_in_one_memfd
+from ._collate import collate_beside, collate_in_one_memfd
 
 __all__ = [
     "Row", "RowList", "RowTuple", "Samples",
@@ -437,11 +437,18 @@ def collate_columns(
                 out[k] = list(column)
         return out
 
-    if rows and get_worker_info() is not None:  # leaving a worker
-        collated = collate_in_one_memfd(collate_rows_of, collate_fn_map)
+    columns = list(batched)
+    if rows and get_worker_info() is not None:  # leaving a worker: one memfd in all
+        done = [k for k, b in enumerate(batched) if k not in rows]
+        collated, moved = collate_beside(
+            collate_rows_of, collate_fn_map, [batched[k] for k in done]
+        )
+        for k, b in zip(done, moved):
+            columns[k] = b
     else:
         collated = collate_rows_of(collate_fn_map)
-    columns = [collated.get(k, b) for k, b in enumerate(batched)]
+    for k, b in collated.items():
+        columns[k] = b
     if schema is not None:
         return rebuild(schema, columns, batch=True)
     return columns if tuples else dict(zip(names, columns))

@@ -20,7 +20,10 @@ errors; an entry of the registry that is not torch's own (the user's) runs once,
 with the registry as given, and its result is kept. A tensor that torch would not
 stack into plain memory of ours (a subclass, another device, a nested tensor) goes
 through torch's function, with its result or its error. The batch is the one
-``default_collate`` makes, its tensors views of one memfd.
+``default_collate`` makes, its tensors views of one memfd. When only some columns
+of a gathered batch need collating (a column of rows beside columns gathered into a
+memfd already), the gathered ones are copied into the same new memfd if it is made
+at all (:func:`collate_beside`): a copy costs less than a second descriptor.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from .._compat import (
 from ..storage import SharedTensor
 from ._outbox import worker_buffers
 
-__all__ = ["collate_in_one_memfd"]
+__all__ = ["collate_beside", "collate_in_one_memfd"]
 
 _NUMBERS = (collate_numpy_scalar_fn, collate_float_fn, collate_int_fn)
 _AS_THEY_ARE = (collate_numpy_array_fn, collate_str_fn)
@@ -67,14 +70,36 @@ def collate_in_one_memfd(
         >>> out["x"].untyped_storage().data_ptr() == out["y"].untyped_storage().data_ptr()
         True
     """
+    return collate_beside(top, fn_map, [])[0]
+
+
+def collate_beside(
+    top: Callable[[dict[Any, Callable[..., Any]]], Any],
+    fn_map: dict[Any, Callable[..., Any]],
+    tensors: list[torch.Tensor],
+) -> tuple[Any, list[torch.Tensor]]:
+    """:func:`collate_in_one_memfd`, and ``tensors`` copied into the same memfd if it makes one.
+
+    For a batch whose columns were gathered into a memfd of their own, and whose
+    other columns make tensors when collated: one memfd for the batch, not two
+    (a copy of the gathered columns costs less than a second descriptor to fetch).
+    """
     plan = _Plan(fn_map)
     made = top(plan.registry(filling=False))
     if not plan.parts:  # no tensor: the first pass made the batch
-        return made
+        return made, tensors
     del made
-    plan.buffers = worker_buffers(plan.parts)
-    plan.at = 0
-    return top(plan.registry(filling=True))
+    n = len(plan.parts)
+    buffers = worker_buffers(plan.parts + [(tuple(t.shape), t.dtype) for t in tensors])
+    plan.buffers, plan.at = buffers[:n], 0
+    for out, tensor in zip(buffers[n:], tensors):
+        out.as_subclass(torch.Tensor).copy_(tensor)
+    return top(plan.registry(filling=True)), buffers[n:]
+
+
+def _stack(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    """``torch.stack``: for tensors of different shapes, the error the default collate raises."""
+    return torch.stack(batch, 0)
 
 
 class _Plan:
@@ -115,8 +140,11 @@ class _Plan:
             and elem.device.type == "cpu"
             and not elem.is_nested
         ):
+            shape = elem.shape
+            if any(t.shape != shape for t in batch):  # torch's error, with nothing allocated
+                return self._call(_stack, batch, collate_fn_map)
             self.entries.append(len(self.parts))
-            self.parts.append(((len(batch), *elem.shape), elem.dtype))
+            self.parts.append(((len(batch), *shape), elem.dtype))
             return None  # made by the second pass
         return self._call(collate_tensor_fn, batch, collate_fn_map)
 

@@ -71,16 +71,21 @@ class Block:
 
 
 class _Box:
-    """A tensor carried as a numpy array (pickled by value, not as a shared file)."""
+    """A tensor carried as a numpy array (pickled by value, not as a shared file).
 
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
+    Or an array of another byte order (numpy's pickle before protocol 5 makes it native).
+    """
+
+    def __init__(self, array: np.ndarray, dtype: np.dtype | None = None) -> None:
+        self.array, self.dtype = array, dtype
 
 
 def box(value: Any) -> Any:
     """``value`` with its tensors as :class:`_Box` (a block sent back by a worker)."""
     if type(value) is torch.Tensor and not value.requires_grad and value.dtype in _BOXABLE:
         return _Box(value.cpu().numpy())  # (a Parameter, a subclass: pickled as they are)
+    if isinstance(value, np.ndarray) and not value.dtype.isnative:
+        return _Box(value.astype(value.dtype.newbyteorder("=")), value.dtype)
     if type(value) in (tuple, list):
         return type(value)(box(v) for v in value)
     if type(value) is dict:
@@ -91,6 +96,8 @@ def box(value: Any) -> Any:
 def unbox(value: Any) -> Any:
     """``value`` with its :class:`_Box` es as tensors again (:func:`box` undone)."""
     if type(value) is _Box:
+        if value.dtype is not None:
+            return value.array.astype(value.dtype)
         return torch.from_numpy(value.array)
     if type(value) in (tuple, list):
         return type(value)(unbox(v) for v in value)
