@@ -477,6 +477,29 @@ def test_a_held_sample_is_never_overwritten_and_dropped_batches_are_reused():
     del loader
 
 
+def _plain_alias(batch):
+    """A collate_fn returning plain tensors over the worker's batch memfd (torch sends them)."""
+    collated = default_collate(batch)
+    return collated["data"].as_subclass(torch.Tensor), torch.nn.Parameter(collated["data"][:2])
+
+
+def test_plain_tensors_over_a_worker_batch_arrive_and_later_batches_too():
+    # torch sends a plain tensor (or a Parameter) by moving its storage into a segment of
+    # its own, in place: the worker's pooled batch storage then pointed there, and every
+    # later batch gathered into it arrived with an older batch's rows (14 of 16 wrong)
+    data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    ds = sd.NumpyDataset(data)
+    loader = DataLoader(
+        ds, batch_size=4, num_workers=1, collate_fn=_plain_alias, multiprocessing_context="fork",
+        timeout=30,
+    )  # fmt: skip
+    for k, (batch, param) in enumerate(loader):
+        want = torch.from_numpy(data[4 * k : 4 * k + 4])
+        assert torch.equal(batch, want), f"batch {k}: {batch[:, 0]} != {want[:, 0]}"
+        assert torch.equal(param.detach(), want[:2])
+    assert k == 15
+
+
 def _inode(tensor):
     address = tensor.data_ptr()
     with open("/proc/self/maps") as f:

@@ -185,9 +185,12 @@ class _Memfd:
                 self.address, self.length = map_fd(fd, total), total
             if populate:  # its pages exist: map them all in one call
                 madvise(self.address, total, MADV_POPULATE_WRITE)
-        if self.storage is None or self.data != data:
-            # the storage covers this batch's data exactly (a pooled mapping may be longer)
-            self.storage = None
+        storage = self.storage
+        if storage is None or self.data != data or storage.data_ptr() != self.address:
+            # the storage covers this batch's data exactly (a pooled mapping may be longer);
+            # one that no longer points at it was moved by torch's reducer into a segment
+            # of its own, in place (a plain tensor over it was sent: ``as_subclass``)
+            self.storage = storage = None
             self.storage = torch.from_numpy(array_at(self.address, data)).untyped_storage()
             self.counter = ctypes.c_uint32.from_address(self.address + data)
             self.received = ctypes.c_uint32.from_address(self.address + data + 4)
