@@ -217,6 +217,32 @@ def test_shared_list():
     assert back[999] == items[999] and len(pickle.dumps(sl)) < 500
 
 
+def test_shared_list_stores_a_tensors_values_not_its_storage():
+    # Note [Tensors in SharedList items]: a row of a big tensor pickled by torch carried
+    # its whole storage (64 rows x 64 rows of 1 KiB: 4 MiB for 64 KiB of data)
+    rows = torch.rand(64, 256)
+    sl = sd.SharedList([{"x": rows[i], "y": i} for i in range(64)], progress=False)
+    assert sl.nbytes < 80 * 1024, sl.nbytes
+    for i in (0, 63):
+        got = sl[i]["x"]
+        assert type(got) is torch.Tensor and got.dtype == torch.float32
+        assert torch.equal(got, rows[i]) and got.untyped_storage().nbytes() == 1024
+        got += 1  # writable, its own memory
+    # what torch must pickle itself comes back as torch pickles it
+    odd = [
+        torch.nn.Parameter(torch.ones(2)),
+        torch.ones(2, requires_grad=True),
+        torch.arange(3).bfloat16(),
+        torch.ones(2).as_subclass(Marked),
+        torch.tensor([1 + 2j]).conj(),
+        rows[::2, ::3],  # a strided view: contiguous values of the same shape
+    ]
+    back = sd.SharedList([odd], progress=False)[0]
+    for got, want in zip(back, odd):
+        assert type(got) is type(want) and got.dtype == want.dtype
+        assert got.requires_grad == want.requires_grad and torch.equal(got, want)
+
+
 META = None  # what fork workers inherit, as a user's global metadata list
 
 

@@ -39,6 +39,7 @@ from ..errors import (
 from ..storage._writer import VarStore
 from ._dataset import BatchValues, ColumnDataset, is_int
 from ._indexing import index_shape, index_tensor, nest_rows
+from ._itempickle import ItemPickler
 from ._load import Allocator, Part, Shard, Share, build, progress_bar
 from ._materialise import DatasetProducer
 
@@ -387,7 +388,7 @@ class _Items:
         """Pickle the items into a shared file; the one bytes column over it."""
         store = self.store = VarStore(np.uint8, alloc.storage_dir, "SharedList's items")
         it = islice(iter(self.items), self.start, self.stop)
-        dumps, protocol, index = pickle.dumps, pickle.HIGHEST_PROTOCOL, self.start
+        dumps, index = ItemPickler().dumps, self.start  # Note [Tensors in SharedList items]
         total = (self.stop or 0) - self.start if self.stop is not None else 0
         if not total and isinstance(self.items, Sized):
             total = len(self.items) - self.start
@@ -395,9 +396,9 @@ class _Items:
             step = 16  # items pickled at once: up to 256, fewer when they are big
             while chunk := list(islice(it, step)):
                 try:
-                    blobs = [dumps(item, protocol) for item in chunk]
+                    blobs = [dumps(item) for item in chunk]
                 except Exception:
-                    blobs = [_pickle_item(item, index + j) for j, item in enumerate(chunk)]
+                    blobs = [_pickle_item(dumps, item, index + j) for j, item in enumerate(chunk)]
                 for blob in blobs:  # one at a time: a block of big pickles is not joined
                     store.add(blob)
                 index += len(chunk)
@@ -418,9 +419,9 @@ class _Items:
             self.store = None
 
 
-def _pickle_item(item: Any, index: int) -> bytes:
+def _pickle_item(dumps: Callable[[Any], bytes], item: Any, index: int) -> bytes:
     try:
-        return pickle.dumps(item, pickle.HIGHEST_PROTOCOL)
+        return dumps(item)
     except Exception as e:
         raise UnpicklableItemError(
             f"SharedList item {index} (a {type(item).__name__}) cannot be pickled "
