@@ -54,12 +54,18 @@ class SharedDataset(ColumnDataset):
 
     The drop-in path for existing code: ``ds = sd.SharedDataset(MyDataset(...))``.
     Items come back with the same structure and types the original returned (a tuple
-    stays a tuple, an ``int`` an ``int``, a numpy array a numpy array), so the
-    default collate gives the batches the original gave. Items may hold tensors and
-    arrays (fixed or varying shape, ``bfloat16`` too), Python numbers, ``str``,
-    ``bytes``, lists of numbers, and tuples/lists/dicts of these; any other picklable
-    value (datetimes, sparse tensors, objects) is kept as pickled bytes in a shared
-    buffer.
+    stays a tuple, an ``int`` an ``int``, a numpy array a numpy array of its dtype,
+    big-endian too; an ``nn.Parameter`` or a tensor subclass as itself, with its
+    ``requires_grad``), so the default collate gives the batches the original gave,
+    and from DataLoader workers they leave as one shared memory handle per batch,
+    as ``NumpyDataset``'s do. Items may hold tensors and arrays (fixed or varying
+    shape, ``bfloat16`` too), Python and numpy numbers, ``str``, ``bytes``, lists of
+    numbers, and tuples/lists/dicts of these; any other picklable value (datetimes,
+    sparse tensors, objects, a tensor subclass whose instances carry attributes) is
+    kept as pickled bytes in a shared buffer. Dicts may have item 0's keys in any
+    order: every item comes back in item 0's order, the one the default collate
+    uses. An ``np.memmap`` comes back as an ``ndarray`` in memory. Note [What comes
+    back] in ``columns/_restore.py`` has the details.
 
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``).
@@ -82,7 +88,8 @@ class SharedDataset(ColumnDataset):
 
     Raises:
         TypeError: for an ``IterableDataset``, or an item whose structure or types
-            differ from the first item's (naming the index and the field).
+            differ from the first item's (naming the index and the field): another
+            class, dtype, byte order or ``requires_grad``, other dict keys.
         ValueError: for an empty dataset, or a value its column cannot hold (an int
             beyond int64, text that is not valid UTF-8), naming the index and field.
         SharedMemoryFullError: when the data does not fit in RAM (or ``storage_dir``).

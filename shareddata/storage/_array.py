@@ -184,9 +184,19 @@ class SharedArray:
     ) -> SharedArray:
         """Copy a numpy array or CPU tensor into a new shared array.
 
+        The values are kept; a big-endian array (``>i4``, ``>f8``) is stored in native
+        byte order: a shared array is the memory of a tensor too (:meth:`torch`), and
+        torch holds native byte order only. ``np.memmap`` and other ndarray subclasses
+        are copied as plain arrays.
+
         Args:
             array: anything ``np.asarray`` takes, or a ``torch.Tensor``.
             storage_dir: ``None`` for RAM; a directory for a file-backed array.
+
+        Example:
+            >>> a = SharedArray.from_array(np.arange(3, dtype=">i4"))
+            >>> a.dtype, a.numpy().tolist()
+            (dtype('int32'), [0, 1, 2])
         """
         if isinstance(array, torch.Tensor):
             array = array.detach().cpu().numpy()
