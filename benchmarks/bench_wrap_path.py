@@ -77,8 +77,9 @@ def _counting() -> dict[str, int]:
     return counts
 
 
-def run_case(dataset: str, sampler: str, rows: int) -> dict[str, Any]:
-    """Samples/s of one case, and what its batches crossed as (per batch)."""
+def run_case(dataset: str, sampler: str, rows: int, epochs: int = 3) -> dict[str, Any]:
+    """Samples/s of one case over ``epochs`` epochs (persistent workers), its CPU per batch
+    (main process and workers), and what its batches crossed as (per batch)."""
     import numpy as np
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -115,25 +116,40 @@ def run_case(dataset: str, sampler: str, rows: int) -> dict[str, Any]:
     it = iter(loader)
     for _ in range(2):
         next(it)
+    workers = [w.pid for w in getattr(it, "_workers", [])]
     counts.clear()
-    t0, n, batches = time.perf_counter(), 0, 0
-    for batch in it:
-        n += len(batch["x"] if isinstance(batch, dict) else batch[0])
-        batches += 1
-    seconds = time.perf_counter() - t0
+    t0, c0, w0 = time.perf_counter(), time.process_time(), _cpu_s(workers)
+    n, batches = 0, 0
+    for epoch in range(epochs):
+        for batch in it if epoch == 0 else iter(loader):
+            n += len(batch["x"] if isinstance(batch, dict) else batch[0])
+            batches += 1
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    workers_cpu = _cpu_s(workers) - w0
     first = next(iter(loader))
     x0 = first["x"] if isinstance(first, dict) else first[0]
     return {
         "samples_per_s": n / seconds,
         "batches": batches,
+        "cpu_us_per_batch": (cpu + workers_cpu) / batches * 1e6,
         "per_batch": {k: v / batches for k, v in sorted(counts.items())},
         "batch": f"{type(first).__name__} of {type(x0).__name__} {tuple(x0.shape)}",
     }
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) that processes ``pids`` have used."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def child(args: argparse.Namespace) -> int:
     dataset, sampler = CASES[args.case]
-    result = run_case(dataset, sampler, args.rows)
+    result = run_case(dataset, sampler, args.rows, args.epochs)
     import shareddata
 
     result["tree"] = os.path.dirname(os.path.dirname(shareddata.__file__))
@@ -148,10 +164,10 @@ def _rev(repo: str, rev: str) -> str:
     ).stdout.strip()  # fmt: skip
 
 
-def _run_child(tree: str, case: int, rows: int) -> dict[str, Any]:
+def _run_child(tree: str, case: int, rows: int, epochs: int) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=tree)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--case", str(case),
-           "--rows", str(rows)]  # fmt: skip
+           "--rows", str(rows), "--epochs", str(epochs)]  # fmt: skip
     done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=900)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if os.path.realpath(result.pop("tree")) != os.path.realpath(tree):
@@ -163,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, default=ROWS)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per measurement")
     parser.add_argument("--baseline", help="also run every case for this git revision")
     parser.add_argument("--cases", help="comma-separated case numbers (default: all)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -187,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for case in cases:
                 for which, tree in trees:
-                    result = _run_child(tree, case, args.rows)
+                    result = _run_child(tree, case, args.rows, args.epochs)
                     runs.setdefault((which, case), []).append(result)
                     print(f"round {r + 1} {which} {CASES[case]}: "
                           f"{result['samples_per_s']:,.0f} samples/s {result['per_batch']}",
@@ -226,6 +243,15 @@ def render(
     def reps(which: str, case: int) -> str:
         return "/".join(f"{r['samples_per_s'] / 1000:.0f}k" for r in runs[(which, case)])
 
+    def ratio(which: str, case: int, base: int) -> str:
+        """Median over rounds of the case's samples/s over NumpyDataset's in the same round."""
+        per_round = [
+            a["samples_per_s"] / b["samples_per_s"]
+            for a, b in zip(runs[(which, case)], runs[(which, base)])
+        ]
+        spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
+        return f"{statistics.median(per_round):.2f}x ({spread})"
+
     def path(which: str, case: int) -> str:
         per = runs[(which, case)][-1]["per_batch"]
         return ", ".join(f"{v:.2f} {k}" for k, v in per.items()) or "nothing counted"
@@ -240,7 +266,9 @@ def render(
         f"a fresh process, trees alternated ({', '.join(names)}); load average {load_before} "
         f"before and {load_after} after. after = this tree (HEAD {head}"
         + (f"), before = {args.baseline}" if args.baseline else ")")
-        + ". Medians, every repetition in brackets (thousands of samples/s).",
+        + ". Medians, every repetition in brackets (thousands of samples/s); ratios: "
+        "each round's samples/s over NumpyDataset's in the same round (same sampler), "
+        "median and range over the rounds.",
         "",
         "| dataset | sampler | " + " | ".join(f"{w} samples/s" for w in names)
         + " | " + " | ".join(f"{w} / NumpyDataset" for w in names) + " |",
@@ -251,8 +279,24 @@ def render(
         if (names[0], case) not in runs or (names[0], numpy_case) not in runs:
             continue
         cells = [f"{med(w, case):,.0f} ({reps(w, case)})" for w in names]
-        ratios = [f"**{med(w, case) / med(w, numpy_case):.2f}x**" for w in names]
+        ratios = [f"**{ratio(w, case, numpy_case)}**" for w in names]
         lines.append(f"| {dataset} | {sampler} | " + " | ".join(cells + ratios) + " |")
+    lines += [
+        "",
+        "CPU per batch, main process and both workers together (us; less sensitive to "
+        "other work on the machine than samples/s), medians:",
+        "",
+        "| dataset | sampler | " + " | ".join(f"{w} CPU us/batch" for w in names) + " |",
+        "|---|---|" + "---:|" * len(names),
+    ]
+    for case, (dataset, sampler) in enumerate(CASES):
+        if (names[0], case) not in runs:
+            continue
+        cells = [
+            f"{statistics.median(r['cpu_us_per_batch'] for r in runs[(w, case)]):,.0f}"
+            for w in names
+        ]
+        lines.append(f"| {dataset} | {sampler} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "How each batch reached the main process (per batch, last round): `memfd` = a "
