@@ -907,3 +907,36 @@ def test_nested_and_ragged_items_leave_a_worker_as_one_memfd(kind, monkeypatch):
             crossing._assert_one_memfd(batch, f"{kind}, {what}")
             n += 1
         assert n == 6 and {"receive": n} == crossing.RECEIVED, (what, crossing.RECEIVED)
+
+
+class Alone(Dataset):
+    """Items that are a tensor alone (unlabelled images)."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.full((3, 4), float(i))
+
+
+def test_items_that_are_a_tensor_alone_leave_a_worker_as_one_memfd(monkeypatch):
+    # the samples are the gathered column's rows (SharedTensors in a worker): the
+    # default collate takes the column for them (collate_shared in crossing/_batch.py)
+    import test_crossing as crossing
+    from torch.utils.data import default_collate
+
+    original = Alone()
+    ds = sd.SharedDataset(original, progress=False)
+    crossing._count_receptions(monkeypatch)
+    kw = {"num_workers": 2, "multiprocessing_context": "fork", "timeout": 60}
+    for loader in (
+        DataLoader(ds, batch_size=8, **kw),
+        DataLoader(ds, sampler=sd.IndexBatchSampler(ds, 8), batch_size=None, **kw),
+    ):
+        crossing.RECEIVED.clear()
+        for k, batch in enumerate(loader):
+            assert torch.equal(
+                batch, default_collate([original[i] for i in range(8 * k, 8 * k + 8)])
+            )
+            crossing._assert_one_memfd(batch, "a tensor alone")
+        assert crossing.RECEIVED == {"receive": 4}
