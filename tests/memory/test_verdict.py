@@ -144,7 +144,8 @@ def test_a_4_mib_numpy_dataset_under_fork_is_held_once_page_by_page():
 def every_kind(tmp_path_factory):
     """Every kind over ~1 MiB; every kind plus 1 KiB float rows over ~32 MiB."""
     root = tmp_path_factory.mktemp("kinds")
-    tiny = {kind: make(kind, root / f"{kind}1", rows=1800, progress=False)[0] for kind in KINDS}
+    # (2600 rows: ~1 MiB in all since SharedList stores a tensor's values, not torch's pickle)
+    tiny = {kind: make(kind, root / f"{kind}1", rows=2600, progress=False)[0] for kind in KINDS}
     small = {kind: make(kind, root / f"{kind}32", rows=12_000, progress=False)[0] for kind in KINDS}
     floats = np.random.default_rng(0).random((24 * 1024, 256), dtype=np.float32)  # 24 MiB
     small["floats"] = sd.SharedDataset(floats, progress=False)
