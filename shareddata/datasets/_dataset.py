@@ -286,7 +286,7 @@ class ColumnDataset(Dataset):
         so that ``__getitems__`` and ``ds[indices]`` take the same shortcut for them.
         """
         stacked = [isinstance(b, torch.Tensor) for b in batched]
-        splits = [c.split for c in self._columns.values()]
+        splits: list[Callable[[Any], Any]] = [c.split for c in self._columns.values()]
         tuples = self.output != "dict"
         return BatchValues(self._names, batched, stacked, splits, None, self._nesting, tuples)
 
