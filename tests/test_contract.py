@@ -462,30 +462,41 @@ def test_share_shard_and_storage_dir(kind, tmp_path):
 # -- how a batch leaves a worker -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampler", ["default collate", "IndexBatchSampler"])
+def _as_it_is(sample):
+    return sample
+
+
+@pytest.mark.parametrize("sampler", ["default collate", "IndexBatchSampler", "transform"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_batch_leaves_a_worker_as_one_memfd(kind, sampler, tmp_path, monkeypatch):
     """With the default collate (fixed-shape rows) and with ``IndexBatchSampler`` (ragged
-    rows too: a list of rows), every kind's batch reaches the main process as ONE worker
-    memfd and no torch ``/dev/shm`` segment, and holds the rows (issue 22: SharedDataset
-    and SharedList took torch's path, a segment per stacked tensor)."""
+    rows too: a list of rows; with a ``transform`` too), every kind's batch reaches the
+    main process as ONE worker memfd and no torch ``/dev/shm`` segment, and holds the
+    rows (issue 22: SharedDataset and SharedList took torch's path, a segment per
+    stacked tensor)."""
     import test_crossing as crossing
 
-    if kind == "shared_list" and sampler == "IndexBatchSampler":
-        pytest.skip("a SharedList is a sequence of items: it has no batch indexing")
-    ragged = sampler == "IndexBatchSampler" and kind != "numpy"
-    ds, expected = make(kind, tmp_path, rows=ROWS, ragged=ragged)
+    if kind == "shared_list" and sampler == "transform":
+        pytest.skip("a SharedList has no transform")
+    ragged = sampler != "default collate" and kind != "numpy"
+    kwargs = {"transform": _as_it_is} if sampler == "transform" else {}
+    ds, expected = make(kind, tmp_path, rows=ROWS, ragged=ragged, **kwargs)
     crossing._count_receptions(monkeypatch)
     if sampler == "default collate":
         order = list(range(ROWS))[::-1]
         kw = {"batch_size": 16, "sampler": order}
-    else:
+    else:  # (with a transform: ds[indices] collates the transformed samples leniently)
         order = list(range(ROWS))
         kw = {"sampler": sd.IndexBatchSampler(ds, 16), "batch_size": None}
     loader = DataLoader(ds, num_workers=2, multiprocessing_context="fork", timeout=60, **kw)
     n = 0
     for k, batch in enumerate(loader):
-        assert_batch(batch, [expected[i] for i in order[16 * k : 16 * (k + 1)]], kind)
+        want = [expected[i] for i in order[16 * k : 16 * (k + 1)]]
+        if kind == "shared_list" and sampler != "default collate":  # a list of items
+            for item, w in zip(batch, want):
+                assert_item(item, w, kind)
+        else:
+            assert_batch(batch, want, kind)
         crossing._assert_one_memfd(batch, f"{kind}, {sampler}")
         n += 1
     assert n == ROWS // 16

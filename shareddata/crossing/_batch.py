@@ -72,12 +72,14 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import get_worker_info
 
 from .._compat import collate, collate_tensor_fn, default_collate_fn_map
 from ..columns._items import rebuild, unnest
 from ..storage import SharedTensor
-from ._collate import collate_beside, collate_in_one_memfd
+from ._collate import collate_beside, collate_in_one_memfd, stacking
+from ._outbox import worker_empty
 
 __all__ = [
     "Row", "RowList", "RowTuple", "Samples",
@@ -371,6 +373,7 @@ def _collate_samples(batch: Sequence[Any], collate_fn_map: dict[Any, Callable[..
     return [collate(s, collate_fn_map=collate_fn_map) for s in zip(*batch)]
 
 
+@stacking
 def collate_shared(
     batch: Sequence[Any], *, collate_fn_map: dict[Any, Callable[..., Any]] | None = None
 ) -> Any:
@@ -387,10 +390,16 @@ def collate_shared(
         and batch.intact()
     ):
         return batch.batched[0]
-    if collate_fn_map is None:
-        collate_fn_map = default_collate_fn_map
-    if get_worker_info() is not None:
-        return collate_in_one_memfd(lambda fns: collate(batch, collate_fn_map=fns), collate_fn_map)
+    elem = batch[0]
+    if (
+        get_worker_info() is not None
+        and elem.layout is torch.strided
+        and elem.device.type == "cpu"
+        and not elem.is_nested
+    ):  # stacked as torch stacks in a worker (its errors too), into a memfd of ours
+        out = worker_empty((len(batch), *elem.shape), elem.dtype)
+        torch.stack(list(batch), 0, out=out.as_subclass(torch.Tensor))
+        return out
     return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
 
 

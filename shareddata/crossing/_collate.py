@@ -17,7 +17,11 @@ second pass, the same traversal, stacks and copies into it, with ``out=`` as tor
 stacks in a worker. Everything else is torch's, run as it is: the containers,
 ``str``, numpy arrays (their tensors come back to the replaced function), the
 errors; an entry of the registry that is not torch's own (the user's) runs once,
-with the registry as given, and its result is kept. A tensor that torch would not
+with the registry as given, and its result is kept, unless it says what it does:
+:func:`through` (it only collates what it holds, with the registry it is given) or
+:func:`stacking` (it stacks as torch does; ``lenient``: rows of different shapes
+stay the list of them, copied into the same memfd: what ``ds[indices]`` gives,
+Note [A batch by index] in ``datasets/_indexing.py``). A tensor that torch would not
 stack into plain memory of ours (a subclass, another device, a nested tensor) goes
 through torch's function, with its result or its error. The batch is the one
 ``default_collate`` makes, its tensors views of one memfd. When only some columns
@@ -44,11 +48,31 @@ from .._compat import (
 from ..storage import SharedTensor
 from ._outbox import worker_buffers
 
-__all__ = ["collate_beside", "collate_in_one_memfd"]
+__all__ = ["collate_beside", "collate_in_one_memfd", "stacking", "through"]
 
+_STACKING: dict[Callable[..., Any], bool] = {collate_tensor_fn: False}
+"""Registry functions that stack tensors as torch's does (-> whether rows of different
+shapes are left as the list of them instead): replaced in a worker's two passes."""
 _NUMBERS = (collate_numpy_scalar_fn, collate_float_fn, collate_int_fn)
-_AS_THEY_ARE = (collate_numpy_array_fn, collate_str_fn)
+_AS_THEY_ARE: set[Callable[..., Any]] = {collate_numpy_array_fn, collate_str_fn}
+"""Registry functions run in both passes as they are: they make no tensor themselves and
+collate what they hold with the registry they are given."""
 _OURS = (torch.Tensor, SharedTensor)
+
+
+def stacking(fn: Callable[..., Any], lenient: bool = False) -> Callable[..., Any]:
+    """Mark a registry function that stacks tensors as ``collate_tensor_fn`` does.
+
+    ``lenient``: rows of different shapes give the list of them.
+    """
+    _STACKING[fn] = lenient
+    return fn
+
+
+def through(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a registry function that only collates what it holds with the registry given."""
+    _AS_THEY_ARE.add(fn)
+    return fn
 
 
 def collate_in_one_memfd(
@@ -116,8 +140,8 @@ class _Plan:
         """``fn_map`` (same keys, same order) with the functions this pass replaces."""
         out: dict[Any, Callable[..., Any]] = {}
         for key, fn in self.fn_map.items():
-            if fn is collate_tensor_fn or key is SharedTensor:
-                out[key] = self._fill_tensors if filling else self._note_tensors
+            if fn in _STACKING:
+                out[key] = self._fill_tensors if filling else self._noting(_STACKING[fn])
             elif fn in _NUMBERS:
                 out[key] = self._fill_numbers if filling else self._numbers(fn)
             elif fn in _AS_THEY_ARE:
@@ -132,7 +156,13 @@ class _Plan:
         return entry
 
     # first pass ---------------------------------------------------------------------
-    def _note_tensors(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
+    def _noting(self, lenient: bool) -> Callable[..., Any]:
+        def note(batch: Any, *, collate_fn_map: Any = None) -> Any:
+            return self._note_tensors(batch, collate_fn_map, lenient)
+
+        return note
+
+    def _note_tensors(self, batch: Any, collate_fn_map: Any, lenient: bool) -> Any:
         elem = batch[0]
         if (
             type(elem) in _OURS
@@ -141,8 +171,13 @@ class _Plan:
             and not elem.is_nested
         ):
             shape = elem.shape
-            if any(t.shape != shape for t in batch):  # torch's error, with nothing allocated
-                return self._call(_stack, batch, collate_fn_map)
+            if any(t.shape != shape for t in batch):
+                if not lenient:  # torch's error, with nothing allocated
+                    return self._call(_stack, batch, collate_fn_map)
+                # the list of the rows, copied into the batch's memfd with the rest
+                self.entries.append(["rows", len(self.parts)])
+                self.parts.extend((tuple(t.shape), t.dtype) for t in batch)
+                return list(batch)
             self.entries.append(len(self.parts))
             self.parts.append(((len(batch), *shape), elem.dtype))
             return None  # made by the second pass
@@ -182,6 +217,11 @@ class _Plan:
             out = self.buffers[entry]
             torch.stack(batch, 0, out=out.as_subclass(torch.Tensor))  # as torch does in a worker
             return out
+        if entry[0] == "rows":
+            rows = self.buffers[entry[1] : entry[1] + len(batch)]
+            for out, row in zip(rows, batch):
+                out.as_subclass(torch.Tensor).copy_(row)
+            return rows
         return self._replay(entry, batch)
 
     def _fill_numbers(self, batch: Any, *, collate_fn_map: Any = None) -> Any:

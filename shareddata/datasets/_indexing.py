@@ -24,21 +24,27 @@ the same way:
   r4]]`` of the rest. A nested list whose rows differ in length is refused by name.
 
 Booleans, floats and other non-integers are refused (``IndexTypeError``); an index
-beyond the rows is ``IndexOutOfRangeError``.
+beyond the rows is ``IndexOutOfRangeError``. In a DataLoader worker
+(``IndexBatchSampler``) the batch is made in one memfd, lists of rows included (Note
+[Collating into one memfd] in ``crossing/_collate.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from .._compat import collate, default_collate_fn_map
+from ..crossing._collate import collate_in_one_memfd, stacking, through
 from ..errors import IndexOutOfRangeError, IndexTypeError
+from ..storage import SharedTensor
 
 __all__ = ["index_shape", "index_tensor", "lenient_collate", "nest_rows", "rows_by_index"]
 
@@ -163,24 +169,31 @@ def lenient_collate(samples: Sequence[Any]) -> Any:
     """
     collate_map = dict(default_collate_fn_map)
     collate_map[torch.Tensor] = _tensors
+    collate_map[SharedTensor] = _tensors  # (registered for its own type: lenient too)
     collate_map[np.ndarray] = _arrays
     collate_map[Mapping] = _mappings  # (torch's own branches, but lenient inside)
     collate_map[Sequence] = _sequences
     collate_map[object] = _rows  # last: any type the default collate does not know
+    if get_worker_info() is not None:  # leaving a worker: Note [Collating into one memfd]
+        return collate_in_one_memfd(lambda fns: collate(samples, collate_fn_map=fns), collate_map)
     return collate(samples, collate_fn_map=collate_map)
 
 
+@through
 def _rows(batch: Sequence[Any], *, collate_fn_map: Any = None) -> list[Any]:
     return list(batch)
 
 
+@functools.partial(stacking, lenient=True)
 def _tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: Any) -> Any:
     shape = batch[0].shape
     if any(t.shape != shape for t in batch):
         return list(batch)
-    return default_collate_fn_map[torch.Tensor](batch, collate_fn_map=collate_fn_map)
+    fn = default_collate_fn_map.get(type(batch[0]), default_collate_fn_map[torch.Tensor])
+    return fn(batch, collate_fn_map=collate_fn_map)
 
 
+@through
 def _arrays(batch: Sequence[np.ndarray], *, collate_fn_map: Any) -> Any:
     first = batch[0]
     if first.dtype.kind in "OSUV" or any(a.shape != first.shape for a in batch):
@@ -188,6 +201,7 @@ def _arrays(batch: Sequence[np.ndarray], *, collate_fn_map: Any) -> Any:
     return default_collate_fn_map[np.ndarray](batch, collate_fn_map=collate_fn_map)
 
 
+@through
 def _mappings(batch: Sequence[Mapping[Any, Any]], *, collate_fn_map: Any) -> Any:
     elem = batch[0]
     keys = elem.keys()
@@ -204,6 +218,7 @@ def _mappings(batch: Sequence[Mapping[Any, Any]], *, collate_fn_map: Any) -> Any
         return values
 
 
+@through
 def _sequences(batch: Sequence[Sequence[Any]], *, collate_fn_map: Any) -> Any:
     elem = batch[0]
     if any(len(s) != len(elem) for s in batch):

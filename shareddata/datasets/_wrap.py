@@ -309,6 +309,8 @@ class SharedList(Sequence):
         shape = index_shape(index)
         idx = index_tensor(index, len(self), "SharedList")
         items = [pickle.loads(b) for b in self._column.gather(idx)] if len(idx) else []
+        if items and get_worker_info() is not None:  # IndexBatchSampler: see __getitems__
+            items = into_one_batch(items)
         return items if shape is None else nest_rows(items, shape)
 
     def __iter__(self) -> Iterator[Any]:
