@@ -83,8 +83,20 @@ def row(page: str, name: str) -> bool:
     return any(line.startswith(f"| {name} ") for line in page.splitlines())
 
 
+def errors(x: object, where: str = "") -> list[str]:
+    """Every ``{"error": ...}`` in the suite's results, with the keys that lead to it."""
+    if isinstance(x, dict):
+        if "error" in x:
+            return [f"{where}: {str(x['error'])[-300:]}"]
+        return [e for k, v in x.items() for e in errors(v, f"{where}/{k}")]
+    if isinstance(x, list):
+        return [e for i, v in enumerate(x) for e in errors(v, f"{where}[{i}]")]
+    return []
+
+
 def test_every_section_and_target(quick_run):
     _, page, results = quick_run
+    assert not errors(results), "\n".join(errors(results))
     for heading in SECTIONS + TARGETS:
         assert heading in page, heading
     for topic in ("limits", "throughput", "memory", "ttfb", "load", "analysis"):
