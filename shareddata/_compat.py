@@ -150,10 +150,21 @@ def dataloader_worker_pids(iterator: Any) -> list[int] | None:
 
 
 def shutdown_dataloader_iterator(iterator: Any) -> None:
-    """End a DataLoader iterator's workers now (they exit; its pins and queues close)."""
+    """End a DataLoader iterator's workers now (they exit; its pins and queues close).
+
+    torch joins each worker for 5 s, then sends SIGTERM to one still running and
+    leaves it: a slow worker (a loaded machine) would stay a child of this process,
+    holding two pipe fds, until multiprocessing's next ``start()``. Here it is
+    joined, for at most ``JOIN_SECONDS``.
+    """
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+    for worker in getattr(iterator, "_workers", ()):
+        worker.join(JOIN_SECONDS)
+
+
+JOIN_SECONDS = 10.0
 
 
 def stop_dataloader_workers(loader: Any) -> None:

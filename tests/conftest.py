@@ -87,6 +87,17 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def fd_links() -> dict[str, str]:
+    """This process's open fds and what each one is (``/proc/self/fd``), to name a leak."""
+    links = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the fd listdir itself used
+            pass
+    return links
+
+
 def can_unshare() -> bool:
     if os.geteuid() != 0:
         return False

@@ -29,7 +29,7 @@ The result has the structure ``default_collate`` gives for plain samples: a
 ``dict`` {column: batch} for dict samples, a ``list`` of column batches for tuple
 samples; fixed-shape columns give one stacked tensor, string and bytes columns a
 list, variable-length columns whatever ``default_collate`` does with their rows.
-Nested samples (Note [Nested items] in ``_items.py``; a ``SharedDataset``'s items,
+Nested samples (Note [Nested items] in ``columns/_items.py``; a ``SharedDataset``'s items,
 whatever tree of tuples, lists and dicts they are) are checked leaf by leaf (each
 dict still has exactly its keys, each tuple and list its length, each leaf the
 same object), and the gathered columns are returned nested the same way, tuples
@@ -133,7 +133,7 @@ class Samples(list):  # type: ignore[type-arg]
             row (views of ``batched`` for tensors), called at the first use.
         n: the number of rows (used when there are no columns).
         nesting: for nested samples, their schema (Note [Nested items] in
-            ``_items.py``: a tree of tuples, lists and dicts); None for flat ones.
+            ``columns/_items.py``: a tree of tuples, lists and dicts); None for flat ones.
             With ``tuples``, a dict schema's samples hold its top-level values.
         tuples: ``RowTuple`` samples rather than ``Row``.
         firsts: per column, the function that makes row 0's value alone (None:
@@ -282,7 +282,7 @@ class Samples(list):  # type: ignore[type-arg]
     def _intact_nested(
         self, nesting: Any, rows: Sequence[Any], values: Sequence[Sequence[Any]]
     ) -> bool:
-        """:meth:`_intact` for nested samples (Note [Nested items] in ``_items.py``)."""
+        """:meth:`_intact` for nested samples (Note [Nested items] in ``columns/_items.py``)."""
         out: list[Any] = [None] * len(self.names)
         for j, row in enumerate(rows):
             if not unnest(row, nesting, out) or not all(o is v[j] for o, v in zip(out, values)):

@@ -34,7 +34,7 @@ class ArrowDataset(ColumnDataset):
     data files its ``state.json`` lists, in order; its ``set_format`` is not applied:
     select columns with ``columns=``). Files are memory-mapped and read one column at
     a time, so loading needs no private copy of the table (Note [Reading Arrow IPC
-    files one column at a time] in ``_arrow_files.py``). Anything else (Parquet,
+    files one column at a time] in ``sources/_arrow_files.py``). Anything else (Parquet,
     Feather v1, a folder without ``state.json``) is refused naming what it is and what
     to pass instead.
 

@@ -91,7 +91,7 @@ class ColumnDataset(Dataset):
             column order (what ``TensorDataset`` users unpack as ``x, y``).
         nested: give each column's value at its key path in ``paths`` (``{"s": {"a":
             ...}}``) instead of under its flat name (Note [Nested items] in
-            ``_items.py``); with ``output="tuple"``, the top-level values in order.
+            ``columns/_items.py``); with ``output="tuple"``, the top-level values in order.
         paths: each column's key path (default: its name alone); used with ``nested``.
 
     Attributes:
@@ -261,7 +261,7 @@ class ColumnDataset(Dataset):
 
         The default collate gives the same batch as fetching each sample alone,
         and without a ``transform`` it takes each column's batch as gathered, with no
-        second copy (Note [The default collate's shortcut] in ``_batch.py``).
+        second copy (Note [The default collate's shortcut] in ``crossing/_batch.py``).
         """
         # In a worker the gathered batch is built in shared memory: it is the batch
         # that travels to the main process (and a private temporary per batch would

@@ -130,7 +130,7 @@ class Allocator:
             segment.finish_population()
 
     def discard(self) -> None:
-        """Free every segment now (Note [Freeing a failed load] in ``_storage/_segment.py``)."""
+        """Free every segment now (Note [Freeing a failed load] in ``storage/_segment.py``)."""
         for segment in self._segments:
             segment.stop_population()
             segment.discard()
@@ -180,7 +180,7 @@ def build(
 
     Under torchrun only local rank 0 of each node loads; the other local ranks
     attach to its columns (Note [How local ranks share one copy] in
-    ``shareddata/distributed``). If anything fails (a read error, Ctrl-C),
+    ``distributed/_node_load.py``). If anything fails (a read error, Ctrl-C),
     everything allocated is freed before the error propagates.
 
     Args:
@@ -280,12 +280,12 @@ def _load_here(
         alloc.finish()
     except BaseException:
         # Free the segments now, although the traceback still refers to the
-        # buffers: Note [Freeing a failed load] in _storage/_segment.py.
+        # buffers: Note [Freeing a failed load] in storage/_segment.py.
         alloc.discard()
         raise
     finally:
         source.close()
-    # fork children map it copy-on-write: Note [Sealed segments] in _storage/_segment.py
+    # fork children map it copy-on-write: Note [Sealed segments] in storage/_segment.py
     sealed = iter(seal([a for _, _, arrays in parts for a in arrays.values()]))
     columns = Columns(
         {spec.name: cls(spec, {k: next(sealed) for k in arrays}) for cls, spec, arrays in parts}
@@ -320,7 +320,7 @@ def _fill(source: Source, alloc: Allocator, progress: bool) -> list[Part]:
     layouts = [(spec, COLUMN_KINDS[spec.kind].layout(spec)) for spec in specs]
     flat = [shape_dtype for _, layout in layouts for shape_dtype in layout.values()]
     # pages are allocated while the source fills the first ones: Note [Filling
-    # while the pages are allocated] in _storage/_pages.py
+    # while the pages are allocated] in storage/_pages.py
     arrays = iter(alloc(flat, source.label, ahead=True))
     parts: list[Part] = [
         (COLUMN_KINDS[spec.kind], spec, {k: next(arrays) for k in layout})

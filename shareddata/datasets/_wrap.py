@@ -367,7 +367,7 @@ class _Items:
     """``SharedList``'s producer: its items, pickled and written to shared memory as they come.
 
     The pickles go to a growing shared file (Note [Variable-length values go to shared
-    memory as they come] in ``_writer.py``): private memory holds the offsets (8 bytes
+    memory as they come] in ``storage/_writer.py``): private memory holds the offsets (8 bytes
     per item) and one block of pickles, whatever the items weigh.
     """
 

@@ -3,7 +3,7 @@
 Note [How local ranks share one copy]
 =====================================
 Local rank 0 runs the ordinary load (``_load.build``) into memfd segments (Note
-[How shared segments are made, shared and freed] in ``_storage/_segment.py``), pickles the
+[How shared segments are made, shared and freed] in ``storage/_segment.py``), pickles the
 columns -- handles ``(pid, fd, dev/inode, size, token)``, a few hundred bytes, never
 data and never torch fd handles, which fail across ranks (docs/internals.md, "Across
 torchrun ranks") -- and hands them to the other local ranks, which unpickle them and

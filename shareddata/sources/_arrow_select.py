@@ -4,7 +4,7 @@ A struct column ``s`` with fields ``a`` and ``b`` gives the columns ``s.a`` and
 ``s.b`` (nested structs ``s.b.c``), as ``Table.flatten()`` names them; selecting
 ``s`` selects them all. :func:`make_columns` pairs each selected name with its
 path of fields (what ``nested=True`` nests items by: Note [Nested items] in
-``_items.py``), its type and its fill value.
+``columns/_items.py``), its type and its fill value.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class Buffer(np.ndarray):
     :meth:`rows` is the sink: it returns a plain writable view once the pages under
     it are allocated (the loader allocates them in background threads while the
     source fills the first ones: Note [Filling while the pages are allocated] in
-    ``_storage/_pages.py``).
+    ``storage/_pages.py``).
 
     Example:
         >>> buf = np.zeros((4, 2), np.int64).view(Buffer)

@@ -88,3 +88,22 @@ def test_every_error_is_a_shareddata_error_and_a_builtin():
     }
     for cls, builtin in builtins.items():
         assert issubclass(cls, sd.SharedDataError) and issubclass(cls, builtin)
+
+
+def test_every_note_cited_with_a_file_is_in_that_file():
+    # "Note [Title] in ``path``" sends a reader to a file: the file exists and holds it.
+    import re
+    from pathlib import Path
+
+    package = Path(REPO) / "shareddata"
+    cite = re.compile(r"Note \[([^\]]+)\] in (?:``)?([\w/]+(?:\.py)?)")
+    wrong = []
+    for path in sorted(package.rglob("*.py")):
+        text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text())
+        for title, where in cite.findall(text):
+            name = where if where.endswith(".py") else where + ".py"
+            candidates = [path.parent / name, package / name, path.parent / where / "__init__.py"]
+            found = [c for c in candidates if c.is_file()]
+            if not found or not any(f"Note [{title}]" in c.read_text() for c in found):
+                wrong.append(f"{path.relative_to(package)}: Note [{title}] in {where}")
+    assert not wrong, "\n".join(wrong)

@@ -9,7 +9,7 @@ Each item is split into leaves along a schema inferred from the first item
 * variable-length leaves (``str``, ``bytes``, lists of numbers, arrays whose shape
   varies, anything else pickled) are written to a growing shared file each as they
   come, which becomes the column's segment at the end (Note [Variable-length values
-  go to shared memory as they come] in ``_writer.py``); their offsets are copied into
+  go to shared memory as they come] in ``storage/_writer.py``); their offsets are copied into
   a last, small segment.
 
 The segments are the loader's (``_load.build``), which frees them if anything

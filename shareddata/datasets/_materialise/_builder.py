@@ -151,7 +151,7 @@ class Builder:
     def discard(self) -> None:
         """After a failure: stop the writer, then free the fixed-size segment at once.
 
-        Note [Freeing a failed load] in ``_storage/_segment.py``.
+        Note [Freeing a failed load] in ``storage/_segment.py``.
         """
         if self.writer is not None:
             self.writer.abort()
@@ -361,7 +361,7 @@ class Builder:
 
         The values' files become segments as they are; the offsets (and shapes) are
         copied into one small segment (Note [Variable-length values go to shared
-        memory as they come] in ``_writer.py``).
+        memory as they come] in ``storage/_writer.py``).
         """
         layouts: list[tuple[tuple[int, ...], Any]] = []
         values: dict[int, SharedArray] = {}

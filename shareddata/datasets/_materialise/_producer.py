@@ -55,7 +55,7 @@ def build_columns(
         parts, kinds = builder.finish()
     except BaseException:
         # Free the columns now, although the traceback still refers to them:
-        # Note [Freeing a failed load] in _storage/_segment.py.
+        # Note [Freeing a failed load] in storage/_segment.py.
         if builder is not None:
             builder.discard()
         raise
