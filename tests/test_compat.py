@@ -7,6 +7,7 @@ the oldest and newest torch the package claims).
 
 from __future__ import annotations
 
+import gc
 import io
 import uuid
 
@@ -135,3 +136,16 @@ def test_make_subclass_takes_sparse_tensors():
     sub = _compat.make_subclass(SharedTensor, t)
     assert type(sub) is SharedTensor and sub.layout is torch.sparse_coo
     assert torch.equal(sub.to_dense(), torch.tensor([1.0, 0.0, 2.0]))
+
+
+def test_new_views_are_retyped_in_place_not_aliased():
+    # the fast path (Python's __class__ assignment on a tensor): if a torch release
+    # refuses it, retype_new_views falls back to as_subclass, one alias per row (~1 us)
+    rows = list(torch.arange(12.0).view(4, 3).unbind(0))
+    ids = [id(r) for r in rows]
+    out = _compat.retype_new_views(rows, sd.SharedTensor)
+    assert [id(r) for r in out] == ids
+    assert all(type(r) is sd.SharedTensor for r in out)
+    assert out[2].tolist() == [6.0, 7.0, 8.0] and type(out[2] + 1) is torch.Tensor
+    del rows, out
+    gc.collect()  # freed as any tensor is (no crash in the subclass's dealloc)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch.multiprocessing import reductions as torch_reductions
 
-from .._compat import DisableTorchFunctionSubclass, coo_parts, make_subclass
+from .._compat import DisableTorchFunctionSubclass, coo_parts, make_subclass, retype_new_views
 from ..errors import BatchSendError
 from ._capacity import named_os_errors
 from ._linux import array_at, map_fd, page_floor, unmap
@@ -100,7 +100,7 @@ class SharedTensor(torch.Tensor):
             if type(out) is torch.Tensor:
                 return _keep_views(out, (out,), args)
             if type(out) in (tuple, list) and out and type(out[0]) is torch.Tensor:
-                return _keep_views(out, out, args)
+                return _keep_views(out, out, args, func in _NEW_VIEWS)
         return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -114,12 +114,23 @@ class SharedTensor(torch.Tensor):
 _SHARE_MEMORY = torch.Tensor.share_memory_
 
 
-def _keep_views(out: Any, tensors: Any, args: Any) -> Any:
+# Functions whose every result is a new view (never an argument itself): their results
+# are retyped in place (:func:`retype_new_views`), not aliased by ``as_subclass``.
+_NEW_VIEWS = frozenset(
+    f
+    for name in ("unbind", "split", "chunk", "tensor_split", "unsafe_split")
+    for f in (getattr(torch.Tensor, name, None), getattr(torch, name, None))
+    if f is not None
+)
+
+
+def _keep_views(out: Any, tensors: Any, args: Any, new: bool = False) -> Any:
     """``out`` with ``tensors`` (its tensors) as SharedTensors if they view an argument's memory.
 
     Called with torch functions disabled (attribute reads are then plain C calls). A
     sequence (``unbind``, ``split``, ``chunk``) is checked at its first and last
-    element: view functions return views only.
+    element: view functions return views only. ``new``: ``out`` is a sequence of new
+    views, made by one of ``_NEW_VIEWS``.
     """
     ref = None
     for arg in args:
@@ -135,7 +146,14 @@ def _keep_views(out: Any, tensors: Any, args: Any) -> Any:
         return out
     if type(out) is torch.Tensor:
         return shared_tensor(out, ref)
-    return type(out)(shared_tensor(t, ref) if type(t) is torch.Tensor else t for t in out)
+    if not new:
+        return type(out)(shared_tensor(t, ref) if type(t) is torch.Tensor else t for t in out)
+    # a view per row of a batch (``unbind``): the loop a worker's samples pay for, per
+    # row (Note [Samples made when first used] in crossing/_batch.py)
+    views = retype_new_views(list(tensors), SharedTensor)
+    for view in views:
+        view._shared = ref
+    return type(out)(views)
 
 
 def shared_tensor(tensor: torch.Tensor, ref: MemoryRef) -> SharedTensor:
