@@ -149,3 +149,20 @@ def test_new_views_are_retyped_in_place_not_aliased():
     assert out[2].tolist() == [6.0, 7.0, 8.0] and type(out[2] + 1) is torch.Tensor
     del rows, out
     gc.collect()  # freed as any tensor is (no crash in the subclass's dealloc)
+
+
+def test_rows_of_a_batch_hold_no_reference_and_still_cross_by_handle():
+    # a row made by unbind finds its memory through its base (storage/_tensor.memory_ref):
+    # no dict per row, and a row pickles by handle (a few hundred bytes), not by value
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import numpy as np
+
+    batch = sd.SharedArray.from_array(np.arange(4096.0).reshape(4, 1024)).torch()
+    rows = batch.unbind(0)
+    assert all(type(r) is sd.SharedTensor and "_shared" not in r.__dict__ for r in rows)
+    sent = bytes(ForkingPickler.dumps(rows[2][10:]))
+    assert len(sent) < 1000  # the row by value would be 8 KiB
+    got = pickle.loads(sent)
+    assert type(got) is torch.Tensor and got.tolist() == list(range(2058, 3072))

@@ -361,7 +361,7 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
         box.mapped.add(memfd)
         storage, ref = memfd.storage, memfd.ref
     return [
-        shared_tensor(torch.empty(0, dtype=dtype).set_(storage, start, shape), ref)  # type: ignore[call-overload, arg-type]
+        shared_tensor(torch.empty(0, dtype=dtype).set_(storage, start, shape), ref, new=True)  # type: ignore[call-overload, arg-type]
         if nbytes
         else torch.empty(shape, dtype=dtype)
         for (shape, dtype), (start, nbytes) in zip(parts, layout)

@@ -235,7 +235,7 @@ class SharedArray:
             if tensor.numel():
                 address = tensor.untyped_storage().data_ptr()
                 ref = SegmentRef(self.segment, self.offset, self.nbytes, address, self.writable)
-                tensor = shared_tensor(tensor, ref)
+                tensor = shared_tensor(tensor, ref, new=True)  # from_numpy made it: no alias
             self._tensor = tensor
         return self._tensor
 

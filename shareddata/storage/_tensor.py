@@ -135,7 +135,7 @@ def _keep_views(out: Any, tensors: Any, args: Any, new: bool = False) -> Any:
     ref = None
     for arg in args:
         if isinstance(arg, SharedTensor):
-            ref = arg.__dict__.get("_shared")
+            ref = memory_ref(arg)
             break
     if ref is None:
         return out
@@ -149,22 +149,52 @@ def _keep_views(out: Any, tensors: Any, args: Any, new: bool = False) -> Any:
     if not new:
         return type(out)(shared_tensor(t, ref) if type(t) is torch.Tensor else t for t in out)
     # a view per row of a batch (``unbind``): the loop a worker's samples pay for, per
-    # row (Note [Samples made when first used] in crossing/_batch.py)
+    # row (Note [Samples made when first used] in crossing/_batch.py). The rows share
+    # one base; when that base holds ``ref`` they hold none of their own (a dict each)
     views = retype_new_views(list(tensors), SharedTensor)
-    for view in views:
-        view._shared = ref
+    base = views[0]._base
+    if base is None or base.__dict__.get("_shared") is not ref:
+        for view in views:
+            view._shared = ref
     return type(out)(views)
 
 
-def shared_tensor(tensor: torch.Tensor, ref: MemoryRef) -> SharedTensor:
+def memory_ref(tensor: SharedTensor) -> MemoryRef | None:
+    """The reference to the memory under ``tensor``: its own, else its base's.
+
+    A new view made by ``unbind``/``split`` of a tensor that holds its reference has
+    none of its own: the base it views (which the view keeps alive) holds it. Called
+    with torch functions disabled (``_base`` is then a plain attribute read).
+
+    Example:
+        >>> import numpy as np, shareddata as sd
+        >>> batch = sd.SharedArray.from_array(np.zeros((4, 2))).torch()
+        >>> row = batch.unbind(0)[1]
+        >>> with DisableTorchFunctionSubclass():
+        ...     memory_ref(row) is memory_ref(batch) is not None
+        True
+    """
+    ref = tensor.__dict__.get("_shared")
+    if ref is None:
+        base = tensor._base
+        if base is not None:
+            ref = base.__dict__.get("_shared")
+    return ref
+
+
+def shared_tensor(tensor: torch.Tensor, ref: MemoryRef, *, new: bool = False) -> SharedTensor:
     """``tensor`` (whose storage is the memory of ``ref``) as a :class:`SharedTensor`.
 
-    A sparse tensor (whose indices and values are the memory of ``ref``) too.
+    A sparse tensor (whose indices and values are the memory of ``ref``) too. ``new``:
+    ``tensor`` was just made and nothing else holds it: it becomes the SharedTensor
+    itself (no alias), so views of it find ``ref`` at their base (:func:`memory_ref`).
     """
-    if tensor.layout is torch.strided:
-        shared = tensor.as_subclass(SharedTensor)
-    else:
+    if tensor.layout is not torch.strided:
         shared = make_subclass(SharedTensor, tensor)
+    elif new:
+        shared = retype_new_views([tensor], SharedTensor)[0]
+    else:
+        shared = tensor.as_subclass(SharedTensor)
     shared._shared = ref
     return shared
 
@@ -172,8 +202,8 @@ def shared_tensor(tensor: torch.Tensor, ref: MemoryRef) -> SharedTensor:
 def reduce_shared_tensor(tensor: SharedTensor) -> Any:
     """``ForkingPickler``'s reducer of :class:`SharedTensor`: by handle, else a copy by torch."""
     try:
-        ref = tensor.__dict__.get("_shared")
         with DisableTorchFunctionSubclass():  # plain attribute reads, no Python dispatch
+            ref = memory_ref(tensor)
             if ref is not None and tensor.layout is torch.sparse_coo and not tensor.requires_grad:
                 # a sparse batch: its indices and values, views of the memory, cross by handle
                 parts = [shared_tensor(p, ref) for p in coo_parts(tensor)]
