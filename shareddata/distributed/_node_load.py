@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import itertools
 import pickle
-import select
 import socket
 import threading
 import time
@@ -86,7 +85,20 @@ from ..errors import LocalRankError, LocalRankTimeoutError
 from ..storage._linux import ForkSafeLock
 from ._context import TIMEOUT_ENV, NodeContext, Shard, Share, node_context, resolve_timeout
 from ._fingerprint import describe, fingerprint
-from ._wire import Closed, connect, error_info, listen, peer, rebuild_error, recv, send, socket_name
+from ._wire import (
+    STALL,
+    Closed,
+    Refused,
+    Server,
+    connect,
+    error_info,
+    hello,
+    peer,
+    rebuild_error,
+    recv,
+    send,
+    socket_name,
+)
 
 __all__ = ["load_on_node"]
 
@@ -183,118 +195,64 @@ def _publish(
 
 
 class _Publisher:
-    """Local rank 0's side: accept the other local ranks, beat while loading, then serve.
+    """Local rank 0's side: serve every other local rank from before the load until it attached.
 
-    A thread runs the select loop from before the load until every other local
-    rank has acknowledged (or ``timeout`` after the load); the caller joins it.
+    Each connection has a thread of its own (:class:`Server`): it reads the rank's
+    hello, beats while the load runs, sends the payload and reads the acknowledgement.
+    :meth:`finish` waits for that of every local rank, at most ``timeout``.
     """
 
     def __init__(
         self, ctx: NodeContext, name: str, number: int, wanted: str, label: str, timeout: float
     ) -> None:
-        self.ctx, self.name, self.number = ctx, name, number
+        self.ctx, self.number = ctx, number
         self.wanted, self.label, self.timeout = wanted, label, timeout
-        self.expected = ctx.local_world_size - 1
-        self.listener = listen(name, ctx.local_world_size)
-        self.payload: tuple[str, Any] | None = None
+        self.payload: tuple[str, Any] | None = None  # set by finish, before ready
         self.ready = threading.Event()
-        self.stop = threading.Event()
+        self.changed = threading.Condition()
         self.done: dict[int, str | None] = {}  # local rank -> None (attached) or a problem
-        self.problems: list[str] = []
-        self.thread = threading.Thread(target=self._serve, name="shareddata-publish", daemon=True)
-        self.thread.start()
+        self.server = Server(name, ctx.local_world_size, self._serve)
 
-    def _serve(self) -> None:
-        clients: dict[socket.socket, dict[str, Any]] = {}
-        last_beat = time.monotonic()
-        deadline: float | None = None
-        try:
-            while not self.stop.is_set() and len(self.done) < self.expected:
-                if self.ready.is_set() and deadline is None:
-                    deadline = time.monotonic() + self.timeout
-                if deadline is not None and time.monotonic() > deadline:
-                    break
-                readable, _, _ = select.select([self.listener, *clients], [], [], 0.1)
-                for sock in readable:
-                    if sock is self.listener:
-                        self._accept(clients)
-                    else:
-                        self._read(sock, clients)
-                if self.ready.is_set():
-                    for sock, state in list(clients.items()):
-                        if state["state"] == "hi":
-                            self._try_send(sock, clients, self.payload)
-                            state["state"] = "sent"
-                            if self.payload is not None and self.payload[0] == "error":
-                                self.done[state["rank"]] = None  # told: nothing to attach
-                                clients.pop(sock, None)
-                                sock.close()
-                elif time.monotonic() - last_beat >= _HEARTBEAT:
-                    last_beat = time.monotonic()
-                    for sock, state in list(clients.items()):
-                        if state["state"] == "hi":
-                            self._try_send(sock, clients, ("beat", None))
-        except BaseException as e:  # never die silently: the caller reports it
-            self.problems.append(f"local rank 0's server failed: {e!r}")
-        finally:
-            for sock in clients:
-                sock.close()
-
-    def _accept(self, clients: dict[socket.socket, dict[str, Any]]) -> None:
-        sock, _ = self.listener.accept()
-        try:
-            pid = peer(sock)
-        except (LocalRankError, OSError) as e:
-            self.problems.append(str(e))
-            sock.close()
+    def _serve(self, sock: socket.socket, pid: int) -> None:
+        _, message = recv(sock, time.monotonic() + STALL, ("hi",))
+        rank, fp, label = hello(message, self.ctx, str, str)
+        if fp != self.wanted:
+            self._done(
+                rank, f"it built dataset #{self.number} from {label}{_differ(label, self.label)}"
+            )
+            send(sock, "mismatch", self.label, time.monotonic() + STALL)
             return
-        clients[sock] = {"state": "new", "pid": pid, "rank": None}
-
-    def _try_send(
-        self, sock: socket.socket, clients: dict[socket.socket, dict[str, Any]], message: Any
-    ) -> None:
-        try:
-            sock.settimeout(10)
-            send(sock, message)
-        except OSError:  # the rank died; it will be reported missing
-            clients.pop(sock, None)
-            sock.close()
-
-    def _read(self, sock: socket.socket, clients: dict[socket.socket, dict[str, Any]]) -> None:
-        state = clients[sock]
-        try:
-            kind, data = recv(sock, 10)
-        except (Closed, TimeoutError, OSError, pickle.UnpicklingError):
-            clients.pop(sock, None)
-            sock.close()
+        while not self.ready.wait(_HEARTBEAT):
+            send(sock, "beat", None, time.monotonic() + STALL)
+        kind, data = self.payload  # type: ignore[misc]
+        send(sock, kind, data, time.monotonic() + STALL)
+        if kind == "error":
+            self._done(rank, None)  # told: nothing to attach
             return
-        if kind == "hi":
-            rank, fp, label = data
-            state["rank"] = rank
-            if fp != self.wanted:
-                problem = (
-                    f"it built dataset #{self.number} from {label}{_differ(label, self.label)}"
-                )
-                self.done[rank] = problem
-                self._try_send(sock, clients, ("mismatch", self.label))
-                clients.pop(sock, None)
-                sock.close()
-                return
-            state["state"] = "hi"
-        elif kind in ("ack", "fail"):
-            self.done[state["rank"]] = None if kind == "ack" else str(data)
-            clients.pop(sock, None)
-            sock.close()
+        kind, data = recv(sock, time.monotonic() + self.timeout, ("ack", "fail"))
+        self._done(rank, None if kind == "ack" else str(data))
+
+    def _done(self, rank: int, problem: str | None) -> None:
+        with self.changed:
+            self.done[rank] = problem
+            self.changed.notify_all()
 
     def finish(self, payload: tuple[str, Any], strict: bool = True) -> None:
-        """Serve ``payload`` to every local rank; with ``strict``, raise if any failed."""
+        """Serve ``payload`` to every local rank; with ``strict``, raise if any failed.
+
+        Waits until every other local rank has taken it, at most ``timeout``.
+        """
+        start = time.monotonic()
         self.payload = payload
         self.ready.set()
-        self.thread.join()
+        ranks = range(1, self.ctx.local_world_size)
+        with self.changed:
+            self.changed.wait_for(lambda: all(r in self.done for r in ranks), self.timeout)
+            done = dict(self.done)
         if not strict:
             return
-        missing = [r for r in range(1, self.ctx.local_world_size) if r not in self.done]
-        failed = {r: p for r, p in self.done.items() if p is not None}
+        missing = [r for r in ranks if r not in done]
+        failed = {r: p for r, p in done.items() if p is not None}
         if failed:
             listing = "; ".join(f"local rank {r}: {p}" for r, p in sorted(failed.items()))
             listing += f" (local rank 0 built it from {self.label})"
@@ -305,10 +263,11 @@ class _Publisher:
                 "differs between ranks or is built on some ranks only."
             )
         if missing:
-            extra = f" ({'; '.join(self.problems)})" if self.problems else ""
+            dropped = self.server.dropped[-3:]
+            extra = f" ({'; '.join(dropped)})" if dropped else ""
             raise LocalRankTimeoutError(
                 f"on node {self.ctx.node}, local rank 0 loaded dataset #{self.number} "
-                f"({self.label}) and waited {self.timeout:.0f} s for local rank(s) "
+                f"({self.label}) and waited {time.monotonic() - start:.1f} s for local rank(s) "
                 f"{', '.join(map(str, missing))} to attach, but they never did{extra}. Every local "
                 "rank must build the same datasets in the same order; pass share='process' to a "
                 f"dataset built on some ranks only. Raise {TIMEOUT_ENV} if they are just slow."
@@ -316,10 +275,7 @@ class _Publisher:
 
     def close(self) -> None:
         """Stop serving (idempotent); connected ranks that were not served see EOF."""
-        self.stop.set()
-        if self.thread.is_alive():
-            self.thread.join()
-        self.listener.close()
+        self.server.close()
 
 
 def _differ(mine: str, theirs: str) -> str:
@@ -336,52 +292,61 @@ def _receive(
     """Another local rank's side: connect, wait while rank 0 loads, attach, acknowledge."""
     where = f"local rank {ctx.local_rank} of node {ctx.node}"
     what = f"dataset #{number} ({label})"
-    sock = connect(name, time.monotonic() + timeout)
+    start = time.monotonic()
+    sock = connect(name, start + timeout)
     if sock is None:
         raise LocalRankTimeoutError(
-            f"{where} waited {timeout:.0f} s for local rank 0 to start loading {what} (on "
-            f"socket @{name}), and it never did: local rank 0 is busy elsewhere, builds its "
-            f"datasets in another order, or died (see its log). Raise {TIMEOUT_ENV} if it is "
-            "just slow to get there; pass share='process' to a dataset that not every local "
-            "rank builds."
+            f"{where} waited {time.monotonic() - start:.1f} s for local rank 0 to start loading "
+            f"{what} (on socket @{name}), and it never did: local rank 0 is busy elsewhere, "
+            "builds its datasets in another order, or died (see its log). Raise "
+            f"{TIMEOUT_ENV} if it is just slow to get there; pass share='process' to a dataset "
+            "that not every local rank builds."
         )
     with sock:
         pid = peer(sock)
-        send(sock, ("hi", (ctx.local_rank, wanted, label)))
-        while True:
+        since = time.monotonic()
+        try:
+            send(sock, "hi", (ctx.local_rank, wanted, label), since + STALL)
+            while True:
+                since = time.monotonic()
+                kind, data = recv(sock, since + timeout, ("beat", "data", "error", "mismatch"))
+                if kind != "beat":
+                    break
+        except Closed:
+            raise LocalRankError(
+                f"{where}: local rank 0 (pid {pid}) exited while loading {what}, before it "
+                "could publish it; its log says why."
+            ) from None
+        except TimeoutError:
+            raise LocalRankTimeoutError(
+                f"{where}: local rank 0 (pid {pid}) stopped answering: nothing for "
+                f"{time.monotonic() - since:.1f} s while loading {what}. Raise {TIMEOUT_ENV} if "
+                "it is expected."
+            ) from None
+        except Refused as e:
+            raise LocalRankError(f"{where}: local rank 0 (pid {pid}) sent {e} for {what}") from None
+        if kind == "mismatch":
+            raise LocalRankError(
+                f"{where} built {what}, but local rank 0 built dataset #{number} from "
+                f"{data}{_differ(label, data)}: every local rank must build the same "
+                "datasets in the same order. "
+                "Pass share='process' to a dataset that differs between ranks or is built "
+                "on some ranks only."
+            )
+        if kind == "error":
+            raise rebuild_error(
+                data, f"local rank 0 (pid {pid}) of node {ctx.node} failed to load {what}: "
+            )
+        try:
+            columns = pickle.loads(data)
+        except BaseException as error:
             try:
-                kind, data = recv(sock, timeout)
-            except Closed:
-                raise LocalRankError(
-                    f"{where}: local rank 0 (pid {pid}) exited while loading {what}, before it "
-                    "could publish it; its log says why."
-                ) from None
-            except TimeoutError:
-                raise LocalRankTimeoutError(
-                    f"{where}: local rank 0 (pid {pid}) stopped answering for {timeout:.0f} s "
-                    f"while loading {what}. Raise {TIMEOUT_ENV} if it is expected."
-                ) from None
-            if kind == "beat":
-                continue
-            if kind == "mismatch":
-                raise LocalRankError(
-                    f"{where} built {what}, but local rank 0 built dataset #{number} from "
-                    f"{data}{_differ(label, data)}: every local rank must build the same "
-                    "datasets in the same order. "
-                    "Pass share='process' to a dataset that differs between ranks or is built "
-                    "on some ranks only."
-                )
-            if kind == "error":
-                raise rebuild_error(
-                    data, f"local rank 0 (pid {pid}) of node {ctx.node} failed to load {what}: "
-                )
-            try:
-                columns = pickle.loads(data)
-            except BaseException as error:
-                try:
-                    send(sock, ("fail", f"{type(error).__name__}: {error}"))
-                except OSError:
-                    pass
-                raise
-            send(sock, ("ack", None))
-            return columns
+                send(sock, "fail", f"{type(error).__name__}: {error}", time.monotonic() + STALL)
+            except (Closed, OSError):
+                pass
+            raise
+        try:
+            send(sock, "ack", None, time.monotonic() + STALL)
+        except (Closed, OSError):
+            pass  # rank 0 left: this rank holds descriptors of its own already
+        return columns

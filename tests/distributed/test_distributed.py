@@ -61,6 +61,12 @@ def results(stdout: str) -> list:
     return [decoder.raw_decode(stdout, match.end())[0] for match in re.finditer(r"RESULT ", stdout)]
 
 
+def stated_wait(message: str) -> float:
+    """The seconds an error message says it waited ("... waited 3.0 s ...")."""
+    (seconds,) = re.findall(r"waited (\d+(?:\.\d+)?) s", message)
+    return float(seconds)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -223,11 +229,9 @@ def test_local_rank_0_failing_reaches_the_other_rank(id_folder):
     assert (
         "local rank 0" in missing["message"] and "missing.npy does not exist" in missing["message"]
     )
-    assert missing["seconds"] < 3
     assert got["missing", 0]["type"] == "MissingFileError"
     full = got["full", 1]
     assert full["type"] == "SharedMemoryFullError" and "huge.bin needs" in full["message"]
-    assert full["seconds"] < 3
     # Different in-memory data on the two ranks: both refuse, naming the mismatch.
     assert got["mismatch", 1]["type"] == "LocalRankError"
     assert "in-memory data differs" in got["mismatch", 1]["message"]
@@ -235,8 +239,7 @@ def test_local_rank_0_failing_reaches_the_other_rank(id_folder):
     # Local rank 0 never builds the dataset: the other rank gives up after the timeout.
     absent = got["absent", 1]
     assert absent["type"] == "LocalRankTimeoutError" and "TimeoutError" in absent["mro"]
-    assert "waited 3 s for local rank 0" in absent["message"]
-    assert 2.9 < absent["seconds"] < 10
+    assert 3 <= stated_wait(absent["message"]) <= absent["seconds"] + 0.05  # what it waited
 
 
 def test_ranks_that_select_differently_are_refused(tmp_path):
@@ -307,8 +310,7 @@ def test_local_rank_0_killed_while_loading(id_folder):
     )
     (dies,) = results(run.stdout)
     assert dies["local_rank"] == 1 and dies["type"] == "LocalRankError"
-    assert "exited while loading" in dies["message"]
-    assert dies["seconds"] < 10  # rank 0 is killed after 1 s; the timeout is 60 s
+    assert "exited while loading" in dies["message"]  # at once, not after the 60 s timeout
 
 
 @pytest.mark.slow
@@ -449,13 +451,13 @@ def test_an_initialised_process_group_without_torchrun_shares_too(tmp_path):
 def test_another_rank_that_never_comes_times_out(as_rank, monkeypatch):
     monkeypatch.setenv("SHAREDDATA_TIMEOUT", "0.5")
     as_rank(1, 2)
-    start = time.monotonic()
-    with pytest.raises(LocalRankTimeoutError, match="waited 0 s for local rank 0 to start"):
-        sd.NumpyDataset(np.arange(10))
-    assert time.monotonic() - start < 5
-    as_rank(0, 2)
-    with pytest.raises(LocalRankTimeoutError, match=r"local rank\(s\) 1 to attach"):
-        sd.NumpyDataset(np.arange(10))
+    for local_rank, what in ((1, "for local rank 0 to start"), (0, r"for local rank\(s\) 1 to")):
+        as_rank(local_rank, 2)
+        start = time.monotonic()
+        with pytest.raises(LocalRankTimeoutError, match=what) as error:
+            sd.NumpyDataset(np.arange(10))
+        # the message states the time it waited: the timeout at least, never more than passed
+        assert 0.5 <= stated_wait(str(error.value)) <= time.monotonic() - start + 0.05
 
 
 def test_verify_across_ranks_times_out_when_called_on_rank_0_only(as_rank, monkeypatch):
@@ -482,11 +484,9 @@ def test_children_of_a_rank_load_on_their_own(as_rank, monkeypatch, method):
     ctx = multiprocessing.get_context(method)
     queue = ctx.Queue()
     child = ctx.Process(target=_child_dataset, args=(queue,))
-    start = time.monotonic()
     child.start()
-    assert queue.get(timeout=60) == 4
+    assert queue.get(timeout=60) == 4  # posing as rank 1, it would raise after 30 s instead
     child.join(timeout=60)
-    assert time.monotonic() - start < 25
 
 
 def test_share_process_loads_here_even_under_torchrun(as_rank):

@@ -246,7 +246,10 @@ def test_plain_numpy_under_spawn_is_held_once_per_worker():
     assert data.nbytes <= report.dataset_bytes < data.nbytes + 4096
     assert len(worker_pids(report)) == 4
     assert report.shared_bytes == 0 and report.resolution < report.dataset_bytes
-    assert 100 * MIB < report.baseline_bytes < 400 * MIB  # interpreter + torch, no data
+    # The baseline is a worker without the data (interpreter, torch): each worker holds more.
+    workers = [p for p in report.processes if p.role.startswith("worker")]
+    assert report.baseline_bytes > 0
+    assert all(p.uss - report.baseline_bytes > data.nbytes / 2 for p in workers), workers
     line = report.verdict_line()
     assert line.startswith(
         f"FAIL: the dataset is duplicated {report.duplication:.2f}x across 4 workers (limit 1.10): "
