@@ -277,7 +277,7 @@ class Server:
             who = "a process" if pid is None else f"process {pid}"
             problem = f"{who} on node socket @{self.name} dropped: {reason}"
             self.dropped.append(problem)
-            log.warning("shareddata: %s", problem)
+            log.warning("%s", problem)
         conn.close()
 
     def close(self) -> None:
@@ -427,4 +427,4 @@ def _answer(conns: Mapping[int, socket.socket], messages: Mapping[int, tuple[str
         try:
             send(conn, *messages[rank], time.monotonic() + STALL)
         except (Closed, TimeoutError, OSError) as e:
-            log.warning("shareddata: could not answer local rank %d: %r", rank, e)
+            log.warning("could not answer local rank %d on the node socket: %r", rank, e)

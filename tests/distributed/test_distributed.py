@@ -242,6 +242,38 @@ def test_local_rank_0_failing_reaches_the_other_rank(id_folder):
     assert 3 <= stated_wait(absent["message"]) <= absent["seconds"] + 0.05  # what it waited
 
 
+def test_stray_peers_on_both_sockets_cost_the_job_nothing(id_folder, tmp_path):
+    """torchrun, 2 ranks: before local rank 1 loads, and again before sd.verify, stray
+    peers reach local rank 0's socket (garbage, a 2 GiB length header, a pickle of the
+    wrong shape, an early ack, a message sent a byte every 0.5 s; as root, a process of
+    uid 65534). Each is hung up on and logged; both ranks load one copy and verify (before:
+    the first stray ended rank 0's server and every rank's load failed). In-process
+    variants of each stray: test_wire.py."""
+    run = torchrun(
+        "--standalone", "--nproc_per_node=2", os.path.join(SCRIPTS, "strays.py"),
+        str(id_folder / "x.npy"), str(tmp_path), SHAREDDATA_TIMEOUT="60",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["correct"] and r1["correct"] and r0["segments"] == r1["segments"]
+    assert r0["local_ranks"] == r1["local_ranks"] == 2 and r0["rank_copies"] == 1
+    assert r1["dataset_strays"] == r1["verify_strays"] == [True] * 4  # each hung up on
+    logged = "\n".join(r0["warnings"])
+    for socket_kind in ("dataset0", "verifybefore0"):
+        for reason in (
+            "not shareddata's node protocol",
+            "announcing a 2147483648-byte 'hi'",
+            "a 'hi' of the wrong shape: 'hello'",
+            "a message of kind 'ack' where it expected 'hi'",
+        ):
+            assert re.search(f"-{socket_kind} dropped: .*{re.escape(reason)}", logged), logged
+        if os.geteuid() == 0:
+            assert re.search(f"-{socket_kind} dropped: .*uid 65534", logged), logged
+    if os.geteuid() == 0:
+        assert r1["foreign_exit"] == 0  # hung up on at both sockets
+    assert r1["warnings"] == []  # local rank 1 saw nothing wrong
+
+
 def test_ranks_that_select_differently_are_refused(tmp_path):
     """Same file, other columns / column order / files / fill_value: a LocalRankError
     on both ranks (the other rank got local rank 0's columns, silently)."""
