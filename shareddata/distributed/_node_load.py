@@ -31,7 +31,10 @@ where ``/proc/<pid>`` of the other ranks is, i.e. in the same network and PID
 namespaces); it vanishes with the process, so a killed job leaves nothing; and a
 connection *is* a liveness signal: when local rank 0 dies, every connected rank gets
 ``ECONNRESET``/EOF at once instead of waiting for a timeout. Both ends check the
-peer's uid (``SO_PEERCRED``) before trusting a byte of it.
+peer's uid (``SO_PEERCRED``) before trusting a byte of it, and local rank 0 serves
+each connection in a thread of its own, with a deadline on every read: a stray
+process that connects is dropped alone (Note [Framing on the node socket] in
+``_wire.py``).
 
 What each side waits for, and for how long (``timeout``: the ``timeout`` argument,
 else ``$SHAREDDATA_TIMEOUT``, else 300 s):
@@ -40,10 +43,12 @@ else ``$SHAREDDATA_TIMEOUT``, else 300 s):
   has not started this dataset: it is still busy with something else, builds other
   datasets, or died). Once connected it waits as long as rank 0 keeps sending its
   one-second heartbeat while it loads (a 1 TB load is not an error), fails at once
-  if rank 0 exits, and after ``timeout`` without a heartbeat;
+  if rank 0 exits, and after ``timeout`` without a message;
 * local rank 0 returns only once every local rank has attached (each sends an ack
   after unpickling), so its segments -- and the ``/proc/<pid>/fd`` entries the
   others open -- outlive every attach; it waits at most ``timeout`` after loading.
+  Each connection must say which dataset it builds within ``STALL`` (10 s) and
+  acknowledge within ``timeout`` of the columns; a stalled peer costs only itself.
   Afterwards the attachers hold their own descriptors: rank 0 may drop the dataset
   or exit, and the memory is freed when the last process of the node lets go;
 * when the load fails on local rank 0 (a missing file, not enough memory), it
@@ -341,7 +346,8 @@ def _receive(
             columns = pickle.loads(data)
         except BaseException as error:
             try:
-                send(sock, "fail", f"{type(error).__name__}: {error}", time.monotonic() + STALL)
+                problem = f"{type(error).__name__}: {error}"[:4000]
+                send(sock, "fail", problem, time.monotonic() + STALL)
             except (Closed, OSError):
                 pass
             raise

@@ -54,6 +54,7 @@ __all__ = [
     "hello",
     "listen",
     "peer",
+    "plain",
     "rebuild_error",
     "recv",
     "send",
@@ -214,6 +215,19 @@ def hello(message: Any, ctx: NodeContext, *types: type) -> tuple[Any, ...]:
     raise Refused(f"a 'hi' of the wrong shape: {reprlib.repr(message)}, not ({shape})")
 
 
+def plain(value: Any) -> Any:
+    """``value`` as builtins: numpy scalars as numbers, tuples of any kind as tuples.
+
+    What a peer sends local rank 0 is read with no class (Note [Framing on the node socket]).
+    """
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        kind = type(value) if type(value) in (list, set, frozenset) else tuple
+        return kind(plain(v) for v in value)
+    return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value
+
+
 class Server:
     """Local rank 0's end of a node socket: every connection served in its own thread.
 
@@ -247,7 +261,7 @@ class Server:
                 self._drop(conn, None, str(e))
                 continue
             with self.lock:
-                crowded = len(self.conns) >= _MAX_PEERS
+                crowded = self.closed or len(self.conns) >= _MAX_PEERS
                 if not crowded:
                     self.conns.add(conn)
             if crowded:
@@ -349,7 +363,7 @@ def exchange(
     ``respond`` and sends each rank its element of the result. A barrier for the
     node that never hangs: every wait is bounded by ``timeout``, an exited rank 0
     is seen at once, and stray peers are dropped (Note [Framing on the node socket]).
-    ``value`` holds builtins only (it is read with no class).
+    ``value`` is sent as builtins (:func:`plain`).
 
     Returns:
         This rank's element of ``respond``'s result.
@@ -405,7 +419,7 @@ def exchange(
     with client:
         pid = peer(client)
         try:
-            send(client, "hi", (ctx.local_rank, value), time.monotonic() + STALL)
+            send(client, "hi", (ctx.local_rank, plain(value)), time.monotonic() + STALL)
             kind, data = recv(client, deadline, ("reply", "error"))
         except Closed:
             raise LocalRankError(f"{where}: local rank 0 (pid {pid}) exited in {what}") from None
