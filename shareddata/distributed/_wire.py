@@ -39,6 +39,8 @@ import traceback
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import numpy as np
+
 from .. import errors
 from ..errors import LocalRankError, LocalRankTimeoutError
 from ._context import TIMEOUT_ENV, NodeContext
@@ -225,7 +227,7 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         kind = type(value) if type(value) in (list, set, frozenset) else tuple
         return kind(plain(v) for v in value)
-    return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value
+    return value.item() if isinstance(value, np.generic) else value
 
 
 class Server:

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import pytest
 from conftest import hard_timeout
 
@@ -168,10 +169,11 @@ def test_a_stalled_peer_is_dropped_and_verify_goes_on(caplog, monkeypatch):
     slow = Trickle(name)
     slow.start()
     slow.join(30)
-    assert not slow.is_alive() and slow.sent < 20  # dropped after about 1 s
+    assert not slow.is_alive()  # hung up on in the middle of its message
     assert "stalled: nothing complete within 1 s" in drops(caplog)
     rank_2 = in_thread(_wire.exchange, two, name, 100, respond, 30.0, "sd.verify()")
-    assert _wire.exchange(one, name, 10, respond, 30.0, "sd.verify()") == 111
+    # a numpy number crosses as a number (local rank 0 reads peers with no class)
+    assert _wire.exchange(one, name, np.int64(10), respond, 30.0, "sd.verify()") == 111
     for rank in (rank_0, rank_2):
         rank["thread"].join(60)
         assert rank.get("result") == 111, rank
