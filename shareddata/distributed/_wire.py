@@ -150,11 +150,14 @@ def _left(deadline: float) -> float:
 def send(sock: socket.socket, kind: str, message: Any, deadline: float) -> None:
     """Send one message; ``TimeoutError`` at ``deadline``, ``Closed`` if the peer is gone."""
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.settimeout(_left(deadline))
+    start = time.monotonic()
     try:
+        sock.settimeout(_left(deadline))
         sock.sendall(_HEADER.pack(MAGIC, _KINDS.index(kind) + 1, len(body)) + body)
     except (BrokenPipeError, ConnectionResetError) as e:
         raise Closed() from e
+    except TimeoutError:
+        raise TimeoutError(f"it read nothing in {time.monotonic() - start:.1f} s") from None
 
 
 def _read(sock: socket.socket, n: int, deadline: float) -> bytearray:
@@ -181,21 +184,26 @@ def recv(sock: socket.socket, deadline: float, kinds: Collection[str]) -> tuple[
     """One message of one of ``kinds``: ``(kind, value)``; Note [Framing on the node socket].
 
     Raises:
-        TimeoutError: the message was not complete at ``deadline``.
+        TimeoutError: the message was not complete at ``deadline`` (saying how long it took).
         Closed: the peer is gone.
         Refused: what came is not a message of one of ``kinds``.
     """
-    magic, code, size = _HEADER.unpack(_read(sock, _HEADER.size, deadline))
-    if magic != MAGIC:
-        raise Refused(f"bytes that are not shareddata's node protocol ({bytes(magic)!r}...)")
-    kind = _KINDS[code - 1] if 0 < code <= len(_KINDS) else f"#{code}"
-    if kind not in kinds:
-        expected = " or ".join(map(repr, kinds))
-        raise Refused(f"a message of kind {kind!r} where it expected {expected}")
-    limit = _LIMIT.get(kind, 64 << 20)
-    if size > limit:
-        raise Refused(f"a header announcing a {size}-byte {kind!r} message (at most {limit})")
-    body = _read(sock, size, deadline)
+    start = time.monotonic()
+    try:
+        magic, code, size = _HEADER.unpack(_read(sock, _HEADER.size, deadline))
+        if magic != MAGIC:
+            raise Refused(f"bytes that are not shareddata's node protocol ({bytes(magic)!r}...)")
+        kind = _KINDS[code - 1] if 0 < code <= len(_KINDS) else f"#{code}"
+        if kind not in kinds:
+            expected = " or ".join(map(repr, kinds))
+            raise Refused(f"a message of kind {kind!r} where it expected {expected}")
+        limit = _LIMIT.get(kind, 64 << 20)
+        if size > limit:
+            raise Refused(f"a header announcing a {size}-byte {kind!r} message (at most {limit})")
+        body = _read(sock, size, deadline)
+    except TimeoutError:
+        elapsed = time.monotonic() - start
+        raise TimeoutError(f"it sent no complete message in {elapsed:.1f} s") from None
     unpickler = _Builtins if kind in FROM_PEER else pickle.Unpickler
     try:
         return kind, unpickler(io.BytesIO(body)).load()
@@ -276,8 +284,8 @@ class Server:
     def _run(self, conn: socket.socket, pid: int) -> None:
         try:
             self.serve(conn, pid)
-        except TimeoutError:
-            self._drop(conn, pid, f"it stalled: nothing complete within {STALL:.0f} s")
+        except TimeoutError as e:
+            self._drop(conn, pid, f"it stalled: {e}")
         except Closed:
             self._drop(conn, pid, "it left in the middle of the exchange")
         except Refused as e:
