@@ -38,7 +38,9 @@ __all__ = [
     "retype_new_views",
     "shutdown_dataloader_iterator",
     "stop_dataloader_workers",
-    "storage_use_count",
+    "torch_reduce_storage",
+    "torch_reduce_tensor",
+    "view_base",
 ]
 
 disabled_torch_function = torch._C._disabled_torch_function_impl
@@ -111,24 +113,31 @@ def retype_new_views(views: list[torch.Tensor], cls: type) -> list[Any]:
     return views
 
 
-def storage_use_count(storage: torch.UntypedStorage) -> int:
-    """How many tensors and storage objects hold ``storage``'s memory (its C++ use count).
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor that ``tensor`` is a view of, or None (``Tensor._base``).
 
-    A DataLoader worker reuses a batch's memory once nothing in the worker holds it
-    any more (Note [Reusing a batch's pages] in ``crossing/_outbox.py``); no public
-    API says whether a storage still has tensors over it. Without it, no batch
-    memory would ever be reused (each batch would cost fresh pages).
+    The rows of a worker's batch (``unbind``) find the batch's memory reference at the
+    batch they view, so a row costs no dict of its own (``storage/_tensor.py``).
+    ``_base`` is documented in torch's "Tensor Views" page but has a private name.
+    Without it every row would carry its own reference (slower, same results).
 
     Example:
         >>> t = torch.zeros(4)
-        >>> s = t.untyped_storage()
-        >>> before = storage_use_count(s)
-        >>> v = t[1:]
-        >>> storage_use_count(s) == before + 1
-        True
+        >>> view_base(t[1:]) is t, view_base(t) is None
+        (True, True)
     """
-    return int(torch._C._storage_Use_Count(storage._cdata))
+    return tensor._base
 
+
+# torch's own reducers of a tensor and of a storage (``torch.multiprocessing.reductions``,
+# undocumented): what a tensor that is not ours to send by handle (a copy of it) is sent
+# with, exactly as torch sends any tensor. Without them, such a tensor could not cross.
+from torch.multiprocessing.reductions import (  # noqa: E402
+    reduce_storage as torch_reduce_storage,
+)
+from torch.multiprocessing.reductions import (  # noqa: E402
+    reduce_tensor as torch_reduce_tensor,
+)
 
 # ``default_collate`` dispatches on a registry of types, and its docstring documents
 # registering a type there ("Option 2"); the registry and the generic ``collate`` live

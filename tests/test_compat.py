@@ -42,14 +42,20 @@ def test_disable_torch_function_subclass_runs_the_plain_operation():
     assert type(t * 2) is torch.Tensor and Loud.calls >= 1
 
 
-def test_storage_use_count_counts_the_tensors_over_a_storage():
-    t = torch.zeros(8)
-    storage = t.untyped_storage()
-    alone = _compat.storage_use_count(storage)
-    views = [t[1:], t.view(2, 4)]
-    assert _compat.storage_use_count(storage) == alone + 2
-    del views
-    assert _compat.storage_use_count(storage) == alone
+def test_view_base_is_the_tensor_a_view_was_made_from():
+    t = torch.arange(6)
+    rows = t.view(2, 3).unbind(0)
+    assert _compat.view_base(rows[1]) is not None
+    assert _compat.view_base(rows[1]).data_ptr() == t.data_ptr()
+    assert _compat.view_base(t) is None
+
+
+def test_torchs_reducers_rebuild_a_tensor_and_a_storage():
+    t = torch.arange(5.0)
+    rebuild, args = _compat.torch_reduce_tensor(t.clone())
+    assert torch.equal(rebuild(*args), t)
+    rebuild, args = _compat.torch_reduce_storage(t.clone().untyped_storage())
+    assert bytes(rebuild(*args)) == bytes(t.untyped_storage())
 
 
 def test_collate_registry_dispatches_on_a_registered_type():

@@ -477,6 +477,52 @@ def test_a_held_sample_is_never_overwritten_and_dropped_batches_are_reused():
     del loader
 
 
+_KEPT_IN_WORKER: list = []
+
+
+def _collate_keeping_parts(samples):
+    """A collate_fn that keeps a view and a row of each of its last 12 batches in the worker.
+
+    It returns them again with every batch, so the worker's pool must never reuse the
+    memfd of a batch whose parts it still holds, nor the main process's ones.
+    """
+    x = default_collate(samples)["data"]
+    _KEPT_IN_WORKER.append((int(x[0, 0]), x[::2, 1:], x.unbind(0)[-1]))
+    del _KEPT_IN_WORKER[:-12]
+    return x, list(_KEPT_IN_WORKER)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_batches_views_and_rows_held_across_later_batches_keep_their_values(method):
+    n, rows = 480, 8
+    data = (np.arange(n)[:, None] + 1000 * np.arange(4)[None, :]).astype(np.float32)
+    ds = sd.NumpyDataset(data)
+    loader = DataLoader(
+        ds, batch_size=rows, num_workers=1, collate_fn=_collate_keeping_parts,
+        multiprocessing_context=method, timeout=60,
+    )  # fmt: skip
+
+    def check(first, view, row):
+        assert torch.equal(view, torch.from_numpy(data[first : first + rows : 2, 1:])), first
+        assert torch.equal(row, torch.from_numpy(data[first + rows - 1])), first
+
+    held, files = [], set()
+    with deadline(120):
+        for k, (x, kept) in enumerate(loader):
+            assert torch.equal(x, torch.from_numpy(data[k * rows : (k + 1) * rows])), k
+            for part in kept:  # parts of older batches the worker still holds
+                check(*part)
+            files.add(_inode(x))
+            if k % 4 == 0:  # the main process holds a batch, a view and a row of it
+                held.append((k * rows, x[::2, 1:], x.unbind(0)[-1], x))
+            del x, kept
+    assert k == n // rows - 1
+    for first, view, row, x in held:
+        check(first, view, row)
+        assert torch.equal(x, torch.from_numpy(data[first : first + rows]))
+    assert len(files) < n // rows, f"{len(files)} memfds for {n // rows} batches: none reused"
+
+
 def _plain_alias(batch):
     """A collate_fn returning plain tensors over the worker's batch memfd (torch sends them)."""
     collated = default_collate(batch)

@@ -44,10 +44,14 @@ after its data, with a *released* and a *received* counter. Each time the worker
 pickles the batch's reference it counts one send; the main process counts the
 batch received when it maps it, and released when nothing holds any part of it
 (``crossing/_inbox.py``). The worker keeps, per memfd, the one storage that its
-batches' tensors view; it puts a batch in its pool once nothing in the worker holds
-that storage but itself (its use count is one: the batch has been pickled and
-dropped) and the released counter equals its sends: until then the batch is
-*pinned*. The pool holds at most ``POOL`` memfds; the worker keeps its own
+batches' tensors view, by a weak reference to the numpy array the storage was made
+from: ``torch.from_numpy`` holds that array for as long as the storage lives, so the
+array is gone exactly when no tensor, view or storage in the worker holds any part
+of the batch (and when torch moved the storage into a segment of its own, which no
+longer needs the memfd). The worker puts a batch in its pool once that array is
+gone and the released counter equals its sends: until then the batch is *pinned*.
+No counter private to torch or CPython decides it; a batch whose holders cannot be
+told is never reused. The pool holds at most ``POOL`` memfds; the worker keeps its own
 mapping of them up to ``IDLE_BYTES`` in all (the rest unmapped, in no process's
 PSS: ``verify`` measures data, not transport). The next batch goes into a pooled
 memfd that is large enough: one still mapped costs no system call; one unmapped is
@@ -61,7 +65,7 @@ Note [What one crossing costs]
 Once both ends have a memfd mapped, a batch crosses with no system call of ours
 and few Python objects: the DataLoader's own per-batch cost (its queues, pickling,
 ``record_function``) is a floor that no transport goes below, so every object made
-per batch shows. The worker reuses the memfd's mapping, its storage and the layout
+per batch shows. The worker reuses the memfd's mapping and the layout
 of the batch's parts; a batch's reference pickles flat (the memfd's handle as ints
 and the byte range) and each tensor as its dtype's name, offset, shape and stride;
 the receiver takes the idle mapping's array, slices it and watches the slice with
@@ -75,14 +79,13 @@ import collections
 import ctypes
 import math
 import os
-import sys
+import weakref
 from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.multiprocessing import reductions as torch_reductions
 
-from .._compat import storage_use_count
+from .._compat import torch_reduce_storage
 from ..storage import SharedTensor, shared_tensor
 from ..storage._capacity import named_os_errors
 from ..storage._linux import (
@@ -137,7 +140,7 @@ class BatchRef:
             # closed (kept here beyond the cap): send a copy, the way torch sends a storage
             copy = torch.empty(self.nbytes, dtype=torch.uint8)
             copy.copy_(torch.from_numpy(array_at(self.address, self.nbytes)))
-            return torch_reductions.reduce_storage(copy.untyped_storage())
+            return torch_reduce_storage(copy.untyped_storage())
         except Exception as e:  # never raise in a queue's feeder thread
             return raise_send_error, (describe_failure(e, "a batch made in a worker"),)
 
@@ -146,8 +149,8 @@ class _Memfd:
     """One memfd of a worker, for one batch at a time (kept across uses by the pool)."""
 
     __slots__ = (
-        "address", "counter", "data", "fd", "handle", "ident", "length", "received", "ref",
-        "sends", "size", "storage",
+        "address", "alive", "counter", "data", "fd", "handle", "ident", "length", "received",
+        "ref", "sends", "size",
     )  # fmt: skip
 
     def __init__(self, total: int) -> None:
@@ -164,18 +167,19 @@ class _Memfd:
         self.ident = ident
         self.address = self.length = 0  # this worker's mapping (0: none)
         self.data = 0  # bytes of data of the current batch; its counters follow them
-        self.storage: torch.UntypedStorage | None = None  # over the data, held here
+        # the array the current batch's storage was made from, alive while anything holds it
+        self.alive: weakref.ref[Any] | None = None
         self.ref: BatchRef | None = None  # what the current batch's tensors reference
         self.counter: ctypes.c_uint32 | None = None
         self.received: ctypes.c_uint32 | None = None
         self.handle: tuple[int, ...] = ()  # what a receiver needs, but the byte range
         self.sends = 0
 
-    def use(self, data: int, total: int, populate: bool) -> None:
+    def use(self, data: int, total: int, populate: bool) -> torch.UntypedStorage:
         """Make this memfd hold a new batch of ``data`` bytes: mapped, counters at zero.
 
-        A memfd still mapped here with a storage of that size costs no system call
-        and no new object but the reference and the counters' reset.
+        Returns the new batch's storage over its data, which this object does not hold
+        (:meth:`gone_here`). A memfd still mapped here costs no system call.
         """
         fd = cast(int, self.fd)  # a memfd in use or in the pool is open
         if self.address and self.length < total:
@@ -185,29 +189,23 @@ class _Memfd:
                 self.address, self.length = map_fd(fd, total), total
             if populate:  # its pages exist: map them all in one call
                 madvise(self.address, total, MADV_POPULATE_WRITE)
-        storage = self.storage
-        if storage is None or self.data != data or storage.data_ptr() != self.address:
-            # the storage covers this batch's data exactly (a pooled mapping may be longer);
-            # one that no longer points at it was moved by torch's reducer into a segment
-            # of its own, in place (a plain tensor over it was sent: ``as_subclass``)
-            self.storage = storage = None
-            self.storage = torch.from_numpy(array_at(self.address, data)).untyped_storage()
+        if self.counter is None or self.data != data:
             self.counter = ctypes.c_uint32.from_address(self.address + data)
             self.received = ctypes.c_uint32.from_address(self.address + data + 4)
             self.data = data
             self.handle = (_PID, fd, *self.ident, total, data)
+        array = array_at(self.address, data)
+        storage = torch.from_numpy(array).untyped_storage()
+        self.alive = weakref.ref(array)
         self.ref = BatchRef(self)  # a new use: views of an older one never match it
         # the counters of this use of the memfd start at zero (a pooled one was counted)
         self.counter.value = self.received.value = 0  # type: ignore[union-attr]
         self.sends = 0
+        return storage
 
     def gone_here(self) -> bool:
-        """Whether nothing in this worker holds the batch but this object's storage."""
-        storage = self.storage
-        # (the getrefcount: ours and its argument; a caller may hold the storage object)
-        return storage is None or (
-            storage_use_count(storage) == 1 and sys.getrefcount(storage) == 3
-        )
+        """Whether nothing in this worker holds any part of the batch any more."""
+        return self.alive is None or self.alive() is None
 
     def released(self) -> bool:
         """Whether every mapping of this batch in a receiver is gone."""
@@ -219,7 +217,8 @@ class _Memfd:
 
     def unmap(self) -> None:
         """Drop this worker's mapping (nothing here may hold the batch any more)."""
-        self.storage = self.counter = self.received = self.ref = None
+        # only once the batch is gone here (or its memfd closed and its views gone)
+        self.counter = self.received = self.ref = self.alive = None
         if self.address:
             unmap(self.address, self.length)
         self.address = self.length = 0
@@ -352,14 +351,14 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
         if memfd is None:
             memfd = _Memfd(total)
         try:
-            memfd.use(data, total, populate)
+            storage = memfd.use(data, total, populate)
         except BaseException:
             memfd.unmap()
             memfd.close()
             raise
         box.pending.append(memfd)
         box.mapped.add(memfd)
-        storage, ref = memfd.storage, memfd.ref
+        ref = memfd.ref
     return [
         shared_tensor(torch.empty(0, dtype=dtype).set_(storage, start, shape), ref, new=True)  # type: ignore[call-overload, arg-type]
         if nbytes

@@ -20,6 +20,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from .._compat import read_npy_header_3
 from ..columns._columns import ColumnSpec
 from ..errors import (
     ArgumentTypeError,
@@ -91,9 +92,8 @@ def _read_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
             return fmt.read_array_header_1_0(f)
         if version == (2, 0):
             return fmt.read_array_header_2_0(f)
-        if version == (3, 0):  # utf-8 field names; the reader is private (moved in numpy 2)
-            impl = getattr(np.lib, "_format_impl", fmt)
-            return impl._read_array_header(f, version)
+        if version == (3, 0):  # utf-8 field names; numpy's reader is private
+            return read_npy_header_3(f)
         raise ValueError(f"unknown .npy format version {version[0]}.{version[1]}")
     except Exception as e:  # numpy's header parser raises many types (TokenError too)
         raise SourceReadError(

@@ -43,9 +43,15 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.multiprocessing import reductions as torch_reductions
 
-from .._compat import DisableTorchFunctionSubclass, coo_parts, make_subclass, retype_new_views
+from .._compat import (
+    DisableTorchFunctionSubclass,
+    coo_parts,
+    make_subclass,
+    retype_new_views,
+    torch_reduce_tensor,
+    view_base,
+)
 from ..errors import BatchSendError
 from ._capacity import named_os_errors
 from ._linux import array_at, map_fd, page_floor, unmap
@@ -152,7 +158,7 @@ def _keep_views(out: Any, tensors: Any, args: Any, new: bool = False) -> Any:
     # row (Note [Samples made when first used] in crossing/_batch.py). The rows share
     # one base; when that base holds ``ref`` they hold none of their own (a dict each)
     views = retype_new_views(list(tensors), SharedTensor)
-    base = views[0]._base
+    base = view_base(views[0])
     if base is None or base.__dict__.get("_shared") is not ref:
         for view in views:
             view._shared = ref
@@ -176,7 +182,7 @@ def memory_ref(tensor: SharedTensor) -> MemoryRef | None:
     """
     ref = tensor.__dict__.get("_shared")
     if ref is None:
-        base = tensor._base
+        base = view_base(tensor)
         if base is not None:
             ref = base.__dict__.get("_shared")
     return ref
@@ -221,7 +227,7 @@ def reduce_shared_tensor(tensor: SharedTensor) -> Any:
             # the original: torch would move a SharedArray's storage out of the segment)
             plain = tensor.as_subclass(torch.Tensor)
             copy = plain.detach().clone().requires_grad_(plain.requires_grad)
-        return torch_reductions.reduce_tensor(copy)
+        return torch_reduce_tensor(copy)
     except Exception as e:  # never let a queue's feeder thread drop a batch silently
         return raise_send_error, (describe_failure(e, "a tensor over shared memory"),)
 
