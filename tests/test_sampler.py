@@ -141,7 +141,7 @@ def _epochs(
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's own
-@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+@pytest.mark.parametrize("ctx", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["IndexBatchSampler", "NodeShardSampler"])
 def test_a_resumed_stateful_dataloader_gives_the_rest_of_the_uninterrupted_run(
     kind, ctx, monkeypatch

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import random
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from itertools import islice
@@ -94,6 +96,10 @@ class SharedDataset(ColumnDataset):
             beyond int64, text that is not valid UTF-8), naming the index and field.
         SharedMemoryFullError: when the data does not fit in RAM (or ``storage_dir``).
 
+    Warns:
+        UserWarning: when an item differs between two reads of the original (a random
+            augmentation, frozen by the copy): the random part belongs in ``transform``.
+
     Whatever fails (an error above, ``__getitem__`` raising, Ctrl-C), everything
     allocated is freed before the error propagates.
 
@@ -135,8 +141,9 @@ class SharedDataset(ColumnDataset):
         kind = type(dataset)
         if rows == 0:
             raise InvalidArgumentError(f"{kind.__name__} is empty: there is nothing to share")
+        producer = _CheckedProducer(dataset, num_workers)  # reads items only where it loads
         columns = build(
-            DatasetProducer(dataset, num_workers),  # reads items only where it loads
+            producer,
             key=functools.partial(_dataset_key, dataset, rows),
             share=share,
             shard=shard,
@@ -146,6 +153,17 @@ class SharedDataset(ColumnDataset):
         )
         kinds, schema = columns.meta
         self._init(columns, kinds, transform, schema)
+        if producer.varies is not None:
+            name, i = kind.__name__, producer.varies
+            warnings.warn(
+                f"SharedDataset({name}): item {i} differs between two reads of {name}[{i}] "
+                f"(a random augmentation in its __getitem__ or transform?). SharedDataset "
+                "stores one read of every item, so every epoch would see that same one. Move "
+                f"the random part to SharedDataset({name}(...), transform=...), which runs in "
+                "the worker on every read, and keep the dataset's own reading deterministic.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _init(
         self, columns: dict[str, Column], types: list[LeafType], transform: Any, schema: Any
@@ -188,6 +206,58 @@ class SharedDataset(ColumnDataset):
         SharedDataset._init(
             self, state["columns"], state["restore"], state["transform"], state["schema"]
         )
+
+
+class _CheckedProducer(DatasetProducer):
+    """The items, then a few of them read again (Note [A random item is frozen])."""
+
+    varies: int | None = None
+    """An item that differed between two reads (None: none did, or not read here)."""
+
+    def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
+        """The columns' parts, as DatasetProducer's, then the check of a few items."""
+        parts = super().produce(alloc, progress)
+        self.varies = varying_item(self.dataset, range(self.start, self.stop))
+        return parts
+
+
+# Note [A random item is frozen]: SharedDataset stores one read of every item, so a
+# dataset whose __getitem__ augments at random (ImageFolder(transform=RandomResizedCrop))
+# would give the same crop every epoch. After materialising, three items (first, middle,
+# last) are read twice more, with the random states of torch, numpy and Python seeded
+# differently for each read (sample_digest seeds them and puts the caller's back), and
+# their digests compared: a difference warns, naming the fix (the random part goes to
+# SharedDataset(transform=), which runs per read in the worker). Only where the items are
+# read (local rank 0 under torchrun); a dataset that fails on a second read is not checked.
+
+
+def varying_item(dataset: Any, rows: range) -> int | None:
+    """An index of ``rows`` whose item differs between two reads, or None.
+
+    Example:
+        >>> import torch
+        >>> varying_item([torch.zeros(2)] * 4, range(4)) is None
+        True
+        >>> varying_item(type("Noisy", (), {"__getitem__": lambda s, i: torch.rand(1)})(), range(4))
+        0
+    """
+    for i in sorted({rows[0], rows[len(rows) // 2], rows[-1]}) if rows else ():
+        try:
+            if _digest_of_read(dataset, i, 1) != _digest_of_read(dataset, i, 2):
+                return i
+        except Exception:  # the load read it once: no second read, nothing to check
+            return None
+    return None
+
+
+def _digest_of_read(dataset: Any, i: int, seed: int) -> str:
+    def read(_: int) -> Any:
+        torch.manual_seed(seed)  # sample_digest puts the caller's random states back
+        np.random.seed(seed)
+        random.seed(seed)
+        return dataset[i]
+
+    return sample_digest(read, 1)
 
 
 def _dataset_key(dataset: Any, rows: int) -> tuple[Any, ...]:
