@@ -196,14 +196,16 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
             InvalidArgumentError: ``state`` is not such a state, or counts more batches
                 than this sampler has.
         """
-        keys = ("seed", "epoch", "batches")
-        seed, epoch, given = (state.get(k) for k in keys) if isinstance(state, dict) else keys
-        if not (_is_int(epoch) and _is_int(given) and epoch >= 0 and 0 <= given <= len(self)):
+        got = state if isinstance(state, dict) else {}
+        seed, epoch, given = got.get("seed"), got.get("epoch"), got.get("batches")
+        if not (isinstance(epoch, int) and isinstance(given, int) and epoch >= 0):
+            epoch, given = 0, -1
+        if not 0 <= given <= len(self):
             raise InvalidArgumentError(
                 f"IndexBatchSampler.load_state_dict needs a state_dict() of a sampler with "
                 f"{len(self)} batches ({{'seed', 'epoch', 'batches'}}), got {state!r}"
             )
-        if _is_int(seed):
+        if isinstance(seed, int):
             self.seed = seed
         self._resume = [epoch, given]
         if not self._epoch_set:
@@ -213,10 +215,6 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         if self.drop_last:
             return self.n // self.batch_size
         return (self.n + self.batch_size - 1) // self.batch_size
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

@@ -208,46 +208,31 @@ class SharedDataset(ColumnDataset):
         )
 
 
-class _CheckedProducer(DatasetProducer):
-    """The items, then a few of them read again (Note [A random item is frozen])."""
+# Note [A random item is frozen]: SharedDataset stores one read of every item, so a
+# __getitem__ that augments at random (ImageFolder(transform=RandomResizedCrop)) would give
+# one crop forever. Where the items are read (local rank 0 under torchrun), three of them
+# (first, middle, last) are read twice more, with torch, numpy and Python seeded
+# differently each time (sample_digest puts the caller's random states back), and their
+# digests compared; a difference warns, naming the fix (the random part to transform=).
 
-    varies: int | None = None
-    """An item that differed between two reads (None: none did, or not read here)."""
+
+class _CheckedProducer(DatasetProducer):
+    """The items, then three read twice more (Note [A random item is frozen])."""
+
+    varies: int | None = None  # an item that differed between two reads, if read here
 
     def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
-        """The columns' parts, as DatasetProducer's, then the check of a few items."""
+        """The columns' parts, as DatasetProducer's, then the check."""
         parts = super().produce(alloc, progress)
-        self.varies = varying_item(self.dataset, range(self.start, self.stop))
+        rows = range(self.start, self.stop)  # not empty: produce() refused that
+        for i in sorted({rows[0], rows[len(rows) // 2], rows[-1]}):
+            try:
+                if _digest_of_read(self.dataset, i, 1) != _digest_of_read(self.dataset, i, 2):
+                    self.varies = i
+                    break
+            except Exception:  # the load read it once: no second read, nothing to check
+                break
         return parts
-
-
-# Note [A random item is frozen]: SharedDataset stores one read of every item, so a
-# dataset whose __getitem__ augments at random (ImageFolder(transform=RandomResizedCrop))
-# would give the same crop every epoch. After materialising, three items (first, middle,
-# last) are read twice more, with the random states of torch, numpy and Python seeded
-# differently for each read (sample_digest seeds them and puts the caller's back), and
-# their digests compared: a difference warns, naming the fix (the random part goes to
-# SharedDataset(transform=), which runs per read in the worker). Only where the items are
-# read (local rank 0 under torchrun); a dataset that fails on a second read is not checked.
-
-
-def varying_item(dataset: Any, rows: range) -> int | None:
-    """An index of ``rows`` whose item differs between two reads, or None.
-
-    Example:
-        >>> import torch
-        >>> varying_item([torch.zeros(2)] * 4, range(4)) is None
-        True
-        >>> varying_item(type("Noisy", (), {"__getitem__": lambda s, i: torch.rand(1)})(), range(4))
-        0
-    """
-    for i in sorted({rows[0], rows[len(rows) // 2], rows[-1]}) if rows else ():
-        try:
-            if _digest_of_read(dataset, i, 1) != _digest_of_read(dataset, i, 2):
-                return i
-        except Exception:  # the load read it once: no second read, nothing to check
-            return None
-    return None
 
 
 def _digest_of_read(dataset: Any, i: int, seed: int) -> str:

@@ -201,10 +201,10 @@ class NodeShardSampler(Sampler[int]):
             InvalidArgumentError: ``state`` is not such a state, or counts more indices
                 than this rank takes per epoch (another dataset or job layout).
         """
-        keys = ("seed", "epoch", "indices")
-        seed, epoch, given = (state.get(k) for k in keys) if isinstance(state, dict) else keys
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seed, epoch, given)):
-            given = -1
+        got = state if isinstance(state, dict) else {}
+        seed, epoch, given = got.get("seed"), got.get("epoch"), got.get("indices")
+        if not (isinstance(seed, int) and isinstance(epoch, int) and isinstance(given, int)):
+            seed, epoch, given = 0, 0, -1
         if not 0 <= given <= self.num_samples:
             raise InvalidArgumentError(
                 f"NodeShardSampler.load_state_dict needs a state_dict() of a sampler with "
