@@ -941,3 +941,144 @@ def test_items_that_are_a_tensor_alone_leave_a_worker_as_one_memfd(monkeypatch):
             )
             crossing._assert_one_memfd(batch, "a tensor alone")
         assert crossing.RECEIVED == {"receive": 4}
+
+
+# -- image folders: a random augmentation is caught; JPEG bytes stay encoded ---------------
+
+
+def _jpeg_folder(root, per_class=6, size=(40, 32)):
+    """An ImageFolder layout of real JPEG files written by PIL: root/<class>/<n>.jpg."""
+    image_module = pytest.importorskip("PIL.Image", reason="Pillow is not installed")
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(("cat", "dog")):
+        os.makedirs(root / name)
+        for n in range(per_class):
+            pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            pixels[..., c] = 255  # label = the brighter channel
+            image_module.fromarray(pixels).save(root / name / f"{n}.jpg", quality=90)
+    return root
+
+
+class JpegFolder(Dataset):
+    """What torchvision's ImageFolder does: (loader(path), class index) over root/<class>/*;
+    ``loader`` decodes with PIL by default, and ``transform`` runs on what it returns."""
+
+    def __init__(self, root, transform=None, loader=None):
+        classes = sorted(p.name for p in root.iterdir())
+        self.samples = [
+            (p, c) for c, name in enumerate(classes) for p in sorted((root / name).iterdir())
+        ]
+        self.transform, self.loader = transform, loader or _decode_file
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        path, label = self.samples[i]
+        item = self.loader(path)
+        return (self.transform(item) if self.transform else item), label
+
+
+def _decode_file(path):
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def _to_tensor(image):
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+
+
+def _random_crop(image, size=24):  # what RandomResizedCrop does, minus the resize
+    y, x = (int(torch.randint(0, n - size + 1, ())) for n in image.shape[1:])
+    return image[:, y : y + size, x : x + size]
+
+
+def _crop_item(item):
+    image, label = item
+    return _random_crop(image), label
+
+
+def _decode_and_crop(item):  # the worker's part: decode the shared bytes, augment
+    import io
+
+    from PIL import Image
+
+    data, label = item
+    with Image.open(io.BytesIO(data)) as image:
+        return _random_crop(_to_tensor(image.convert("RGB"))), label
+
+
+def _read_bytes(path):  # ImageFolder's loader= for the recipe: the file, not decoded
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_a_random_augmentation_in_the_wrapped_dataset_is_named_with_its_fix(tmp_path):
+    """SharedDataset(ImageFolder(root, transform=RandomResizedCrop)) would freeze the crop:
+    it warns, naming the dataset, the index and transform=; the fix gives new crops."""
+    root = _jpeg_folder(tmp_path / "images")
+    torch.manual_seed(0)
+    before = torch.rand(())
+    with pytest.warns(UserWarning, match=r"JpegFolder\): item 0 differs .* transform=") as caught:
+        frozen = sd.SharedDataset(JpegFolder(root, transform=_decode_crop), progress=False)
+    assert len(caught) == 1 and "JpegFolder[0]" in str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the SharedDataset(...) line
+    torch.manual_seed(0)
+    assert torch.rand(()) == before  # the check reads under its own random state
+    assert torch.equal(frozen[3][0], frozen[3][0])  # frozen indeed: one crop forever
+    # the fix: decode in the dataset (deterministic, no warning), crop per read
+    fixed = sd.SharedDataset(
+        JpegFolder(root, transform=_to_tensor), transform=_crop_item, progress=False
+    )
+    crops = {fixed[3][0].numpy().tobytes() for _ in range(8)}
+    assert len(crops) > 1
+
+
+def _decode_crop(image):  # a random crop inside the dataset: what gets frozen
+    return _random_crop(_to_tensor(image))
+
+
+@pytest.mark.parametrize("mode", ["fork", "spawn"])
+def test_jpeg_bytes_stay_encoded_and_are_decoded_in_the_worker(tmp_path, mode):
+    """The recipe of docs/tutorials/migrate.md: an ImageFolder whose loader reads the file's
+    bytes, wrapped with a transform that decodes and augments: the shared copy holds the
+    JPEG files' bytes (not decoded pixels), and the workers give the files' images."""
+    root = _jpeg_folder(tmp_path / "images")
+    encoded = sd.SharedDataset(
+        JpegFolder(root, loader=_read_bytes), transform=_decode_and_crop, progress=False
+    )
+    decoded = sd.SharedDataset(JpegFolder(root, transform=_to_tensor), progress=False)
+    files = sum(p.stat().st_size for p in root.rglob("*.jpg"))
+    assert files <= encoded.nbytes < files + 4096  # the bytes, plus offsets and labels
+    assert decoded.nbytes >= 12 * 3 * 40 * 32
+    loader = DataLoader(encoded, batch_size=4, num_workers=2, multiprocessing_context=mode)
+    crops, labels = zip(*loader)
+    crops, labels = torch.cat(crops), torch.cat(labels)
+    assert crops.shape == (12, 3, 24, 24) and labels.tolist() == [0] * 6 + [1] * 6
+    for crop, label in zip(crops, labels):  # the label's channel is the brightest
+        assert crop[label].float().mean() > 200
+    image, label = decoded[7]
+    assert label == 1 and torch.equal(
+        image, _to_tensor(_decode_file(JpegFolder(root).samples[7][0]))
+    )
+
+
+def test_torchvision_image_folder_with_a_random_crop_warns_and_its_bytes_recipe_works(tmp_path):
+    datasets = pytest.importorskip(
+        "torchvision.datasets",
+        reason="torchvision is not installed (it does not install beside torch 2.13.0 here)",
+    )
+    from torchvision import transforms
+
+    root = _jpeg_folder(tmp_path / "images")
+    with pytest.warns(UserWarning, match=r"SharedDataset\(ImageFolder\): item 0 differs"):
+        sd.SharedDataset(
+            datasets.ImageFolder(root, transform=transforms.RandomResizedCrop(16)), progress=False
+        )
+    recipe = sd.SharedDataset(
+        datasets.ImageFolder(root, loader=_read_bytes), transform=_decode_and_crop, progress=False
+    )
+    crop, label = recipe[11]
+    assert crop.shape == (3, 24, 24) and label == 1

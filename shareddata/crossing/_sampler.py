@@ -70,6 +70,10 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
     runs differ otherwise. Each epoch then has its own order, derived from the base
     seed and the epoch number (epoch 1 of one seed is not epoch 0 of another).
 
+    It is ``Stateful`` for torchdata's ``StatefulDataLoader``: :meth:`state_dict`
+    holds the base seed, the epoch under way and the batches it has given, and a
+    loader resumed from it gives exactly the remaining batches, then the next epochs.
+
     Args:
         data_source: the dataset (or its length).
         batch_size: samples per batch.
@@ -122,8 +126,10 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         self.drop_last = drop_last
         self.seed = seed
         self.generator = generator
-        self.epoch = 0
+        self.epoch = 0  # of the next pass
         self._epoch_set = False
+        self._pass: list[int] | None = None  # [epoch, batches given] of the pass under way
+        self._resume: list[int] | None = None  # a loaded pass, continued by the next iter()
 
     def set_epoch(self, epoch: int) -> None:
         """Fix the shuffle to that of ``epoch``, as for ``DistributedSampler``.
@@ -139,16 +145,71 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         return self.seed
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(epoch_seed(self._base_seed(), self.epoch))
-            order = torch.randperm(self.n, generator=g)
+        # Note [A pass starts when it is first read]: a DataLoader with workers calls
+        # iter() twice per epoch and reads only the second iterator, so a pass takes its
+        # epoch, or a loaded position, when its first batch is read; iter() only marks
+        # that a new pass is coming (what state_dict reports until then). But a loaded
+        # position at the END of a pass is taken by iter() itself: StatefulDataLoader
+        # restores a finished epoch into an iterator that it reads (with workers) or not
+        # (without), then starts the next epoch with a new iter().
+        self._pass = None
+        if self._resume is not None and self._resume[1] >= len(self):
+            self._pass, self._resume = self._resume, None
+            return iter(())
+        return self._batches()
+
+    def _batches(self) -> Iterator[torch.Tensor]:
+        if self._resume is not None:  # a loaded pass (load_state_dict set the next epoch)
+            position, self._resume = self._resume, None
+        else:
+            position = [self.epoch, 0]
             if not self._epoch_set:
                 self.epoch += 1
+        self._pass = position
+        epoch, start = position
+        if self.shuffle:
+            g = torch.Generator().manual_seed(epoch_seed(self._base_seed(), epoch))
+            order = torch.randperm(self.n, generator=g)
         else:
             order = torch.arange(self.n)
         stop = self.n - self.n % self.batch_size if self.drop_last else self.n
-        for batch in order[:stop].split(self.batch_size):
+        rest = order[start * self.batch_size : stop]
+        for batch in rest.split(self.batch_size) if len(rest) else ():  # split(empty): 1 batch
+            position[1] += 1  # before the yield: state_dict() is read while it waits there
             yield batch.as_subclass(BatchIndices)  # sent to workers by value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: base seed, the epoch under way and the batches it has given.
+
+        Before a pass starts it is that of the pass to come (or the one loaded).
+        """
+        epoch, given = self._resume or self._pass or (self.epoch, 0)
+        seed = self._base_seed() if self.shuffle else self.seed
+        return {"seed": seed, "epoch": epoch, "batches": given}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the next pass gives the rest of its epoch.
+
+        The passes after it take the next epochs (or those :meth:`set_epoch` gives).
+
+        Raises:
+            InvalidArgumentError: ``state`` is not such a state, or counts more batches
+                than this sampler has.
+        """
+        got = state if isinstance(state, dict) else {}
+        seed, epoch, given = got.get("seed"), got.get("epoch"), got.get("batches")
+        if not (isinstance(epoch, int) and isinstance(given, int) and epoch >= 0):
+            epoch, given = 0, -1
+        if not 0 <= given <= len(self):
+            raise InvalidArgumentError(
+                f"IndexBatchSampler.load_state_dict needs a state_dict() of a sampler with "
+                f"{len(self)} batches ({{'seed', 'epoch', 'batches'}}), got {state!r}"
+            )
+        if isinstance(seed, int):
+            self.seed = seed
+        self._resume = [epoch, given]
+        if not self._epoch_set:
+            self.epoch = epoch + 1
 
     def __len__(self) -> int:
         if self.drop_last:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import random
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from itertools import islice
@@ -94,6 +96,10 @@ class SharedDataset(ColumnDataset):
             beyond int64, text that is not valid UTF-8), naming the index and field.
         SharedMemoryFullError: when the data does not fit in RAM (or ``storage_dir``).
 
+    Warns:
+        UserWarning: when an item differs between two reads of the original (a random
+            augmentation, frozen by the copy): the random part belongs in ``transform``.
+
     Whatever fails (an error above, ``__getitem__`` raising, Ctrl-C), everything
     allocated is freed before the error propagates.
 
@@ -135,8 +141,9 @@ class SharedDataset(ColumnDataset):
         kind = type(dataset)
         if rows == 0:
             raise InvalidArgumentError(f"{kind.__name__} is empty: there is nothing to share")
+        producer = _CheckedProducer(dataset, num_workers)  # reads items only where it loads
         columns = build(
-            DatasetProducer(dataset, num_workers),  # reads items only where it loads
+            producer,
             key=functools.partial(_dataset_key, dataset, rows),
             share=share,
             shard=shard,
@@ -146,6 +153,17 @@ class SharedDataset(ColumnDataset):
         )
         kinds, schema = columns.meta
         self._init(columns, kinds, transform, schema)
+        if producer.varies is not None:
+            name, i = kind.__name__, producer.varies
+            warnings.warn(
+                f"SharedDataset({name}): item {i} differs between two reads of {name}[{i}] "
+                f"(a random augmentation in its __getitem__ or transform?). SharedDataset "
+                "stores one read of every item, so every epoch would see that same one. Move "
+                f"the random part to SharedDataset({name}(...), transform=...), which runs in "
+                "the worker on every read, and keep the dataset's own reading deterministic.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _init(
         self, columns: dict[str, Column], types: list[LeafType], transform: Any, schema: Any
@@ -188,6 +206,43 @@ class SharedDataset(ColumnDataset):
         SharedDataset._init(
             self, state["columns"], state["restore"], state["transform"], state["schema"]
         )
+
+
+# Note [A random item is frozen]: SharedDataset stores one read of every item, so a
+# __getitem__ that augments at random (ImageFolder(transform=RandomResizedCrop)) would give
+# one crop forever. Where the items are read (local rank 0 under torchrun), three of them
+# (first, middle, last) are read twice more, with torch, numpy and Python seeded
+# differently each time (sample_digest puts the caller's random states back), and their
+# digests compared; a difference warns, naming the fix (the random part to transform=).
+
+
+class _CheckedProducer(DatasetProducer):
+    """The items, then three read twice more (Note [A random item is frozen])."""
+
+    varies: int | None = None  # an item that differed between two reads, if read here
+
+    def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
+        """The columns' parts, as DatasetProducer's, then the check."""
+        parts = super().produce(alloc, progress)
+        rows = range(self.start, self.stop)  # not empty: produce() refused that
+        for i in sorted({rows[0], rows[len(rows) // 2], rows[-1]}):
+            try:
+                if _digest_of_read(self.dataset, i, 1) != _digest_of_read(self.dataset, i, 2):
+                    self.varies = i
+                    break
+            except Exception:  # the load read it once: no second read, nothing to check
+                break
+        return parts
+
+
+def _digest_of_read(dataset: Any, i: int, seed: int) -> str:
+    def read(_: int) -> Any:
+        torch.manual_seed(seed)  # sample_digest puts the caller's random states back
+        np.random.seed(seed)
+        random.seed(seed)
+        return dataset[i]
+
+    return sample_digest(read, 1)
 
 
 def _dataset_key(dataset: Any, rows: int) -> tuple[Any, ...]:

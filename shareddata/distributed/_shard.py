@@ -76,6 +76,10 @@ class NodeShardSampler(Sampler[int]):
     Works with a node-sharded dataset (``shard="node"``: indices are local to the
     shard) and with a full copy on every node (indices are global).
 
+    It is ``Stateful`` for torchdata's ``StatefulDataLoader``: :meth:`state_dict`
+    holds the seed, the epoch under way and the indices it has given, and a loader
+    resumed from it gives exactly the remaining batches of that epoch.
+
     Args:
         dataset: the dataset (anything with ``len``; ``node_shard`` if sharded).
         shuffle: reshuffle the node's rows every epoch.
@@ -133,6 +137,8 @@ class NodeShardSampler(Sampler[int]):
         self.local_rank, self.local_world_size = local, size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
+        self._pass: list[int] | None = None  # [epoch, indices given] of the pass under way
+        self._resume: list[int] | None = None  # a loaded pass, continued by the next iter()
         if drop_last:
             self.num_samples = (total // nodes) // size
         else:
@@ -149,20 +155,64 @@ class NodeShardSampler(Sampler[int]):
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[int]:
+        # as IndexBatchSampler's (Note [A pass starts when it is first read])
+        self._pass = None
+        if self._resume is not None and self._resume[1] >= self.num_samples:
+            self._pass, self._resume = self._resume, None
+            return iter(())
+        return self._indices()
+
+    def _indices(self) -> Iterator[int]:
+        position, self._resume = self._resume or [self.epoch, 0], None
+        self._pass = position
+        epoch, start = position
         # int32 while it fits: the order lives in the main process for the whole epoch
         dtype = torch.int32 if self.total < 2**31 else torch.int64
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            generator = torch.Generator().manual_seed(self.seed + epoch)
             order = torch.randperm(self.node_size, generator=generator, dtype=dtype)
         else:
             order = torch.arange(self.node_size, dtype=dtype)
         if self.total_size > len(order):
             order = order.repeat(math.ceil(self.total_size / max(len(order), 1)))
-        mine = order[self.local_rank : self.total_size : self.local_world_size] + self.offset
+        mine = order[self.local_rank : self.total_size : self.local_world_size]
+        mine = mine[start:] + self.offset
         del order
         # In chunks: a list of every index would be ~36 bytes a row of private memory.
         for chunk in mine.split(4096):
-            yield from chunk.tolist()
+            for index in chunk.tolist():
+                position[1] += 1  # before the yield: state_dict() is read while it waits there
+                yield index
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: seed, the epoch under way and the indices it has given.
+
+        Before a pass starts it is that of the pass to come (or the one loaded).
+        """
+        epoch, given = self._resume or self._pass or (self.epoch, 0)
+        return {"seed": self.seed, "epoch": epoch, "indices": given}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: the next pass gives the rest of its epoch.
+
+        Later passes take the epoch :meth:`set_epoch` gives, as before.
+
+        Raises:
+            InvalidArgumentError: ``state`` is not such a state, or counts more indices
+                than this rank takes per epoch (another dataset or job layout).
+        """
+        got = state if isinstance(state, dict) else {}
+        seed, epoch, given = got.get("seed"), got.get("epoch"), got.get("indices")
+        if not (isinstance(seed, int) and isinstance(epoch, int) and isinstance(given, int)):
+            seed, epoch, given = 0, 0, -1
+        if not 0 <= given <= self.num_samples:
+            raise InvalidArgumentError(
+                f"NodeShardSampler.load_state_dict needs a state_dict() of a sampler with "
+                f"{self.num_samples} indices per epoch ({{'seed', 'epoch', 'indices'}}), "
+                f"got {state!r}"
+            )
+        self.seed = seed
+        self._resume = [epoch, given]
 
     def __len__(self) -> int:
         return self.num_samples
