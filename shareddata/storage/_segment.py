@@ -35,9 +35,12 @@ against every write, so no process can change it at all (Note [Sealed segments])
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import secrets
+import time
+import warnings
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -73,8 +76,10 @@ from ._linux import (
 from ._pages import Population, populate, population_failed
 from ._parent import watch_parent
 
-__all__ = ["Segment", "attach", "attached_segments"]
+__all__ = ["SEAL_WAIT", "Segment", "attach", "attached_segments"]
 
+SEAL_WAIT = 2.0
+"""Seconds a seal against writes waits for other processes' writable mappings to go."""
 _ATTACHED: weakref.WeakValueDictionary[tuple[str, bool], Segment] = weakref.WeakValueDictionary()
 _ATTACH_LOCK = ForkSafeLock()
 
@@ -262,7 +267,23 @@ class Segment:
                 _ATTACHED.pop((self.token, True), None)
                 self.writable = False
                 _ATTACHED[(self.token, False)] = self
-        return add_seals(self.fd, SEAL_ALL if write else SEAL_SIZE)
+        deadline = time.monotonic() + SEAL_WAIT
+        while True:
+            try:
+                return add_seals(self.fd, SEAL_ALL if write else SEAL_SIZE)
+            except OSError as e:  # EBUSY: another process still maps it shared and writable
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    break
+            time.sleep(0.05)
+        warnings.warn(
+            f"{self!r}: another process still maps this memory shared and writable after "
+            f"{SEAL_WAIT:.0f} s, so it is sealed against resizing only and that process can "
+            "still write it (Note [Sealed segments]); let processes that wrote into a load "
+            "exit before it completes.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return add_seals(self.fd, SEAL_SIZE)
 
     def discard(self) -> None:
         """Free the segment now, even while arrays over it are still referenced.

@@ -138,3 +138,19 @@ def test_a_shared_array_made_here_is_sealed_against_resizing_only():
     assert fcntl.fcntl(array.segment.fd, fcntl.F_GET_SEALS) == RESIZE_SEALED
     array.numpy()[:] = 1.5  # still writable here
     assert float(array.torch().sum()) == 24.0
+
+
+def test_a_segment_another_mapping_still_writes_is_sealed_against_resizing_with_a_warning():
+    # F_SEAL_WRITE is EBUSY while a writable shared mapping exists (here a second one of
+    # this process; in a job, a process that wrote into the load and has not exited)
+    from shareddata.storage import Segment
+    from shareddata.storage._linux import map_fd, unmap
+
+    segment = Segment.create(4096)
+    other = map_fd(segment.fd, 4096)
+    try:
+        with pytest.warns(RuntimeWarning, match="sealed against resizing only"):
+            assert segment.seal() is True
+        assert fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS) == RESIZE_SEALED
+    finally:
+        unmap(other, 4096)
