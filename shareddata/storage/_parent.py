@@ -2,21 +2,19 @@
 
 Note [Workers of a killed parent]
 =================================
-torch's DataLoader worker checks every 5 s that ``os.getppid()`` has not changed. A
-``forkserver`` worker's parent is the fork server, which lives as long as any of
-its children holds the server's "alive" pipe, and every worker does: the workers of
-a SIGKILLed main process lived on (over 60 s, then as long as anyone waited), each
-holding the dataset's memory. So when a ``spawn`` or ``forkserver`` child attaches
-a segment sent by its ``multiprocessing`` parent (the process that owns the
-DataLoader), a daemon thread opens a pidfd of that process (``os.pidfd_open``,
-Linux >= 5.3) and polls it (``POLL`` seconds at a time). Once it has exited, a
-DataLoader worker ends at once (``os._exit``), and its mappings with it; a process
-that is no DataLoader worker (a ``Process`` meant to outlive its parent) is left
-alone. A parent that died before the pidfd was opened is caught by the attach
-itself (``/proc/<pid>/fd/<n>`` is gone, or is another file). One thread per
-process; a ``fork`` child (whose parent torch's check does watch) starts its own
-only if it attaches from its parent. Without pidfds, only torch's own check remains
-(``docs/troubleshooting.md``).
+torch's DataLoader worker exits when ``os.getppid()`` changes. A ``forkserver``
+worker's parent is the fork server, which lives as long as any of its children
+holds the server's "alive" pipe, and every worker does: the workers of a SIGKILLed
+main process lived on, holding the dataset's memory. So when a ``spawn`` or
+``forkserver`` child attaches a segment that its ``multiprocessing`` parent (the
+process that owns the DataLoader) sent, a daemon thread watches that process
+through a pidfd (``os.pidfd_open``, Linux >= 5.3; polled ``POLL`` seconds at a
+time). Once it has exited, a DataLoader worker of it ends at once (``os._exit``),
+its mappings with it; any other process is left alone (a ``Process`` may be meant to
+outlive its parent). The child attaches while it unpickles its ``Process``, before
+``multiprocessing`` names its parent, so both are checked when the sender dies. A
+sender that died before its pidfd was opened fails the attach itself. Without
+pidfds only torch's own check remains (``docs/troubleshooting.md``).
 """
 
 from __future__ import annotations

@@ -339,30 +339,18 @@ class Segment:
 
 # Note [Sealed segments]
 # ======================
-# Every attached process holds a descriptor of a segment's file, and the same user
-# can reopen any of them read-write through ``/proc/<pid>/fd/<n>``: a worker could
-# ``pwrite`` or map it shared and change every process's rows, or ``ftruncate`` it
-# and kill every reader with SIGBUS. So segments are memfds made with
-# ``MFD_ALLOW_SEALING``, and :meth:`Segment.seal` seals them, for every kind of
-# dataset through the one loading path (``seal`` in ``_array.py``, called by
-# ``datasets/_load.py``), once the load is complete:
-#
-# * ``F_SEAL_WRITE`` fails (``EBUSY``) while any writable *shared* mapping exists,
-#   and the loading process filled the file through one. It maps the file again at
-#   the same address, copy-on-write (``MAP_PRIVATE | MAP_FIXED``; arrays over it
-#   stay valid, the pages are mapped again by ``MADV_POPULATE_READ``), then adds
-#   ``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``. From then on
-#   ``write``, a shared writable ``mmap`` and ``ftruncate`` fail with ``EPERM`` in
-#   every process, and a forced write into a copy-on-write mapping (``fork``
-#   children inherit the loader's) copies the page into the writer only.
-# * Receivers of a read-only handle open the file ``O_RDONLY`` (``EBADF`` on a
-#   write through their descriptor), and acknowledge a handoff on the sender's
-#   ticket board, not in the sealed file (Note [Handing a segment over]).
-# * A writable ``SharedArray`` gets ``F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``
-#   when it is made: every process may write it, none may resize it.
-# * Files in a ``storage_dir`` cannot be sealed (only memfds can): the loader maps
-#   them copy-on-write all the same, but a hostile process of the same user can
-#   write or truncate them (``docs/how-it-works.md#sealed-segments``).
+# Any process of the user can reopen a segment read-write via ``/proc/<pid>/fd/<n>``
+# and ``pwrite`` every process's rows, or ``ftruncate`` the file (SIGBUS in every
+# reader). So segments are memfds made with ``MFD_ALLOW_SEALING``; once a load is
+# complete (``seal`` in ``_array.py``, the loading path of every kind), the loader
+# maps the file again copy-on-write at the same address (``F_SEAL_WRITE`` is EBUSY
+# while a writable shared mapping exists; ``MADV_POPULATE_READ`` maps the pages back)
+# and adds ``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``: writes,
+# shared writable mappings and resizing then fail with EPERM in every process, and a
+# forced write into a copy-on-write mapping stays in the writer. Receivers open it
+# O_RDONLY and acknowledge handoffs on the sender's ticket board (``_handoff.py``). A
+# ``SharedArray`` is sealed against resizing only. Limit: ``storage_dir`` files
+# cannot be sealed (``docs/how-it-works.md#sealed-segments``).
 
 
 def attach(
