@@ -147,5 +147,5 @@ def test_a_ticket_never_overwrites_an_outstanding_one(monkeypatch):
     monkeypatch.setattr(_handoff.secrets, "randbelow", lambda n: next(draws))
     first = array.segment.handle(ticket=True)
     second = array.segment.handle(ticket=True)
-    assert first[5] == 7 and second[5] == 9
+    assert first[5][3] == 7 and second[5][3] == 9  # the slot of each ticket
     assert _handoff.outstanding(array.segment.fd) == 2

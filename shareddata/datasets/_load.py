@@ -12,7 +12,7 @@ order:
    the load is freed at once if anything fails, Ctrl-C included);
 4. the fill, through :class:`Buffer` sinks (``buf.rows(a, b)``): a source never
    waits for pages nor imports storage internals;
-5. sealing (fork children map the columns copy-on-write) and building the columns.
+5. sealing (no process can change the columns' files any more) and building the columns.
 
 A source is either a :class:`Source` (exact sizes known before reading: the file
 formats, ``SharedList``) or a :class:`Producer` (sizes known only while reading:
@@ -285,7 +285,7 @@ def _load_here(
         raise
     finally:
         source.close()
-    # fork children map it copy-on-write: Note [Sealed segments] in storage/_segment.py
+    # sealed against writes, growth and shrinking: Note [Sealed segments] in storage/_segment.py
     sealed = iter(seal([a for _, _, arrays in parts for a in arrays.values()]))
     columns = Columns(
         {spec.name: cls(spec, {k: next(sealed) for k in arrays}) for cls, spec, arrays in parts}

@@ -1,8 +1,8 @@
 """SharedArray: an n-dimensional array over a segment, pickled by handle, never by value.
 
 Also the helpers that lay arrays out in one segment (:func:`allocate`,
-:func:`aligned`), fill them (:func:`copy_chunked`) and hand them out read-only
-(:func:`seal`), and the dtype mapping every column uses (:func:`to_numpy_dtype`).
+:func:`aligned`), fill them (:func:`copy_chunked`) and seal them read-only once
+loaded (:func:`seal`), and the dtype mapping every column uses (:func:`to_numpy_dtype`).
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ class SharedArray:
         dtype = to_numpy_dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         segment = Segment.create(nbytes, storage_dir, what=f"SharedArray{shape} {dtype}")
+        segment.seal(write=False)  # writable everywhere, resized nowhere: Note [Sealed segments]
         return cls(segment, 0, shape, dtype)
 
     @classmethod
@@ -303,10 +304,11 @@ class SharedArray:
 
 
 def seal(arrays: Sequence[SharedArray]) -> list[SharedArray]:
-    """Read-only views of ``arrays``, whose segment ``fork`` children map copy-on-write.
+    """Read-only views of ``arrays``, whose segments are sealed against any change.
 
-    What a loader hands out once it has filled ``arrays``: no process, ``fork``
-    children included, can change what the others read (Note [Sealed segments]).
+    What the loader hands out once it has filled ``arrays``, for every dataset kind:
+    no process can write, grow or shrink their files, and this process maps them
+    copy-on-write (Note [Sealed segments]).
 
     Example:
         >>> a, b = allocate([((3,), "int64"), ((2,), "float32")])

@@ -6,10 +6,13 @@ A segment pickles as ``(pid, fd, ...)`` and the receiver opens ``/proc/<pid>/fd/
 which works only while the sender still holds ``fd``. A pool worker drops its result
 once it is sent, or exits (``maxtasksperchild=1``), before the parent's result thread
 has unpickled it. So each pickle that ``multiprocessing`` makes carries a *ticket*: a
-random slot among ``SLOTS`` 8-byte slots that follow the data in the same file (past
-the mapped size) and a random nonce. The receiver, once it holds the file (its own
-descriptor, or a mapping already there), writes the nonce into the slot (``pwrite``).
-The sender does not close a descriptor with a ticket outstanding: a dropped segment is
+random slot among the ``SLOTS`` 8-byte slots of the sender's *ticket board* and a
+random nonce. The board is one small memfd per process (sparse, not a segment: a
+loaded dataset's own file is sealed against every write, Note [Sealed segments] in
+``_segment.py``). The receiver, once it holds the file (its own descriptor, or a
+mapping already there), opens the board as ``/proc/<pid>/fd/<board>``, checks it is the
+same file (device and inode), and writes the nonce into the slot (``pwrite``). The
+sender does not close a descriptor with a ticket outstanding: a dropped segment is
 *held* (descriptor only, no mapping, so in nobody's PSS) until its nonces show up or
 ``HOLD`` seconds pass; a daemon thread checks every ``POLL`` seconds. At exit a
 ``multiprocessing`` child waits up to ``EXIT_WAIT`` seconds (``$SHAREDDATA_HANDOFF_TIMEOUT``)
@@ -19,16 +22,16 @@ children end with ``os._exit`` after running those).
 The Segment's finalizer only closes a descriptor that has no ticket, or queues it
 for the reaper thread (Note [One lock rule] in ``_linux.py``); the reaper, once a
 ticket was drawn, runs for the life of the process (every ``POLL`` seconds while
-tickets are outstanding, every ``IDLE_POLL`` seconds otherwise). A ticket's slot is
-never one that another ticket of the same descriptor still waits on.
+tickets are outstanding, every ``IDLE_POLL`` seconds otherwise). A slot is never
+drawn while another ticket of the process still waits on it.
 
 Limits: only ``multiprocessing``'s pickler draws tickets (queues, pipes, pools, process
 arguments, torch's and the DataLoader's): after a plain ``pickle.dumps`` the sender
-must keep the array alive. A ticket covers the first receiver of one pickle. Two
-senders drawing the same slot only delay a release, never hasten it. A receiver that
-may open the file read-only cannot acknowledge (the sender holds it until ``HOLD``). A
-SIGKILLed sender holds nothing: its receiver gets :class:`~shareddata.AttachError`
-when it first uses the array (unpickling itself never raises).
+must keep the array alive. A ticket covers the first receiver of one pickle. A
+receiver that may not open the sender's board (``hidepid``) cannot acknowledge (the
+sender holds the file until ``HOLD``). A SIGKILLed sender holds nothing: its receiver
+gets :class:`~shareddata.AttachError` when it first uses the array (unpickling itself
+never raises).
 """
 
 from __future__ import annotations
@@ -40,14 +43,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ._linux import ForkSafeLock, close_fd
+from ._linux import ForkSafeLock, close_fd, file_identity
 
 __all__ = [
     "EXIT_WAIT",
     "HOLD",
     "SLOTS",
     "acknowledge",
-    "file_size",
     "forget",
     "held",
     "outstanding",
@@ -56,7 +58,7 @@ __all__ = [
 ]
 
 SLOTS = 4096
-"""Acknowledgement slots per segment (8 bytes each, after the data; sparse)."""
+"""Slots of a process's ticket board (8 bytes each; sparse): its outstanding tickets."""
 HOLD = 300.0
 """Seconds a live process holds a dropped segment for a receiver that has not come."""
 EXIT_WAIT = 10.0
@@ -65,29 +67,12 @@ EXIT_WAIT = 10.0
 _EXIT_WAIT_ENV = "SHAREDDATA_HANDOFF_TIMEOUT"
 POLL = 0.05
 IDLE_POLL = 1.0
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def ack_offset(size: int) -> int:
-    """Where the acknowledgement slots of a segment of ``size`` data bytes start."""
-    return -(-max(size, 1) // _PAGE) * _PAGE
-
-
-def file_size(size: int) -> int:
-    """The length of the file under a segment of ``size`` data bytes (data + slots).
-
-    Example:
-        >>> file_size(1) == ack_offset(1) + 8 * SLOTS
-        True
-    """
-    return ack_offset(size) + 8 * SLOTS
 
 
 @dataclass
 class _Sent:
     """The outstanding tickets of one descriptor of this process."""
 
-    size: int
     created: bool  # this process created the segment: wait for its receivers at exit
     dropped: bool = False  # the Segment is gone: the descriptor is ours to close
     pending: dict[int, tuple[bytes, float]] = field(default_factory=dict)  # slot: nonce, deadline
@@ -95,50 +80,79 @@ class _Sent:
 
 _SENT: dict[int, _Sent] = {}
 _DROPPED: collections.deque[int] = collections.deque()  # queued by finalizers, for the reaper
+_TAKEN: set[int] = set()  # slots of the board with a ticket outstanding
 _LOCK = ForkSafeLock()
 _STATE = {"reaper": 0, "exit_hook": 0}  # pid that started the reaper / registered the hook
+_BOARD = {"pid": 0, "fd": -1, "dev": 0, "ino": 0}  # this process's ticket board
 
 
-def ticket(fd: int, size: int, created: bool) -> tuple[int, int]:
-    """A new ``(slot, nonce)`` for one pickle of the segment held as ``fd``.
+def _board() -> int:
+    """This process's ticket board (made once per process); the caller holds ``_LOCK``."""
+    if _BOARD["pid"] != os.getpid():
+        fd = os.memfd_create("sd-handoff-tickets", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 8 * SLOTS)
+        dev, ino = file_identity(fd)
+        _BOARD.update(pid=os.getpid(), fd=fd, dev=dev, ino=ino)
+    return _BOARD["fd"]
+
+
+def ticket(fd: int, created: bool) -> tuple[int, ...]:
+    """A new ticket for one pickle of the segment held as ``fd``: what the receiver needs.
+
+    ``(board, board_dev, board_ino, slot, nonce)``, or ``()`` when every slot is taken
+    (the receiver must then come while the segment is alive).
 
     Example:
-        >>> fd = os.memfd_create("t"); os.ftruncate(fd, file_size(10))
-        >>> slot, nonce = ticket(fd, 10, created=True)
+        >>> fd = os.memfd_create("t"); os.ftruncate(fd, 10)
+        >>> drawn = ticket(fd, created=True)
         >>> outstanding(fd)
         1
-        >>> acknowledge(fd, 10, slot, nonce); outstanding(fd)
+        >>> acknowledge(os.getpid(), drawn); outstanding(fd)
         0
         >>> release(fd)  # no ticket left: closed at once
     """
     nonce = secrets.randbits(63) | 1
     with _LOCK:
+        board = _board()
+        if len(_TAKEN) >= SLOTS:  # tickets nobody redeemed yet: forget the expired ones
+            now = time.monotonic()
+            for held_fd, sent in list(_SENT.items()):
+                _reap_one(held_fd, sent, now)
+            if len(_TAKEN) >= SLOTS:
+                return ()
         sent = _SENT.get(fd)
         if sent is None:
-            sent = _SENT[fd] = _Sent(size, created)
-        if len(sent.pending) >= 64:  # a segment pickled often by a live holder
-            _reap_one(fd, sent, time.monotonic())
+            sent = _SENT[fd] = _Sent(created)
         slot = secrets.randbelow(SLOTS)
-        while slot in sent.pending:  # never overwrite a ticket still outstanding
+        while slot in _TAKEN:  # never overwrite a ticket still outstanding
             slot = secrets.randbelow(SLOTS)
+        _TAKEN.add(slot)
         sent.pending[slot] = (nonce.to_bytes(8, "little"), time.monotonic() + HOLD)
         _start_reaper()
     _register_exit_hook()
-    return slot, nonce
+    return (board, _BOARD["dev"], _BOARD["ino"], slot, nonce)
 
 
-def acknowledge(fd: int, size: int, slot: int, nonce: int) -> None:
-    """Receiver: tell the sender of ticket ``(slot, nonce)`` that the file is held here.
+def acknowledge(pid: int, drawn: tuple[int, ...]) -> None:
+    """Receiver: tell process ``pid``, which drew ticket ``drawn``, that the file is held here.
 
-    ``fd`` is this process's descriptor of the file; a read-only one cannot write,
-    and the sender then holds the file until its ``HOLD`` expires.
+    Where its board cannot be opened (the sender is gone, or its ``/proc`` entry is
+    closed to us), the sender holds the file until its ``HOLD`` expires.
     """
-    if nonce == 0:
+    if not drawn:
         return
+    board, dev, ino, slot, nonce = drawn
     try:
-        os.pwrite(fd, nonce.to_bytes(8, "little"), ack_offset(size) + 8 * slot)
+        fd = os.open(f"/proc/{pid}/fd/{board}", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:  # the descriptor may have been closed and its number reused: check the file
+        if file_identity(fd) == (dev, ino):
+            os.pwrite(fd, nonce.to_bytes(8, "little"), 8 * slot)
     except OSError:
         pass
+    finally:
+        os.close(fd)
 
 
 def outstanding(fd: int) -> int:
@@ -169,7 +183,8 @@ def release(fd: int) -> None:
 def forget(fd: int) -> None:
     """Drop the tickets of ``fd`` (a segment freed on purpose); the caller closes it."""
     with _LOCK:
-        _SENT.pop(fd, None)
+        sent = _SENT.pop(fd, None)
+        _TAKEN.difference_update(sent.pending if sent else ())
 
 
 def held() -> int:
@@ -192,14 +207,14 @@ def _take_dropped() -> None:
 
 def _reap_one(fd: int, sent: _Sent, now: float) -> None:
     """Forget the acknowledged and expired tickets of ``fd``; close it if dropped and done."""
-    base = ack_offset(sent.size)
     for slot, (nonce, deadline) in list(sent.pending.items()):
         try:
-            seen = os.pread(fd, 8, base + 8 * slot)
+            seen = os.pread(_BOARD["fd"], 8, 8 * slot)
         except OSError:
-            seen = nonce  # the descriptor is unusable: nothing left to hold
+            seen = nonce  # the board is unusable: nothing left to hold
         if seen == nonce or now > deadline:
             del sent.pending[slot]
+            _TAKEN.discard(slot)
     if not sent.pending:
         del _SENT[fd]
         if sent.dropped:
@@ -261,7 +276,12 @@ def _after_fork_in_child() -> None:
             close_fd(fd)
     _SENT.clear()
     _DROPPED.clear()
+    _TAKEN.clear()
     _STATE["reaper"] = _STATE["exit_hook"] = 0
+    close_fd(_BOARD["fd"])  # the parent's board: this child draws tickets on its own
+    _BOARD.update(pid=0, fd=-1)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+with _LOCK:  # made now, so that a process's descriptor count stays flat once it runs
+    _board()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import mmap
 import os
@@ -24,7 +25,11 @@ __all__ = [
     "MAP_PRIVATE_ANONYMOUS_FIXED",
     "MAP_PRIVATE_FIXED",
     "PROT_READ_WRITE",
+    "SEAL_ALL",
+    "SEAL_SIZE",
+    "add_seals",
     "address_of",
+    "anonymous_file",
     "array_at",
     "close_fd",
     "file_identity",
@@ -254,6 +259,44 @@ def close_fd(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+SEAL_SIZE = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+"""No growing, no shrinking, no further seal: what a writable ``SharedArray`` gets."""
+SEAL_ALL = SEAL_SIZE | fcntl.F_SEAL_WRITE
+"""And no write at all, from any descriptor or shared mapping: a loaded dataset."""
+
+
+def anonymous_file(directory: str | None) -> int:
+    """A new anonymous file: a memfd that can be sealed (RAM), or ``O_TMPFILE`` in ``directory``.
+
+    Example:
+        >>> fd = anonymous_file(None); os.ftruncate(fd, 4096)
+        >>> add_seals(fd, SEAL_ALL), fcntl.fcntl(fd, fcntl.F_GET_SEALS) == SEAL_ALL
+        (True, True)
+        >>> os.close(fd)
+    """
+    if directory is None:
+        return os.memfd_create("shareddata", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    return open_tmpfile(directory)
+
+
+def add_seals(fd: int, seals: int) -> bool:
+    """Seal the file ``fd`` is open on (``F_ADD_SEALS``); False where it cannot be sealed.
+
+    Only a memfd made with ``MFD_ALLOW_SEALING`` can be: files in a ``storage_dir``
+    (``EINVAL`` on a disk, ``EPERM`` on tmpfs) cannot.
+
+    Raises:
+        OSError: ``EBUSY`` for ``F_SEAL_WRITE`` while a writable shared mapping exists.
+    """
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EPERM):
+            return False
+        raise
+    return True
 
 
 def open_tmpfile(directory: str) -> int:

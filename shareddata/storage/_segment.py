@@ -26,18 +26,21 @@ has opened it, which the ticket ensures (Note [Handing a segment over] in
 ``_handoff.py``). Within one process a segment is mapped once, however many
 arrays refer to it (:func:`attached_segments`).
 
-Read-only handles (the datasets' columns) are mapped copy-on-write
-(``MAP_PRIVATE``) by the receiver: reads map the same physical pages, and a write
-forced through can never reach another process. ``fork`` children of the loading
-process map a dataset's segment copy-on-write too (Note [Sealed segments]).
+Read-only handles (the datasets' columns) are opened read-only and mapped
+copy-on-write (``MAP_PRIVATE``) by the receiver: reads map the same physical pages,
+and a write forced through stays in the writer. A loaded dataset's file is sealed
+against every write, so no process can change it at all (Note [Sealed segments]).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import secrets
+import time
+import warnings
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -57,19 +60,26 @@ from ._capacity import (
 )
 from ._linux import (
     MADV_HUGEPAGE,
+    MADV_POPULATE_READ,
+    SEAL_ALL,
+    SEAL_SIZE,
     ForkSafeLock,
+    add_seals,
+    anonymous_file,
     file_identity,
     is_tmpfs,
     madvise,
     map_fd,
-    open_tmpfile,
     replace_with_anonymous,
     unmap,
 )
 from ._pages import Population, populate, population_failed
+from ._parent import watch_parent
 
-__all__ = ["Segment", "attach", "attached_segments"]
+__all__ = ["SEAL_WAIT", "Segment", "attach", "attached_segments"]
 
+SEAL_WAIT = 2.0
+"""Seconds a seal against writes waits for other processes' writable mappings to go."""
 _ATTACHED: weakref.WeakValueDictionary[tuple[str, bool], Segment] = weakref.WeakValueDictionary()
 _ATTACH_LOCK = ForkSafeLock()
 
@@ -152,10 +162,7 @@ class Segment:
         cls, size: int, directory: str | None, what: str, reserve: bool, ahead: bool
     ) -> Segment:
         check_capacity(size, directory, what)
-        if directory is None:
-            fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
-        else:
-            fd = open_tmpfile(directory)
+        fd = anonymous_file(directory)
         # Shared memory (a memfd, or a file on tmpfs) is reserved by populating it:
         # Note [Allocating shared pages]
         by_faults = reserve and (directory is None or is_tmpfs(fd))
@@ -164,8 +171,8 @@ class Segment:
             # (its capacity was checked above)
             if reserve and not by_faults:
                 fallocate(fd, size, directory, what)
-            try:  # the data, then the slots of Note [Handing a segment over] (sparse)
-                os.ftruncate(fd, _handoff.file_size(size))
+            try:
+                os.ftruncate(fd, size)
             except OSError as e:
                 if e.errno in FULL_ERRNOS:
                     raise full_error(size, available_memory(directory), directory, what) from e
@@ -221,8 +228,8 @@ class Segment:
                 (Note [Handing a segment over] in ``_handoff.py``). Pickles made by
                 ``multiprocessing`` (queues, pipes, pools, process arguments) draw one.
         """
-        slot, nonce = _handoff.ticket(self.fd, self.size, self.created_here) if ticket else (0, 0)
-        return (os.getpid(), self.fd, self._ident, self.size, self.token, slot, nonce)
+        drawn = _handoff.ticket(self.fd, self.created_here) if ticket else ()
+        return (os.getpid(), self.fd, self._ident, self.size, self.token, drawn)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self._reduce(ticket=False)
@@ -238,23 +245,45 @@ class Segment:
     def close(self) -> None:
         """Unmap and close now: for a segment that no array refers to (a failed create)."""
         _ATTACHED.pop((self.token, self.writable), None)
-        _SEALED.discard(self)
         self._unmap()
         self._finalizer()
 
-    def seal(self) -> None:
-        """Make ``fork`` children map this segment copy-on-write (Note [Sealed segments]).
+    def seal(self, write: bool = True) -> bool:
+        """Seal the file against growing and shrinking and, with ``write``, any write.
 
-        For a dataset's segment once it is filled: nothing writes to it any more,
-        and no forked DataLoader worker can write through to the others.
+        ``write`` is for a dataset's segment once it is filled: this process's mapping
+        becomes copy-on-write first (a shared writable one would keep the seal out),
+        and the segment read-only. A writable ``SharedArray`` is sealed with
+        ``write=False``. Note [Sealed segments].
+
+        Returns:
+            Whether the file is sealed: False for a file in a ``storage_dir``.
         """
-        with _ATTACH_LOCK:
-            _SEALED.add(self)
-
-    @property
-    def sealed(self) -> bool:
-        """Whether :meth:`seal` was called: ``fork`` children map it copy-on-write."""
-        return self in _SEALED
+        if write and self.writable:
+            with named_os_errors("a loaded dataset's memory", self.size):
+                map_fd(self.fd, self.size, private=True, at=self.address)
+            madvise(self.address, self.size, MADV_POPULATE_READ)  # map its pages here again
+            with _ATTACH_LOCK:
+                _ATTACHED.pop((self.token, True), None)
+                self.writable = False
+                _ATTACHED[(self.token, False)] = self
+        deadline = time.monotonic() + SEAL_WAIT
+        while True:
+            try:
+                return add_seals(self.fd, SEAL_ALL if write else SEAL_SIZE)
+            except OSError as e:  # EBUSY: another process still maps it shared and writable
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    break
+            time.sleep(0.05)
+        warnings.warn(
+            f"{self!r}: another process still maps this memory shared and writable after "
+            f"{SEAL_WAIT:.0f} s, so it is sealed against resizing only and that process can "
+            "still write it (Note [Sealed segments]); let processes that wrote into a load "
+            "exit before it completes.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return add_seals(self.fd, SEAL_SIZE)
 
     def discard(self) -> None:
         """Free the segment now, even while arrays over it are still referenced.
@@ -268,7 +297,6 @@ class Segment:
             raise RuntimeError("only the process that created a segment may discard it")
         _handoff.forget(self.fd)  # freed on purpose: no receiver is waited for
         _ATTACHED.pop((self.token, self.writable), None)
-        _SEALED.discard(self)
         # views may be alive: swap the pages out from under them
         if not replace_with_anonymous(self.address, self.size):
             return  # could not: the views keep it until they are gone
@@ -311,30 +339,18 @@ class Segment:
 
 # Note [Sealed segments]
 # ======================
-# A ``fork`` child inherits its parent's mappings as they are. The loading process
-# maps a dataset's segment shared and writable (it filled it), so a forked
-# DataLoader worker that forced a write (numpy's ``writeable`` flag set back, a raw
-# pointer) would change what every process reads. Right after ``fork``, the child
-# therefore maps every *sealed* segment again, at the same address, copy-on-write
-# (``MAP_PRIVATE | MAP_FIXED`` over the same descriptor, ``os.register_at_fork``):
-# reads share the same pages, a write copies the page into the writer. The parent
-# keeps its mapping (with its page tables, so the data shows in its PSS); writable
-# ``SharedArray``\ s are never sealed, so writes to them still reach every process.
-
-_SEALED: weakref.WeakSet[Segment] = weakref.WeakSet()
-
-
-def _remap_sealed_in_child() -> None:
-    if not _SEALED:
-        return
-    for segment in list(_SEALED):
-        try:
-            map_fd(segment.fd, segment.size, private=True, at=segment.address)
-        except OSError:  # no address space left: this child keeps the shared mapping
-            pass
-
-
-os.register_at_fork(after_in_child=_remap_sealed_in_child)
+# Any process of the user can reopen a segment read-write via ``/proc/<pid>/fd/<n>``
+# and ``pwrite`` every process's rows, or ``ftruncate`` the file (SIGBUS in every
+# reader). So segments are memfds made with ``MFD_ALLOW_SEALING``; once a load is
+# complete (``seal`` in ``_array.py``, the loading path of every kind), the loader
+# maps the file again copy-on-write at the same address (``F_SEAL_WRITE`` is EBUSY
+# while a writable shared mapping exists; ``MADV_POPULATE_READ`` maps the pages back)
+# and adds ``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``: writes,
+# shared writable mappings and resizing then fail with EPERM in every process, and a
+# forced write into a copy-on-write mapping stays in the writer. Receivers open it
+# O_RDONLY and acknowledge handoffs on the sender's ticket board (``_handoff.py``). A
+# ``SharedArray`` is sealed against resizing only. Limit: ``storage_dir`` files
+# cannot be sealed (``docs/how-it-works.md#sealed-segments``).
 
 
 def attach(
@@ -343,14 +359,13 @@ def attach(
     ident: tuple[int, int],
     size: int,
     token: str,
-    slot: int = 0,
-    nonce: int = 0,
+    drawn: tuple[int, ...] = (),
     writable: bool = True,
 ) -> Segment:
     """Map the segment that process ``pid`` holds as descriptor ``fd`` (unpickling).
 
-    Acknowledges the ticket ``(slot, nonce)`` once the file is held here, so the
-    sender may let go of it (Note [Handing a segment over] in ``_handoff.py``).
+    Acknowledges the ticket ``drawn`` once the file is held here, so the sender may
+    let go of it (Note [Handing a segment over] in ``_handoff.py``).
 
     Raises:
         AttachError: the sender no longer holds the file, or may not be read.
@@ -358,13 +373,14 @@ def attach(
         SharedMemoryFullError: this process has no address space left (``ulimit -v``).
     """
     with _ATTACH_LOCK:
+        watch_parent(pid)  # a DataLoader worker exits with its main process: Note in _parent.py
         # A writable mapping serves read-only arrays too; a copy-on-write one never
         # serves writable arrays (their writes must reach the other processes).
         existing = _ATTACHED.get((token, True)) or (
             None if writable else _ATTACHED.get((token, False))
         )
         if existing is not None:
-            _handoff.acknowledge(existing.fd, size, slot, nonce)
+            _handoff.acknowledge(pid, drawn)
             return existing
         path = f"/proc/{pid}/fd/{fd}"
         what = f"shared segment {token} sent by process {pid}"
@@ -393,7 +409,7 @@ def attach(
                     f"cannot attach shared segment {token}: {path} now refers to another "
                     "file (the sender closed the segment and reused the descriptor)."
                 )
-            _handoff.acknowledge(new_fd, size, slot, nonce)
+            _handoff.acknowledge(pid, drawn)
             segment = Segment(new_fd, size, token, writable=writable, what=what)
         except BaseException:
             os.close(new_fd)
@@ -409,17 +425,8 @@ def attached_segments() -> list[Segment]:
 
 
 def _open_for_attach(path: str, writable: bool) -> int:
-    """Our own descriptor of the file at ``path``; read-write where allowed, to acknowledge.
-
-    A read-only segment is still mapped copy-on-write; the descriptor is writable
-    only so that the receiver can write its acknowledgement past the data.
-    """
-    try:
-        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except PermissionError:
-        if writable:
-            raise
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    """Our own descriptor of the file at ``path``: read-only unless the arrays are writable."""
+    return os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
 
 
 # multiprocessing's pickler (every queue, pipe, pool and process argument, torch's and

@@ -290,7 +290,7 @@ class SegmentRef:
     def __reduce__(self) -> tuple[Any, ...]:
         try:
             # a read-only (or sealed) segment crosses copy-on-write; a SharedArray shared
-            writable = self.writable and self.segment.writable and not self.segment.sealed
+            writable = self.writable and self.segment.writable
             handle = (*self.segment.handle(ticket=True), writable)
         except Exception as e:  # never raise in a queue's feeder thread (see the Note)
             return raise_send_error, (describe_failure(e, "a SharedArray's memory"),)

@@ -23,8 +23,7 @@ from ..errors import (
 )
 from ._array import SharedArray, aligned
 from ._capacity import available_memory, full_error, named_os_errors, resolve_storage_dir
-from ._handoff import file_size
-from ._linux import MADV_POPULATE_READ, madvise, open_tmpfile
+from ._linux import MADV_POPULATE_READ, anonymous_file, madvise
 from ._segment import Segment
 
 __all__ = ["FULL_ERRNOS", "VarStore", "map_written", "pwrite_all"]
@@ -53,9 +52,9 @@ __all__ = ["FULL_ERRNOS", "VarStore", "map_written", "pwrite_all"]
 #   ENOSPC/ENOMEM, raised as SharedMemoryFullError too;
 #   nothing is written through a mapping, so no SIGBUS is possible.
 # * At the end the file becomes the column's segment as it is: it is cut to the
-#   data plus the acknowledgement slots of ``_handoff.file_size`` (``ftruncate``),
-#   mapped, and its pages mapped here (``MADV_POPULATE_READ``), as the fixed-size
-#   writer does. No copy.
+#   data (``ftruncate``), mapped, and its pages mapped here (``MADV_POPULATE_READ``),
+#   as the fixed-size writer does; the loader then seals it (Note [Sealed segments]
+#   in ``_segment.py``). No copy.
 # * The offsets (8 bytes per row) and, for ragged arrays, the shapes (8 bytes per
 #   dimension per row) stay private until the end, then are copied into one small
 #   segment: they grow with the number of rows, not with the size of the values.
@@ -150,10 +149,7 @@ class VarStore:
 
     def _open(self) -> None:
         with named_os_errors(self.what):  # no descriptor left: named
-            if self.directory is None:
-                self.fd = os.memfd_create("shareddata", os.MFD_CLOEXEC)
-            else:
-                self.fd = open_tmpfile(self.directory)
+            self.fd = anonymous_file(self.directory)
 
     def _grow(self, end: int) -> None:
         """Check room for the file to grow to ``end`` bytes (and up to a step more).
@@ -174,12 +170,11 @@ class VarStore:
     def finish(self) -> tuple[Segment, int]:
         """Hand the file over as a segment (no copy): ``(segment, elements)``.
 
-        The tail left by growth is trimmed; the acknowledgement slots of
-        ``_handoff.file_size`` follow the data. The caller owns the segment from now on.
+        The tail left by growth is trimmed. The caller owns the segment from now on.
         """
         self.flush()
         size = max(self.written, 1)
-        os.ftruncate(self.fd, file_size(size))
+        os.ftruncate(self.fd, size)
         segment = Segment(self.fd, size, secrets.token_hex(8))  # closes fd when dropped
         segment.created_here = True
         self.fd = -1

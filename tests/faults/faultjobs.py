@@ -67,3 +67,87 @@ def try_writes(barrier, report, worker_id):
         with open(report, "w") as f:
             json.dump(out, f)
     barrier.wait(timeout=120)
+
+
+def attack_segments(main_pid, identities, report, worker_id):
+    """worker_init_fn: try every way a process of the same user has to change the data.
+
+    ``identities`` are the (device, inode) of the dataset's files. Through this
+    worker's own descriptor of each, and through one reopened read-write from
+    ``/proc/self/fd`` and from the main process's ``/proc/<main_pid>/fd``: ``pwrite``
+    the value 9999 over row 0, map the file shared and writable and write it,
+    ``ftruncate`` it to 0 bytes and to twice its size. What each attempt gave (``done``,
+    or the errno's name) goes to the JSON file ``report``.
+    """
+    import errno
+    import json
+    import mmap
+    import os
+
+    wanted = {tuple(i) for i in identities}
+    out = {}
+
+    def fds_of(pid):
+        found = []
+        for name in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in wanted:
+                found.append((name, st.st_size))
+        return found
+
+    def attempt(what, action):
+        try:
+            action()
+            out[what] = "done"
+        except OSError as e:
+            out[what] = errno.errorcode.get(e.errno, str(e.errno))
+
+    def write_shared(fd):
+        mapped = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mapped[:8] = (9999).to_bytes(8, "little")
+        mapped.close()
+
+    def attack(where, fd, size):
+        attempt(f"{where} pwrite", lambda: os.pwrite(fd, (9999).to_bytes(8, "little"), 0))
+        attempt(f"{where} mmap shared writable", lambda: write_shared(fd))
+        attempt(f"{where} ftruncate 0", lambda: os.ftruncate(fd, 0))
+        attempt(f"{where} ftruncate grow", lambda: os.ftruncate(fd, 2 * size))
+
+    own, main = fds_of("self"), fds_of(main_pid)
+    out["found"] = [len(own), len(main)]
+    for where, pid, found in (("own", "self", own), ("main's", main_pid, main)):
+        for name, size in found:
+            if pid == "self":
+                attack(f"{where} fd", int(name), size)
+            try:
+                fd = os.open(f"/proc/{pid}/fd/{name}", os.O_RDWR)
+            except OSError as e:
+                out[f"{where} fd reopened read-write"] = errno.errorcode.get(e.errno, "?")
+                continue
+            attack(f"{where} fd reopened read-write", fd, size)
+            os.close(fd)
+    with open(report, "w") as f:
+        json.dump(out, f)
+
+
+def write_and_resize(array, report):
+    """Process target: write a SharedArray (numpy and pwrite), then try to resize its file."""
+    import errno
+    import json
+    import os
+
+    out = {}
+    array.numpy()[0] = 7
+    fd = array.segment.fd
+    os.pwrite(fd, (8).to_bytes(8, "little"), 8)
+    for what, size in (("ftruncate 0", 0), ("ftruncate grow", 2 * os.fstat(fd).st_size)):
+        try:
+            os.ftruncate(fd, size)
+            out[what] = "done"
+        except OSError as e:
+            out[what] = errno.errorcode.get(e.errno, str(e.errno))
+    with open(report, "w") as f:
+        json.dump(out, f)

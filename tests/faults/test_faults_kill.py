@@ -150,3 +150,25 @@ def test_ctrl_c_during_iteration_with_workers():
     assert "Bus error" not in err and "Segmentation" not in err, err
     assert int(rc) != 0 and float(seconds) < 30
     run.assert_clean()
+
+
+def test_forkserver_workers_of_a_sigkilled_parent_exit_and_free_the_data():
+    # torch's worker checks os.getppid(), and a forkserver worker's parent is the fork
+    # server, which lives while its children do: shareddata's attach watches the main
+    # process instead (Note [Workers of a killed parent] in shareddata/storage/_parent.py)
+    run = run_scenario(
+        """
+        proc = child(TRAIN, "forkserver", 2, 64, "ram", stdout=subprocess.PIPE, text=True)
+        wait_line(proc, "@@RUNNING")
+        os.kill(proc.pid, signal.SIGKILL)  # the main process alone: workers and server stay
+        print("@@RC", proc.wait(30))
+        """,
+        settle=15,  # the bound: past it, what still runs is reported (@@ALIVE) and killed
+    )
+    assert run.returncode == 0, run.describe()
+    assert run.value("@@RC") == "-9"
+    assert not run.alive_after, (
+        f"workers (or their fork server) still ran 15 s after their main process was "
+        f"killed, holding the data: {run.alive_after}\n{run.describe()}"
+    )
+    run.assert_clean()  # and no process maps or holds the dataset's memfd
