@@ -3,7 +3,7 @@
 Run:
     python examples/lightning_datamodule.py                          # one device
     python examples/lightning_datamodule.py --devices 2 --strategy ddp   # 2 ranks, CPU
-Needs: pip install 'shareddata[lightning]'
+Needs: pip install 'torch-shareddata[lightning]'
 
 Where things go: `prepare_data` runs once per node (on local rank 0) and writes
 files; `setup` runs on every rank and builds the shareddata datasets there. Under a

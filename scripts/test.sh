@@ -4,7 +4,7 @@
 # `bash scripts/test.sh --quick` runs the quick tier only (tests/conftest.py: the contract
 # over every dataset kind with fork workers, sources, ruff; under 3 minutes on 2 cores).
 set -euo pipefail
-source "$(dirname "$0")/setup.sh"
+source "$(dirname "$0")/setup.sh" dev
 if [ "${1:-}" = "--quick" ]; then
     shift
     exec python -m pytest --quick tests "$@"

@@ -132,7 +132,7 @@ def test_every_case_of_every_topic(quick_run):
     # a peer that is not installed still gets its row, saying so
     for peer, case in (("tensordict", "tensordict shared"), ("datasets", "HF datasets")):
         if not installed[peer]:
-            assert f"| {case}" in page and "not installed: pip install 'shareddata[bench]'" in page
+            assert f"| {case}" in page and "not installed: pip install 'torch-shareddata[bench]'" in page
 
 
 def test_quick_run_draws_the_plots(quick_run):
