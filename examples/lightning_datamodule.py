@@ -103,10 +103,13 @@ def main() -> None:
     parser.add_argument("--data", help="a folder with x.npy and y.npy (default: synthetic)")
     args = parser.parse_args()
 
-    folder, made = args.data or os.environ.get("SHAREDDATA_EXAMPLE_DATA"), False
-    if folder is None:  # the launching process (rank 0): one folder for every rank
+    folder = args.data or os.environ.get("SHAREDDATA_EXAMPLE_DATA")
+    made = False
+    # the launching process (rank 0): one folder for every rank
+    if folder is None:
         folder, made = tempfile.mkdtemp(prefix="shareddata-lightning-"), True
-        os.environ["SHAREDDATA_EXAMPLE_DATA"] = folder  # inherited by the ranks Lightning starts
+        # inherited by the ranks Lightning starts
+        os.environ["SHAREDDATA_EXAMPLE_DATA"] = folder
     try:
         data = FeaturesDataModule(folder, args.rows, workers=args.workers)
         trainer = L.Trainer(

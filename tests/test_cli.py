@@ -34,7 +34,8 @@ TRANSCRIPT = re.compile(
     r"^<!-- transcript: (?P<name>[\w-]+) -->\n```console\n(?P<body>.*?)^```$", re.M | re.S
 )
 PYTHON = re.compile(
-    r"^(?:<!-- file: (?P<file>\S+) -->\n)?```python\n(?P<code>.*?)^```$", re.M | re.S
+    r"^(?:<!-- (?:continue; )?file: (?P<file>\S+) -->\n)?```python\n(?P<code>.*?)^```$",
+    re.M | re.S,
 )
 # commands that run DataLoader workers: a fresh interpreter each (forkserver preloads)
 IN_SUBPROCESS = ("demo", "verify-ok", "verify-fail")
