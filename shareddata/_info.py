@@ -5,7 +5,8 @@ makes (``sd.HDF5Dataset``, ``sd.ParquetDataset``, ``sd.NumpyDataset``; a folder 
 read by both of the last two). :func:`info` sizes its columns with the load's own code
 (``source.specs()`` and ``check_lengths``, so a folder that does not load fails here
 with the same error) and prints the files read, each column's dtype, row shape and
-bytes, and the room this machine has for them. Metadata only: no data is loaded.
+bytes, and the room this machine has for them. Nothing is loaded: sizing reads
+metadata (and variable-length Parquet columns once, as the load sizes them).
 """
 
 from __future__ import annotations

@@ -298,9 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser(
         "info",
         help="a file's columns, dtypes, rows and bytes, and whether it fits in memory",
-        description="Read a file's metadata (no data) and print each column's dtype, row "
-        "shape and size in shared memory, the total, and the room this machine has for it. "
-        f"Reads {_info.FORMATS}. Exit code 1 when it does not fit.",
+        description="Describe what the dataset class that reads FILE would load, without "
+        "loading it (metadata, and a sizing read of variable-length Parquet columns): the "
+        "files read, each column's dtype, row shape and size in shared memory, the total, "
+        "and the room this machine has for it. "
+        f"Reads {_info.FORMATS}. Exit code 1 when it does not fit, 2 where the load would "
+        "fail (the same error).",
         epilog="examples:\n"
         "  python -m shareddata info data.h5\n"
         "  python -m shareddata info data.h5 --keys images,labels\n"
