@@ -72,9 +72,13 @@ def main() -> None:
             dist.barrier()
 
     dataset = sd.NumpyDataset(
-        folder, output="tuple", shard="node" if args.shard else None, progress=rank == 0
+        folder,
+        output="tuple",
+        shard="node" if args.shard else None,
+        progress=rank == 0,
     )
-    sampler = sd.NodeShardSampler(dataset, shuffle=True, seed=0)  # also fine for full copies
+    # also fine for full copies
+    sampler = sd.NodeShardSampler(dataset, shuffle=True, seed=0)
     shard = dataset.node_shard
     if shard is not None and local_rank == 0:
         print(
@@ -82,19 +86,24 @@ def main() -> None:
             f"of {shard.num_nodes}",
             flush=True,
         )
+    spawn = multiprocessing.get_context("spawn")
     loader = DataLoader(
         dataset,
         batch_size=args.batch_size,
         sampler=sampler,
         num_workers=args.workers,
-        multiprocessing_context=multiprocessing.get_context("spawn") if args.workers else None,
+        multiprocessing_context=spawn if args.workers else None,
         persistent_workers=args.workers > 0,
         pin_memory=device.type == "cuda",
     )
     # On every rank (each gets the node's report). Below ~32 MiB the workers' few MiB
     # of working memory dominate the ratio: measure only.
     limit = 1.10 if dataset.nbytes >= 32 << 20 else None
-    report = sd.verify(loader, batches=min(8, len(loader)), max_duplication=limit)
+    report = sd.verify(
+        loader,
+        batches=min(8, len(loader)),
+        max_duplication=limit,
+    )
     if rank == 0:
         print(report, flush=True)
 

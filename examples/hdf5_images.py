@@ -43,13 +43,17 @@ def write_images(path: str, count: int, size: int) -> None:
 def augment(sample: dict) -> dict:
     """Runs in the worker, on each sample: a random horizontal flip.
 
-    Images stay uint8 until they reach the training process (or the GPU): batches
-    4x smaller to pass between processes, and less memory in each worker.
+    Images stay uint8 until they reach the training process (or the GPU):
+    batches 4x smaller to pass between processes, less memory in each worker.
     """
     image = sample["images"]
     if torch.rand(()) < 0.5:
         image = image.flip(-1)
-    return {"image": image, "label": sample["labels"], "filename": sample["meta/filename"]}
+    return {
+        "image": image,
+        "label": sample["labels"],
+        "filename": sample["meta/filename"],
+    }
 
 
 def main() -> None:
@@ -90,7 +94,8 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             correct += int((logits.argmax(1) == batch["label"]).sum())
-            assert len(batch["filename"]) == len(batch["label"])  # strings come as a list
+            # strings come as a list
+            assert len(batch["filename"]) == len(batch["label"])
         print(f"epoch 0: accuracy {correct / len(ds):.2f}")
 
         report = sd.verify(loader, batches=20)  # fails if a worker holds a copy

@@ -3,7 +3,7 @@
 Run:
     python examples/lightning_datamodule.py                          # one device
     python examples/lightning_datamodule.py --devices 2 --strategy ddp   # 2 ranks, CPU
-Needs: pip install 'shareddata[lightning]'
+Needs: pip install 'torch-shareddata[lightning]'
 
 Where things go: `prepare_data` runs once per node (on local rank 0) and writes
 files; `setup` runs on every rank and builds the shareddata datasets there. Under a
@@ -103,10 +103,13 @@ def main() -> None:
     parser.add_argument("--data", help="a folder with x.npy and y.npy (default: synthetic)")
     args = parser.parse_args()
 
-    folder, made = args.data or os.environ.get("SHAREDDATA_EXAMPLE_DATA"), False
-    if folder is None:  # the launching process (rank 0): one folder for every rank
+    folder = args.data or os.environ.get("SHAREDDATA_EXAMPLE_DATA")
+    made = False
+    # the launching process (rank 0): one folder for every rank
+    if folder is None:
         folder, made = tempfile.mkdtemp(prefix="shareddata-lightning-"), True
-        os.environ["SHAREDDATA_EXAMPLE_DATA"] = folder  # inherited by the ranks Lightning starts
+        # inherited by the ranks Lightning starts
+        os.environ["SHAREDDATA_EXAMPLE_DATA"] = folder
     try:
         data = FeaturesDataModule(folder, args.rows, workers=args.workers)
         trainer = L.Trainer(

@@ -43,7 +43,7 @@ def write_reviews(path: str, rows: int) -> None:
 
 
 def collate(samples: list[dict]) -> dict:
-    """Token lists of varying length -> one flat tensor + offsets (for nn.EmbeddingBag)."""
+    """Token lists of varying length -> one flat tensor + offsets."""
     tokens = [s["tokens"] for s in samples]
     lengths = torch.tensor([len(t) for t in tokens])
     return {

@@ -54,12 +54,14 @@ def features() -> np.ndarray:
 
 def test_loader_holds_one_copy(shared_memory_check, features):
     loader = make_loader(sd.NumpyDataset(features))
-    report = shared_memory_check(loader, batches=10)  # raises if the data is duplicated
+    # raises if the data is duplicated
+    report = shared_memory_check(loader, batches=10)
     assert report.num_workers == 2
 
 
 def test_a_plain_dataset_is_caught(features):
-    # Under spawn every worker unpickles its own copy of the array: ~3x with 2 workers.
+    # Under spawn every worker unpickles its own copy of the array:
+    # ~3x with 2 workers.
     with pytest.raises(AssertionError, match="dataset held") as err:
         assert_shared(make_loader(InMemoryDataset(features)), batches=10)
     assert err.value.report.duplication > 2.5

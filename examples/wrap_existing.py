@@ -16,11 +16,12 @@ import shareddata as sd
 
 
 class MyDataset(Dataset):
-    """A typical user dataset: images in a numpy array, labels and captions in lists."""
+    """A user dataset: images in a numpy array, labels, captions in lists."""
 
     def __init__(self, n: int) -> None:
         rng = np.random.default_rng(0)
-        self.images = rng.integers(0, 255, (n, 3, 64, 64), dtype=np.uint8)  # 12 KiB each
+        # 12 KiB each
+        self.images = rng.integers(0, 255, (n, 3, 64, 64), dtype=np.uint8)
         self.labels = [i % 10 for i in range(n)]
         self.captions = [f"image {i}" for i in range(n)]
 
@@ -28,12 +29,17 @@ class MyDataset(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int):
-        return torch.from_numpy(self.images[i]), self.labels[i], self.captions[i]
+        image = torch.from_numpy(self.images[i])
+        return image, self.labels[i], self.captions[i]
 
 
 def make_loader(dataset: Dataset) -> DataLoader:
     return DataLoader(
-        dataset, batch_size=128, shuffle=True, num_workers=2, multiprocessing_context="spawn"
+        dataset,
+        batch_size=128,
+        shuffle=True,
+        num_workers=2,
+        multiprocessing_context="spawn",
     )
 
 

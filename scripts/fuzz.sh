@@ -7,7 +7,7 @@
 #   SHAREDDATA_FUZZ_KEEP      folder that keeps every file that failed
 # Extra arguments go to pytest, e.g. `bash scripts/fuzz.sh -k parquet`.
 set -euo pipefail
-source "$(dirname "$0")/setup.sh"
+source "$(dirname "$0")/setup.sh" dev
 export SHAREDDATA_FUZZ_EXAMPLES=${SHAREDDATA_FUZZ_EXAMPLES:-500}
 export SHAREDDATA_FUZZ_CASES=${SHAREDDATA_FUZZ_CASES:-2000}
 export SHAREDDATA_FUZZ_SEED=${SHAREDDATA_FUZZ_SEED:-$(date +%s)}

@@ -1,8 +1,12 @@
-"""``python -m shareddata info FILE``: what a file holds and whether it fits in memory.
+"""``python -m shareddata info FILE``: what a dataset class would load from a file, and room.
 
-:func:`open_source` picks the source reader by the file's extension and reads its
-metadata only; :func:`info` prints each column's dtype, row shape and bytes, and the
-room this machine has for them.
+:func:`open_sources` makes the source reader that the dataset class reading ``FILE``
+makes (``sd.HDF5Dataset``, ``sd.ParquetDataset``, ``sd.NumpyDataset``; a folder may be
+read by both of the last two). :func:`info` sizes its columns with the load's own code
+(``source.specs()`` and ``check_lengths``, so a folder that does not load fails here
+with the same error) and prints the files read, each column's dtype, row shape and
+bytes, and the room this machine has for them. Nothing is loaded: sizing reads
+metadata (and variable-length Parquet columns once, as the load sizes them).
 """
 
 from __future__ import annotations
@@ -10,14 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._text import format_bytes, plural
 from .columns._columns import ColumnSpec
+from .datasets._load import check_lengths
+from .errors import MissingColumnError, MissingFileError
 from .storage._capacity import available_memory
 
-__all__ = ["FORMATS", "CommandError", "info", "names", "open_source"]
+__all__ = ["FORMATS", "CommandError", "info", "names", "open_sources"]
 
 
 _HDF5 = (".h5", ".hdf5", ".hdf", ".he5", ".h5ad", ".nc", ".nc4")
@@ -32,8 +38,38 @@ class CommandError(Exception):
     """A usage error: printed as one ``error:`` line, exit code 2."""
 
 
-def open_source(path: str, names: Sequence[str] | None = None) -> Any:
-    """The source reader for a file or folder, chosen by its extension (metadata only).
+def _hdf5(path: str, names: Sequence[str] | None) -> Any:
+    from .sources.hdf5 import HDF5Source
+
+    return HDF5Source(path, names)
+
+
+def _parquet(path: str, names: Sequence[str] | None) -> Any:
+    from .sources.parquet import ParquetSource
+
+    return ParquetSource(path, names)
+
+
+def _numpy(path: str, names: Sequence[str] | None) -> Any:
+    from .sources.npy import NumpySource
+
+    return NumpySource(path, names)
+
+
+# the dataset class that reads a path, and the source it makes (with its defaults)
+_READERS: dict[str, tuple[tuple[str, ...], Callable[[str, Sequence[str] | None], Any]]] = {
+    "sd.HDF5Dataset": (_HDF5, _hdf5),
+    "sd.ParquetDataset": (_PARQUET, _parquet),
+    "sd.NumpyDataset": (_NUMPY, _numpy),
+}
+
+
+def open_sources(path: str, names: Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    """``(dataset class, its source)`` for each class that reads ``path`` (metadata only).
+
+    A file is read by the class of its extension; a folder by ``sd.NumpyDataset`` (its
+    ``.npy`` files) and ``sd.ParquetDataset`` (its ``.parquet`` files, sub-folders too),
+    by each that finds files of its kind there, by the source's own rules.
 
     Args:
         path: a ``.npy``/``.npz``/``.h5``/``.parquet`` file or a folder of them.
@@ -41,31 +77,46 @@ def open_source(path: str, names: Sequence[str] | None = None) -> Any:
 
     Raises:
         CommandError: ``path`` does not exist or is in no format shareddata reads.
+        SharedDataError: the dataset class would raise it for ``path`` and ``names``.
     """
     if not os.path.exists(path):
         raise CommandError(f"{path} does not exist (looked in {os.getcwd()})")
-    lower = path.lower().rstrip("/")
+    if not os.path.isdir(path):
+        for cls, (suffixes, make) in _READERS.items():
+            if path.lower().endswith(suffixes):
+                return [(cls, make(path, names))]
+        raise CommandError(f"{path}: not a format shareddata reads; it reads {FORMATS}")
+    found, missing = [], []
+    try:
+        for cls in ("sd.NumpyDataset", "sd.ParquetDataset"):
+            try:
+                found.append((cls, _READERS[cls][1](path, names)))
+            except (MissingFileError, MissingColumnError) as e:  # none of its kind, or names
+                missing.append(e)
+    except BaseException:
+        for _, source in found:
+            source.close()
+        raise
+    if not found:
+        columns = [e for e in missing if isinstance(e, MissingColumnError)]
+        if columns:
+            raise columns[0]
+        raise CommandError(" ".join(map(str, missing)))
+    return found
+
+
+def _files(source: Any, path: str) -> list[str]:
+    """The files ``source`` reads, relative to the folder ``path`` if it is one."""
+    if hasattr(source, "paths"):  # ParquetSource: every file it found
+        files = list(source.paths)
+    elif hasattr(source, "entries"):  # NumpySource: the selected columns' files
+        files = list(dict.fromkeys(e.path for e in source.entries))
+    else:  # HDF5Source: one file
+        files = [path]
     if os.path.isdir(path):
-        entries = os.listdir(path)
-        if any(n.endswith(_PARQUET) for n in entries):
-            lower = ".parquet"
-        elif any(n.endswith(".npy") for n in entries):
-            lower = ".npy"
-        else:
-            raise CommandError(f"folder {path} holds no .npy or .parquet files")
-    if lower.endswith(_HDF5):
-        from .sources.hdf5 import HDF5Source
-
-        return HDF5Source(path, names)
-    if lower.endswith(_PARQUET):
-        from .sources.parquet import ParquetSource
-
-        return ParquetSource(path, names)
-    if lower.endswith(_NUMPY):
-        from .sources.npy import NumpySource
-
-        return NumpySource(path, names)
-    raise CommandError(f"{path}: not a format shareddata reads; it reads {FORMATS}")
+        files = [os.path.relpath(f, path) for f in files]
+    shown = ", ".join(files[:8])
+    return shown + (f", ... ({len(files)} files)" if len(files) > 8 else "")
 
 
 # -- info ----------------------------------------------------------------------------------
@@ -91,34 +142,51 @@ def _row_shape(spec: ColumnSpec) -> str:
 
 
 def info(args: argparse.Namespace) -> int:
-    """The ``info`` command: print the columns of ``args.file``; 1 if they do not fit."""
+    """The ``info`` command: describe what loading ``args.file`` would hold; 1 if it does not fit.
+
+    Raises:
+        SharedDataError: loading ``args.file`` would fail with it (columns of different
+            lengths, a missing column, a corrupt file).
+    """
     selected = names(args.keys) if args.keys else None
-    source = open_source(args.file, selected)
-    try:
-        specs: list[ColumnSpec] = source.specs()
-    finally:
-        source.close()
-    rows = specs[0].rows if specs else 0
-    needed = sum(s.nbytes for s in specs)
-    print(f"{args.file}: {plural(len(specs), 'column')}, {plural(rows, 'row')}")
-    table = [("column", "dtype", "row shape", "bytes")]
-    table += [(s.name, _dtype(s), _row_shape(s), format_bytes(s.nbytes)) for s in specs]
-    widths = [max(len(r[i]) for r in table) for i in range(3)]
-    for r in table:
-        print(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>10}")
+    sources = open_sources(args.file, selected)
+    if len(sources) > 1:
+        print(f"{args.file} holds files of two formats, each read by its own dataset class:")
     ram = available_memory()
     shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-    print(f"shared memory needed: {format_bytes(needed)} ({needed:,} bytes)")
-    print(f"room for it: {format_bytes(ram)} (free RAM, within the memory cgroup's limit)")
-    print(f"room in /dev/shm, which DataLoader batches pass through: {format_bytes(shm)}")
-    if needed <= ram:
-        print(f"fits: yes, with {format_bytes(ram - needed)} to spare")
-        return 0
-    print(
-        f"fits: NO, {format_bytes(needed - ram)} short. Load fewer columns (--keys/--columns "
-        "here, columns=[...] or keys=[...] in Python), or pass storage_dir='/a/local/disk'."
-    )
-    return 1
+    try:  # sized as the load sizes them: a folder that does not load fails here too
+        sized = [(cls, source.specs(), source) for cls, source in sources]
+        described = [
+            (cls, specs, check_lengths(specs, source.label), _files(source, args.file))
+            for cls, specs, source in sized
+        ]
+    finally:
+        for _, source in sources:
+            source.close()
+    code = 0
+    for cls, specs, rows, read in described:
+        needed = sum(s.nbytes for s in specs)
+        print(
+            f"{args.file} as {cls} loads it: {plural(len(specs), 'column')}, {plural(rows, 'row')}"
+        )
+        print(f"  read: {read}")
+        table = [("column", "dtype", "row shape", "bytes")]
+        table += [(s.name, _dtype(s), _row_shape(s), format_bytes(s.nbytes)) for s in specs]
+        widths = [max(len(r[i]) for r in table) for i in range(3)]
+        for r in table:
+            print(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>10}")
+        print(f"shared memory needed: {format_bytes(needed)} ({needed:,} bytes)")
+        print(f"room for it: {format_bytes(ram)} (free RAM, within the memory cgroup's limit)")
+        print(f"room in /dev/shm, which DataLoader batches pass through: {format_bytes(shm)}")
+        if needed <= ram:
+            print(f"fits: yes, with {format_bytes(ram - needed)} to spare")
+            continue
+        print(
+            f"fits: NO, {format_bytes(needed - ram)} short. Load fewer columns (--keys/--columns "
+            "here, columns=[...] or keys=[...] in Python), or pass storage_dir='/a/local/disk'."
+        )
+        code = 1
+    return code
 
 
 def names(values: list[str]) -> list[str]:

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _info
-from ._info import CommandError, open_source
+from ._info import CommandError, open_sources
 from ._text import format_bytes, parse_size, plural
 from .errors import DuplicationError, InconclusiveError, SharedDataError
 
-__all__ = ["build_parser", "main", "open_source"]
+__all__ = ["build_parser", "main", "open_sources"]
 
 # -- verify --------------------------------------------------------------------------------
 
@@ -36,6 +36,11 @@ def _split_target(target: str) -> tuple[str, str, str]:
         )
     if module_name.endswith(".py"):
         path = os.path.abspath(module_name)
+        if not os.path.isfile(path):
+            raise CommandError(
+                f"no file {path} (MODULE {module_name!r} read as a file path): check the "
+                f"path, relative to the current folder {os.getcwd()}"
+            )
         return os.path.dirname(path), os.path.basename(path)[:-3], name
     return os.getcwd(), module_name, name
 
@@ -63,7 +68,8 @@ def load_factory(target: str) -> Any:
             ) from None
         raise CommandError(
             f"no module named {module_name!r} in {folder} or on sys.path: run from the "
-            f"folder that holds {module_name.split('.')[0]}.py, or pass MODULE as a file path"
+            f"folder that holds {module_name.split('.')[0]}.py, or pass its path "
+            f"(path/to/{module_name.split('.')[0]}.py:{name})"
         ) from None
     except Exception as e:
         traceback.print_exc()
@@ -292,9 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser(
         "info",
         help="a file's columns, dtypes, rows and bytes, and whether it fits in memory",
-        description="Read a file's metadata (no data) and print each column's dtype, row "
-        "shape and size in shared memory, the total, and the room this machine has for it. "
-        f"Reads {_info.FORMATS}. Exit code 1 when it does not fit.",
+        description="Describe what the dataset class that reads FILE would load, without "
+        "loading it (metadata, and a sizing read of variable-length Parquet columns): the "
+        "files read, each column's dtype, row shape and size in shared memory, the total, "
+        "and the room this machine has for it. "
+        f"Reads {_info.FORMATS}. Exit code 1 when it does not fit, 2 where the load would "
+        "fail (the same error).",
         epilog="examples:\n"
         "  python -m shareddata info data.h5\n"
         "  python -m shareddata info data.h5 --keys images,labels\n"
@@ -363,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
         "clean",
         help="remove the shared-memory names that killed DataLoader processes left",
         description="Remove torch's /dev/shm names (batch buffers) whose process is dead, "
-        "that no process holds and that are older than --min-age. shareddata runs this "
-        "sweep at every load too (SHAREDDATA_NO_SWEEP=1 turns that off).",
+        "that no process holds and that are older than --min-age. A load does not do this "
+        "unless SHAREDDATA_SWEEP=1 asks it to (off by default: these are torch's files).",
         epilog="examples:\n  python -m shareddata clean --dry-run\n  python -m shareddata clean",
         formatter_class=_Formatter,
     )

@@ -210,5 +210,5 @@ def missing_dependency(package: str, extra: str, cause: BaseException | None = N
     """Raise :class:`MissingDependencyError` naming the extra that installs ``package``."""
     raise MissingDependencyError(
         f"{package} is required for this source but is not installed. "
-        f"Install it with: pip install 'shareddata[{extra}]'"
+        f"Install it with: pip install 'torch-shareddata[{extra}]'"
     ) from cause

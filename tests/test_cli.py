@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+import shareddata as sd
 from shareddata.cli import main
 
 PAGE = pathlib.Path(REPO) / "docs" / "cli.md"
@@ -33,7 +34,8 @@ TRANSCRIPT = re.compile(
     r"^<!-- transcript: (?P<name>[\w-]+) -->\n```console\n(?P<body>.*?)^```$", re.M | re.S
 )
 PYTHON = re.compile(
-    r"^(?:<!-- file: (?P<file>\S+) -->\n)?```python\n(?P<code>.*?)^```$", re.M | re.S
+    r"^(?:<!-- (?:continue; )?file: (?P<file>\S+) -->\n)?```python\n(?P<code>.*?)^```$",
+    re.M | re.S,
 )
 # commands that run DataLoader workers: a fresh interpreter each (forkserver preloads)
 IN_SUBPROCESS = ("demo", "verify-ok", "verify-fail")
@@ -186,6 +188,7 @@ def test_usage_errors_are_one_line_with_exit_code_2(tmp_path, monkeypatch, capsy
     cases = [
         (["verify", "factories"], "expected MODULE:FUNCTION"),
         (["verify", "no_such_module_h4:make"], "no module named 'no_such_module_h4'"),
+        (["verify", "./nosuch_h4.py:make"], f"no file {tmp_path / 'nosuch_h4.py'} (MODULE"),
         (["verify", "needs_missing:make"], "importing needs_missing failed"),
         (["verify", "factories:make_loader"], "has no 'make_loader'; its functions"),
         (["verify", "factories:NOT_A_FUNCTION"], "is a int, not a function"),
@@ -212,12 +215,60 @@ def test_usage_errors_are_one_line_with_exit_code_2(tmp_path, monkeypatch, capsy
             sys.modules.pop(name, None)
 
 
+def _info_of(path: str, capsys) -> tuple[int, str, str]:
+    code = main(["info", path])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_info_fails_where_the_load_fails(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "a.npy", np.zeros(10))
+    np.save(tmp_path / "data" / "b.npy", np.zeros(7))
+    with pytest.raises(sd.ColumnLengthError) as load:
+        sd.NumpyDataset("data")
+    code, out, err = _info_of("data", capsys)
+    assert code == 2 and "fits" not in out, out
+    assert err.startswith(f"error: {load.value}"), err  # the load's own error, word for word
+    assert "'a': 10 rows" in err and "'b': 7 rows" in err
+
+
+def test_info_says_which_class_reads_which_files(tmp_path, monkeypatch, capsys):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mixed").mkdir()
+    np.save(tmp_path / "mixed" / "x.npy", np.zeros((5, 3), np.float32))
+    np.save(tmp_path / "mixed" / "y.npy", np.arange(5))
+    pq.write_table(pa.table({"text": ["a", "bb"]}), tmp_path / "mixed" / "t.parquet")
+    code, out, _ = _info_of("mixed", capsys)
+    assert code == 0, out
+    numpy_part, parquet_part = out.split("mixed as sd.ParquetDataset loads it")
+    for ds, part, files in [
+        (sd.NumpyDataset("mixed"), numpy_part, "x.npy, y.npy"),
+        (sd.ParquetDataset("mixed"), parquet_part, "t.parquet"),
+    ]:
+        # what each class loads: its rows, its columns, its bytes, from these files
+        assert f"{len(ds)} rows" in part and f"read: {files}\n" in part, out
+        assert [ln.split()[0] for ln in part.splitlines() if ln.startswith("  ")][2:] == (
+            ds.columns
+        ), out
+        assert f"({ds.nbytes:,} bytes)" in part, out
+    assert "mixed as sd.NumpyDataset loads it: 2 columns, 5 rows" in numpy_part
+    # a column that only one format has selects that class
+    assert main(["info", "mixed", "--columns", "text"]) == 0
+    out = capsys.readouterr().out
+    assert "sd.ParquetDataset" in out and "sd.NumpyDataset" not in out, out
+
+
 def test_help_has_descriptions_defaults_and_examples(capsys):
     for command, words in [
         ("demo", ["(default: 256MiB)", "(default: 2)", "examples:", "--plot"]),
         ("info", ["--keys NAME[,NAME...], --columns", "examples:"]),
         ("verify", ["(default: 1.1)", "--json", "examples:", "Exit code", "3 when"]),
-        ("clean", ["(default: /dev/shm)", "--dry-run", "examples:"]),
+        # a load sweeps only when asked (the default is off: Note in storage/_sweep.py)
+        ("clean", ["(default: /dev/shm)", "--dry-run", "examples:", "unless SHAREDDATA_SWEEP=1"]),
     ]:
         with pytest.raises(SystemExit) as done:
             main([command, "--help"])

@@ -4,7 +4,7 @@ A *case* is one way of serving the same float32 rows to a DataLoader: shareddata
 (default collate, without its collate shortcut, the ``IndexBatchSampler`` fast
 path) and its peers (a numpy-array Dataset, ``TensorDataset``, ``share_memory_()``,
 a lazy h5py Dataset, Hugging Face ``datasets``, tensordict). Peers come with
-``pip install 'shareddata[bench]'``; one not installed is reported, never dropped.
+``pip install 'torch-shareddata[bench]'``; one not installed is reported, never dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import shareddata as sd
 
 MIB = 1 << 20
 CHUNK = 64 << 20
-INSTALL_HINT = "pip install 'shareddata[bench]'"
+INSTALL_HINT = "pip install 'torch-shareddata[bench]'"
 PEER_MODULES = ("h5py", "datasets", "tensordict")
 
 # name: (peer module it needs, one line for the report)

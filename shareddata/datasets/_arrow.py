@@ -89,7 +89,7 @@ class ArrowDataset(ColumnDataset):
             (``EmptySelectionError``).
         TypeError: not a table, or a column's type cannot be stored.
         OSError: a file is not Arrow IPC, or is truncated (``SourceReadError``).
-        ImportError: pyarrow is not installed (``pip install 'shareddata[parquet]'``).
+        ImportError: pyarrow is not installed (``pip install 'torch-shareddata[parquet]'``).
         MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
 
     Example:

@@ -90,7 +90,7 @@ class ParquetDataset(ColumnDataset):
             files have types pyarrow cannot promote to one, or a fill value does not
             fit its column.
         OSError: a file is truncated or not Parquet (``SourceReadError``).
-        ImportError: pyarrow is not installed (``pip install 'shareddata[parquet]'``).
+        ImportError: pyarrow is not installed (``pip install 'torch-shareddata[parquet]'``).
         MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
 
     Example:

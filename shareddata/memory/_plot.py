@@ -1,6 +1,6 @@
 """Bar charts of :class:`~shareddata.MemoryReport`: private vs shared memory per process.
 
-matplotlib is an optional extra (``pip install 'shareddata[plot]'``). Figures are
+matplotlib is an optional extra (``pip install 'torch-shareddata[plot]'``). Figures are
 drawn on matplotlib's ``Agg`` canvas directly (``matplotlib.figure.Figure``, never
 ``pyplot``), so plotting needs no display and leaves the user's global backend and
 open figures alone.
@@ -26,7 +26,7 @@ def figure_class() -> Any:
     except ImportError as e:
         raise MissingDependencyError(
             "plotting a memory report needs matplotlib, which is not installed. "
-            "Install it with: pip install 'shareddata[plot]'"
+            "Install it with: pip install 'torch-shareddata[plot]'"
         ) from e
     return Figure
 

@@ -279,7 +279,7 @@ class MemoryReport:
 
         Raises:
             MissingDependencyError: matplotlib is not installed; the message says
-                ``pip install 'shareddata[plot]'``.
+                ``pip install 'torch-shareddata[plot]'``.
 
         Example:
             >>> import os, tempfile, torch

@@ -85,7 +85,7 @@ def _count(image, color: str) -> int:
 def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"pip install 'shareddata\[plot\]'") as err:
+    with pytest.raises(ImportError, match=r"pip install 'torch-shareddata\[plot\]'") as err:
         _report([("main", 10, 10)]).plot(tmp_path / "x.png")
     assert isinstance(err.value, sd.MissingDependencyError)
     assert not (tmp_path / "x.png").exists()
@@ -101,7 +101,7 @@ def test_demo_without_matplotlib_fails_before_running(tmp_path):
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2, proc.stderr
-    assert "pip install 'shareddata[plot]'" in proc.stderr
+    assert "pip install 'torch-shareddata[plot]'" in proc.stderr
     assert "writing a synthetic" not in proc.stdout  # failed before any work
 
 

@@ -132,7 +132,8 @@ def test_every_case_of_every_topic(quick_run):
     # a peer that is not installed still gets its row, saying so
     for peer, case in (("tensordict", "tensordict shared"), ("datasets", "HF datasets")):
         if not installed[peer]:
-            assert f"| {case}" in page and "not installed: pip install 'shareddata[bench]'" in page
+            hint = "not installed: pip install 'torch-shareddata[bench]'"
+            assert f"| {case}" in page and hint in page
 
 
 def test_quick_run_draws_the_plots(quick_run):

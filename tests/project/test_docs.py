@@ -6,19 +6,30 @@ Conventions for the blocks of README.md and docs/**/*.md (stated in docs/index.m
   ``python FILE`` in a fresh interpreter, as a user who pastes it would run it, so a
   block that starts ``spawn``/``forkserver`` workers without its
   ``if __name__ == "__main__":`` guard fails (the workers re-import the file).
-- A block right after the line ``<!-- continue -->`` is a fragment: it is appended to
-  the program of the block before it (what that block defined, it may use).
+- Each block runs twice, the two ways a reader runs it: on its own in an empty
+  folder, and after the page's earlier blocks, in order, in one folder (so it may
+  find files they wrote). The first block of a page without fragments is one run:
+  its folder is empty either way.
+- A block right after the line ``<!-- continue -->`` needs the blocks before it.
+  Run only after them, it is appended to the program of the block before it (what
+  that block defined, it may use); with ``<!-- continue; file: NAME.py -->`` it is a
+  program of its own, saved as ``NAME.py``, that needs their files (``train.py``).
+  The page says so where a reader sees it: the paragraph right before such a block
+  says it continues (``Continuing the example above:``).
 - A block right after ``<!-- file: NAME.py -->`` is saved as ``NAME.py``, so a later
   block can import it (``from train import make_loader``) or a command can name it.
-- The programs of one page run in order in one empty temporary directory, so a
-  program can read the files an earlier one wrote (``data/x.npy``).
 - A block right after ``<!-- not run: examples/NAME -->`` is not run here (it needs
   torchrun, say). Every line of it must then appear in that example, which
   tests/project/test_examples.py runs.
+- No line of a code block is longer than :data:`WIDTH` characters (the site shows
+  longer ones behind a scrollbar), except in what a program printed: ```text
+  blocks and the command transcripts of docs/cli.md (tests/test_cli.py compares
+  those with what the commands print).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -33,11 +44,28 @@ from conftest import REPO
 ROOT = pathlib.Path(REPO)
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKER = re.compile(
-    r"^<!-- (not run: (?P<example>examples/\S+)|continue|file: (?P<file>\S+\.py)) -->$"
+    r"^<!-- (not run: (?P<example>examples/\S+)|(?P<continue>continue)(; )?"
+    r"|)(file: (?P<file>\S+\.py))? -->$"
 )
+# what the paragraph before a continuing block says, for a reader of the page
+SAYS_IT_CONTINUES = re.compile(r"\bcontinu(?:es|ing)\b", re.I)
 # a program that starts worker processes (DataLoader workers, a Pool, a Process)
 STARTS_WORKERS = re.compile(r"num_workers\s*=\s*[1-9]|\bPool\(|\bProcess\(")
 GUARD = 'if __name__ == "__main__":'
+WIDTH = 78
+TRANSCRIPT = re.compile(r"^<!-- transcript: [\w-]+ -->$")  # docs/cli.md, tests/test_cli.py
+
+
+@dataclass
+class Block:
+    """One fenced code block of a page."""
+
+    line: int  # of its fence, 1-based
+    lang: str
+    code: str
+    marker: re.Match[str] | None
+    before: str  # the paragraph right before it (its marker line left out)
+    preceding: str  # the line right before its fence
 
 
 @dataclass
@@ -48,6 +76,8 @@ class Program:
     line: int  # of its first block's fence, 1-based
     code: str
     file: str
+    alone: bool  # it runs on its own too (it does not continue the blocks before it)
+    fragments: int = 0
 
     @property
     def where(self) -> str:
@@ -55,42 +85,74 @@ class Program:
         return f"{page}:{self.line}"
 
 
-def blocks(page: pathlib.Path) -> list[tuple[int, str, re.Match[str] | None]]:
-    """``(line, code, marker)`` for each ```python block of ``page``."""
-    found, lines, i = [], page.read_text().splitlines(), 0
+def all_blocks(page: pathlib.Path) -> list[Block]:
+    """Every fenced block of ``page`` (fences at the start of a line)."""
+    found, lines, i, end = [], page.read_text().splitlines(), 0, 0
     while i < len(lines):
-        if lines[i].strip() == "```python":
+        if lines[i].startswith("```") and len(lines[i]) > 3:
             start = i + 1
             i = lines.index("```", start)  # the closing fence, unindented
-            before = next((ln for ln in reversed(lines[: start - 1]) if ln.strip()), "")
-            found.append((start, "\n".join(lines[start:i]) + "\n", MARKER.match(before.strip())))
+            prose = lines[end : start - 1]  # since the block before
+            end = i + 1
+            preceding = prose[-1].strip() if prose else ""
+            marker = MARKER.match(preceding)
+            if marker:
+                prose = prose[:-1]
+            text = "\n".join(prose).rstrip()
+            before = text[text.rfind("\n\n") + 2 :] if "\n\n" in text else text
+            code = "\n".join(lines[start:i]) + "\n"
+            lang = lines[start - 1][3:].strip()
+            found.append(Block(start, lang, code, marker, before, preceding))
         i += 1
     return found
 
 
+def blocks(page: pathlib.Path) -> list[Block]:
+    """The ```python blocks of ``page``."""
+    return [b for b in all_blocks(page) if b.lang == "python"]
+
+
 def not_run(page: pathlib.Path) -> list[tuple[str, str]]:
     """``(code, example)`` of the blocks that an example runs instead."""
-    return [
-        (code, marker["example"])
-        for _, code, marker in blocks(page)
-        if marker and marker["example"]
-    ]
+    return [(b.code, b.marker["example"]) for b in blocks(page) if b.marker and b.marker["example"]]
+
+
+def continuing(page: pathlib.Path) -> list[Block]:
+    """The blocks of ``page`` that need the blocks before them."""
+    return [b for b in blocks(page) if b.marker and b.marker["continue"]]
 
 
 def programs(page: pathlib.Path) -> list[Program]:
     """The programs of ``page``, in order; a fragment joins the page's program before it."""
     found: list[Program] = []
-    for line, code, marker in blocks(page):
+    for block in blocks(page):
+        marker = block.marker
         if marker and marker["example"]:
             continue
-        if marker and marker[1] == "continue":
+        name = marker["file"] if marker and marker["file"] else f"block_{block.line}.py"
+        if marker and marker["continue"] and not marker["file"]:
             if not found:
-                raise ValueError(f"{page}:{line}: <!-- continue --> with no program before it")
-            found[-1].code += "\n" + code
+                raise ValueError(f"{page}:{block.line}: <!-- continue --> with no block before")
+            found[-1].code += "\n" + block.code
+            found[-1].fragments += 1
         else:
-            name = marker["file"] if marker and marker["file"] else f"block_{line}.py"
-            found.append(Program(page, line, code, name))
+            alone = not (marker and marker["continue"])
+            found.append(Program(page, block.line, block.code, name, alone))
     return found
+
+
+def alone(page: pathlib.Path) -> list[Program]:
+    """Each program that runs on its own too, as its first block alone.
+
+    The first program of a page without fragments is left out: its run after the
+    page's earlier blocks (none) is the same run, in an empty folder.
+    """
+    found = programs(page)
+    return [
+        dataclasses.replace(p, code=next(b.code for b in blocks(page) if b.line == p.line))
+        for i, p in enumerate(found)
+        if p.alone and (i > 0 or p.fragments)
+    ]
 
 
 def run_program(program: Program, folder: pathlib.Path) -> subprocess.CompletedProcess[str]:
@@ -109,19 +171,66 @@ def _name(page: pathlib.Path) -> str:
     return str(page.relative_to(ROOT))
 
 
+def _failure(program: Program, folder: pathlib.Path, how: str) -> str | None:
+    """Why ``program`` fails when run in ``folder`` (``how``: which way), or None."""
+    starts = STARTS_WORKERS.search(program.code)
+    if starts and GUARD not in program.code:
+        return (
+            f"{program.where} starts worker processes ({starts.group()}) without "
+            f"`{GUARD}`: pasted into a file and run, spawn/forkserver workers fail"
+        )
+    proc = run_program(program, folder)
+    if proc.returncode != 0:
+        return f"{program.where} ({program.file}, {how}):\n{proc.stderr[-3000:]}"
+    return None
+
+
 PAGES_THAT_RUN = [page for page in DOCS if programs(page)]
+PAGES_WITH_ALONE = [page for page in DOCS if alone(page)]
 
 
 @pytest.mark.parametrize("page", PAGES_THAT_RUN, ids=_name)
-def test_code_blocks_run_as_pasted(page, tmp_path):
-    for program in programs(page):
-        starts = STARTS_WORKERS.search(program.code)
-        assert not starts or GUARD in program.code, (
-            f"{program.where} starts worker processes ({starts and starts.group()}) without "
-            f"`{GUARD}`: pasted into a file and run, spawn/forkserver workers fail"
+def test_code_blocks_run_after_the_pages_earlier_blocks(page, tmp_path):
+    how = "after the page's earlier blocks"
+    failed = [f for p in programs(page) if (f := _failure(p, tmp_path, how))]
+    assert not failed, "\n\n".join(failed)
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_ALONE, ids=_name)
+def test_code_blocks_run_alone_in_an_empty_folder(page, tmp_path):
+    failed = []
+    for program in alone(page):
+        folder = tmp_path / program.file.removesuffix(".py")
+        folder.mkdir()
+        failed.append(_failure(program, folder, "alone, in an empty folder"))
+    failed = [f for f in failed if f]
+    assert not failed, "\n\n".join(failed) + (
+        "\n\nMake such a block stand alone (its imports, the files it reads), or say "
+        "before it that it continues the example above (<!-- continue -->)."
+    )
+
+
+@pytest.mark.parametrize("page", DOCS, ids=_name)
+def test_a_block_that_continues_says_so_on_the_page(page):
+    for block in continuing(page):
+        assert SAYS_IT_CONTINUES.search(block.before), (
+            f"{_name(page)}:{block.line} continues the blocks before it (<!-- continue -->), "
+            "but the paragraph right before it does not say so (a reader sees no marker): "
+            f"start it with 'Continuing the example above:'. It says: {block.before[-200:]!r}"
         )
-        proc = run_program(program, tmp_path)
-        assert proc.returncode == 0, f"{program.where} ({program.file}):\n{proc.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("page", DOCS, ids=_name)
+def test_code_lines_fit_the_page(page):
+    long = [
+        f"{_name(page)}:{block.line + 1 + i}: {len(line)} characters"
+        for block in all_blocks(page)
+        # what a program printed (a transcript is compared with it by test_cli.py)
+        if block.lang != "text" and not TRANSCRIPT.match(block.preceding)
+        for i, line in enumerate(block.code.splitlines())
+        if len(line) > WIDTH
+    ]
+    assert not long, f"code lines over {WIDTH} characters (wrap them):\n" + "\n".join(long)
 
 
 def test_an_unguarded_spawn_example_fails(tmp_path):
@@ -151,15 +260,25 @@ def test_an_unguarded_spawn_example_fails(tmp_path):
 def test_fragments_join_the_block_they_continue(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
-        "```python\nx = 1\n```\n\n<!-- continue -->\n```python\ny = x + 1\n```\n\n"
+        "```python\nx = 1\n```\n\nContinuing the example above:\n\n<!-- continue -->\n"
+        "```python\ny = x + 1\n```\n\n"
         "<!-- not run: examples/quickstart.py -->\n```python\nz\n```\n\n"
-        "<!-- file: train.py -->\n```python\nimport sys\n```\n"
+        "<!-- file: train.py -->\n```python\nimport sys\n```\n\n"
+        "Next to it:\n\n<!-- continue; file: check.py -->\n```python\nimport train\n```\n"
     )
     found = programs(page)
-    assert [(p.code, p.file) for p in found] == [
-        ("x = 1\n\ny = x + 1\n", "block_1.py"),
+    assert [(p.code, p.file, p.alone, p.fragments) for p in found] == [
+        ("x = 1\n\ny = x + 1\n", "block_1.py", True, 1),
+        ("import sys\n", "train.py", True, 0),
+        ("import train\n", "check.py", False, 0),
+    ]
+    # alone: the first block without its fragment, and train.py; never check.py
+    assert [(p.code, p.file) for p in alone(page)] == [
+        ("x = 1\n", "block_1.py"),
         ("import sys\n", "train.py"),
     ]
+    saying = [SAYS_IT_CONTINUES.search(b.before) is not None for b in continuing(page)]
+    assert saying == [True, False]  # "Next to it:" does not say that it needs the blocks above
 
 
 @pytest.mark.parametrize("page", DOCS, ids=_name)

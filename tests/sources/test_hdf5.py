@@ -675,7 +675,7 @@ def test_a_corrupt_chunk_index_names_file_and_dataset(tmp_path, field):
 
 def test_missing_h5py_says_how_to_install(h5path, monkeypatch):
     monkeypatch.setitem(sys.modules, "h5py", None)
-    with pytest.raises(ImportError, match=r"pip install 'shareddata\[hdf5\]'") as info:
+    with pytest.raises(ImportError, match=r"pip install 'torch-shareddata\[hdf5\]'") as info:
         HDF5Dataset(h5path)
     assert isinstance(info.value, sd.SharedDataError)
 
@@ -691,7 +691,7 @@ def test_shareddata_imports_without_h5py():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )
     assert run.returncode == 0, run.stderr
-    assert "OK" in run.stdout and "shareddata[hdf5]" in run.stdout
+    assert "OK" in run.stdout and "torch-shareddata[hdf5]" in run.stdout
 
 
 @pytest.mark.parametrize(

@@ -477,7 +477,7 @@ def test_truncated_and_garbage_files_name_the_file(tmp_path, pq_file):
 
 def test_pyarrow_missing_says_how_to_install(monkeypatch, pq_file):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
-    with pytest.raises(ImportError, match=r"pip install 'shareddata\[parquet\]'") as info:
+    with pytest.raises(ImportError, match=r"pip install 'torch-shareddata\[parquet\]'") as info:
         ParquetDataset(pq_file)
     assert isinstance(info.value, sd.MissingDependencyError)
     with pytest.raises(ImportError, match="pyarrow"):
@@ -505,7 +505,7 @@ def test_import_shareddata_does_not_import_pyarrow():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "OK" in proc.stdout and "shareddata[parquet]" in proc.stdout
+    assert "OK" in proc.stdout and "torch-shareddata[parquet]" in proc.stdout
 
 
 def test_not_a_table(table):
