@@ -35,6 +35,7 @@ from ..errors import (
     InvalidArgumentError,
 )
 from . import _hdf5_chunks
+from ._hdf5_cf import warn_packed
 from ._hdf5_layout import Plan
 from ._hdf5_open import check_filters, import_h5py, open_file, read_errors
 from ._hdf5_select import Selection
@@ -105,6 +106,8 @@ class HDF5Source:
                 self.coords = {n: netcdf.coord(n) for n in selection.coords} if netcdf else {}
             self.attrs = {p.name: netcdf.attrs(p.path) for p in self.plans} if netcdf else {}
             self.attrs.update({n: netcdf.attrs(n) for n in self.coords} if netcdf else {})
+            if netcdf is None:
+                warn_packed(self.label, self._file, self.plans)
             paths = [p.special.datasets if p.special else [p.path] for p in self.plans]
             for path_ in dict.fromkeys(path_ for some in paths for path_ in some):
                 check_filters(self._h5py, self.label, path_, self._file[path_])

@@ -1073,3 +1073,16 @@ def test_nested_paths_that_clash_are_refused_before_loading(tmp_path, monkeypatc
         HDF5Dataset(path, nested=True, progress=False)
     assert isinstance(info.value, sd.SharedDataError) and loads == []
     assert len(HDF5Dataset(path, progress=False)) == 5  # flat names do not clash; file closed
+
+
+def test_packing_attributes_outside_netcdf_are_named(tmp_path):
+    """h5py-written codes with scale_factor/add_offset: loaded as stored, with a warning."""
+    path = tmp_path / "packed.h5"
+    with h5py.File(path, "w") as f:
+        t2m = f.create_dataset("t2m", data=np.arange(10, dtype=np.int16))
+        t2m.attrs["scale_factor"], t2m.attrs["add_offset"] = 0.5, 273.0
+        f["plain"] = np.arange(10)
+    with pytest.warns(UserWarning, match=r"'t2m' carries .*scale_factor.* not netCDF") as caught:
+        ds = HDF5Dataset(path, progress=False)
+    assert ds.specs["t2m"].dtype == np.int16 and ds[3]["t2m"] == 3  # the codes
+    assert len(caught) == 1 and "'plain'" not in str(caught[0].message)
