@@ -334,6 +334,17 @@ def test_cf_times_equal_cftime_on_every_calendar_or_stay_numbers(tmp_path):
     assert decoded == {(c, r) for c in standard for r in ("1677-09-22", "1970-01-01")}
 
 
+def test_cf_times_without_cftime_are_a_named_error(files, monkeypatch):
+    path = _file(files, "xarray-netcdf4.nc")
+    monkeypatch.setitem(sys.modules, "cftime", None)  # import cftime: ImportError
+    with pytest.raises(sd.MissingDependencyError, match=r"'time'.*torch-shareddata\[netcdf\]"):
+        HDF5Dataset(path, progress=False)
+    codes = HDF5Dataset(path, decode_cf=False, progress=False)  # as stored: no cftime needed
+    assert codes.attrs["time"]["units"].startswith("hours since 2020-01-01")
+    durations = HDF5Dataset(path, ["lead"], progress=False)  # durations need no cftime
+    assert durations.attrs["lead"]["units"] == "nanoseconds"
+
+
 @pytest.mark.parametrize("keep", [0.3, 0.6, 0.9])
 def test_a_truncated_netcdf_file_is_a_named_error(files, tmp_path, keep):
     data = _file(files, "xarray-netcdf4.nc").read_bytes()
