@@ -44,7 +44,13 @@ from harness.topics import SUITE, TOPICS  # noqa: E402
 
 QUICK_NOTE = ", QUICK smoke run: sizes too small for the figures to mean anything"
 # A/B scripts that write their own section of docs/benchmarks.md: kept when it is rewritten
-EXTERNAL = ("bench_ipc.py", "bench_conversations.py", "bench_compare.py", "bench_wrap_path.py")
+EXTERNAL = (
+    "bench_ipc.py",
+    "bench_conversations.py",
+    "bench_compare.py",
+    "bench_wrap_path.py",
+    "bench_hdf5_readers.py",
+)
 ALIASES = {"build": "load"}  # bench_suite's old section name: the load topic builds too
 
 

@@ -306,7 +306,7 @@ def _check_length(ds: Any, what: str) -> None:
 # Note [Reading HDF5 chunks once]
 # ===============================
 # A load reads every chunk once, in blocks of whole chunks along the rows, so HDF5's
-# chunk cache (1 MiB by default) holds nothing worth keeping: with it a chunk that
+# chunk cache (8 MiB per dataset by default) holds nothing worth keeping: with it a chunk that
 # fits is read into the cache and copied out (~9 MiB of private memory at the
 # peak), without it ``read_direct`` places the chunk straight into the buffer
 # (0.2 MiB), as fast (docs/benchmarks.md). Fixed-shape reads therefore open their
