@@ -28,12 +28,10 @@ An AnnData file (root ``encoding-type`` ``anndata``) loads as cells: by default
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..columns._columns import ColumnSpec
 from ..errors import (
     MissingDependencyError,
     NullValuesError,
@@ -43,9 +41,8 @@ from ..errors import (
 )
 from ._hdf5_layout import Plan, Refuse, attr_value, plans_of
 from ._hdf5_sparse import SparseRead, sparse_layout
-from ._source import Buffer
 
-__all__ = ["ElementRead", "Encoded", "encoding", "is_anndata"]
+__all__ = ["Encoded", "encoding", "is_anndata"]
 
 _UNITS = {"categorical", "dataframe", "nullable-integer", "nullable-boolean",
           "nullable-string-array", "csr_matrix", "csc_matrix"}  # fmt: skip
@@ -184,12 +181,12 @@ class Encoded:
         if array.dtype.kind in "OUS":  # strings: stored as UTF-8 bytes
             kind = "bytes" if array.dtype.kind == "S" else "str"
             array = np.array([_utf8(v, name, self._refuse) for v in array.reshape(-1)], object)
-            return Plan(name, name, len(array), kind, np.dtype(np.uint8), (), "element",
-                        special=ElementRead(array), labels=labels)  # fmt: skip
-        if array.dtype.kind not in "biuf" or array.ndim != 1:
+            plan = Plan(name, name, len(array), kind, np.dtype(np.uint8), (), "vlen_str")
+        elif array.dtype.kind in "biuf" and array.ndim == 1:
+            plan = Plan(name, name, len(array), "tensor", array.dtype, (), "direct")
+        else:
             raise self._refuse(name, f"holds {array.dtype} values", "store numbers or strings")
-        plan = Plan(name, name, len(array), "tensor", array.dtype, (), "element", labels=labels)
-        plan.special = ElementRead(array)
+        plan.values, plan.labels = array, labels
         return plan
 
     def anndata(self, file: Any, skipped: dict[str, str] | None) -> list[Plan]:
@@ -222,45 +219,3 @@ def _utf8(value: Any, name: str, refuse: Refuse) -> bytes:
     if isinstance(value, str):
         return value.encode()
     raise refuse(name, f"holds {type(value).__name__} values among strings", "store strings")
-
-
-@dataclass
-class ElementRead:
-    """Values anndata read into memory, copied into a column (a :class:`Plan`'s ``special``)."""
-
-    values: np.ndarray
-    """Numbers, or an object array of UTF-8 ``bytes``."""
-
-    @property
-    def datasets(self) -> list[str]:
-        """None to check: anndata read them."""
-        return []
-
-    def spec(self, plan: Plan, file: Any) -> ColumnSpec:
-        """The column's spec (strings: their total bytes)."""
-        rows = self.values[plan.first : plan.first + plan.rows]
-        if plan.kind == "tensor":
-            return ColumnSpec(plan.name, plan.rows, plan.dtype, plan.shape)
-        total = sum(map(len, rows))
-        return ColumnSpec(plan.name, plan.rows, plan.dtype, (), plan.kind, total)
-
-    def read(
-        self,
-        plan: Plan,
-        file: Any,
-        buffers: dict[str, Buffer],
-        progress: Callable[[int], None],
-        read_range: Any,
-    ) -> None:
-        """Copy the rows into ``data``, or into ``offsets`` and ``values``."""
-        rows = self.values[plan.first : plan.first + plan.rows]
-        if plan.kind == "tensor":
-            buffers["data"].rows(0, plan.rows)[...] = rows
-            progress(rows.nbytes)
-            return
-        offsets = buffers["offsets"].rows(0, plan.rows + 1)
-        offsets[0] = 0
-        np.cumsum(np.fromiter(map(len, rows), np.int64, len(rows)), out=offsets[1:])
-        joined = np.frombuffer(b"".join(rows), np.uint8)
-        buffers["values"].rows(0, len(joined))[...] = joined
-        progress(offsets.nbytes + joined.nbytes)

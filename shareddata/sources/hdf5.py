@@ -109,6 +109,7 @@ class HDF5Source:
             if netcdf is None:
                 warn_packed(self.label, self._file, self.plans)
             paths = [p.special.datasets if p.special else [p.path] for p in self.plans]
+            paths = [some for p, some in zip(self.plans, paths) if p.values is None]
             for path_ in dict.fromkeys(path_ for some in paths for path_ in some):
                 check_filters(self._h5py, self.label, path_, self._file[path_])
             self._values = VariableReader(self.label, self._reading, self._block)
@@ -158,7 +159,8 @@ class HDF5Source:
                 continue
             values = 0
             if plan.kind != "tensor":
-                values = self._values.size(plan, self._file[plan.path])
+                ds = self._file[plan.path] if plan.values is None else None
+                values = self._values.size(plan, ds)
             specs.append(
                 ColumnSpec(plan.name, plan.rows, plan.dtype, plan.shape, plan.kind, values)
             )
@@ -175,8 +177,12 @@ class HDF5Source:
             if plan.special is not None:
                 plan.special.read(plan, self._file, buffers, progress, self._read_range)
             elif plan.kind != "tensor":
-                ds = self._file[plan.path]
+                ds = self._file[plan.path] if plan.values is None else None
                 self._values.read(plan, ds, buffers["offsets"], buffers["values"], progress)
+            elif plan.values is not None:  # read by anndata
+                out = buffers["data"].rows(0, plan.rows)
+                out[...] = plan.values[plan.first : plan.first + plan.rows]
+                progress(out.nbytes)
             else:
                 ds = _uncached(self._h5py, self._file, plan.path)
                 read = self._read_tensor if plan.reader == "direct" else self._read_member
@@ -218,6 +224,8 @@ class HDF5Source:
     def _block(self, plan: Plan, ds: Any, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of the plan's values as numpy (one bounded block)."""
         start, stop = plan.first + start, plan.first + stop
+        if plan.values is not None:  # read by anndata
+            return plan.values[start:stop]
         if not plan.member:
             block = ds[start:stop]
         else:
