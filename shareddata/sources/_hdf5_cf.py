@@ -135,7 +135,13 @@ def _fits(low: Any, high: Any, per: int, base: int) -> bool:
     """Whether every ``v * per + base`` for ``low <= v <= high`` is an int64 that is not NaT."""
     if isinstance(low, float):  # a margin for the float steps of _to_ns
         return low * per + base > -_NS_LIMIT and high * per + base < _NS_LIMIT
-    return int(low) * per + base > NAT and int(high) * per + base <= _INT64_MAX
+    shifted = (int(low) + base // per, int(high) + base // per)  # what _to_ns multiplies
+    return (
+        int(low) * per + base > NAT
+        and int(high) * per + base <= _INT64_MAX
+        and shifted[0] > NAT
+        and shifted[1] <= _INT64_MAX
+    )
 
 
 def times_of(label: str, name: str, ds: Any, attrs: dict[str, Any]) -> Times | None:
@@ -291,13 +297,18 @@ def cf_decode(values: np.ndarray, attrs: dict[str, Any], time: Times | None = No
 
 
 def _to_ns(data: np.ndarray, per: int, base: int) -> np.ndarray:
-    """Numbers of ``per``-ns units after ``base`` as int64 ns (xarray's steps; they fit)."""
+    """Numbers of ``per``-ns units after ``base`` as int64 ns (xarray's steps; they fit).
+
+    ``base`` may lie outside int64 (``days since 0001-01-01``): the numbers are first
+    counted from the unit nearest 1970 (``shift``), so only the results must fit.
+    """
+    shift, base = divmod(base, per)
     if data.dtype.kind in "iu":
         missing = data == NAT if data.dtype == np.int64 else np.zeros(data.shape, bool)
-        out = data.astype(np.int64) * per + base
+        out = (np.where(missing, 0, data).astype(np.int64) + shift) * per + base
         out[missing] = NAT
         return out
-    values = data.astype(np.float64)
+    values = data.astype(np.float64) + shift
     missing = np.isnan(values)
     unit = per
     if unit > 10**9:  # to the reference's seconds first, as pandas does

@@ -244,6 +244,7 @@ CALENDARS = ["standard", "gregorian", "proleptic_gregorian", "julian", "noleap",
 UNITS = {"seconds": 86400, "minutes": 1440, "hours": 24, "days": 1}  # per day
 RANGES = {  # reference date: day offsets (dates from year 1 to 9999)
     "0001-01-01": [0, 1, 577460, 730000],  # year 1; the Julian years; 1582; ~2000
+    "0001-01-01 00:00:00": [730000, 730001, 730500],  # ~2000 only, counted from year 1
     "1500-01-01": [0, 31, 365],
     "1677-09-22": [0, 1, 1000],  # just inside datetime64[ns]
     "1970-01-01": [-36524, 0, 19000.5, 106750],  # 1870 to 2262
@@ -331,7 +332,8 @@ def test_cf_times_equal_cftime_on_every_calendar_or_stay_numbers(tmp_path):
     decoded = {(row[0], row[2]) for row in rows if row[3].startswith("equal")}
     # only the standard calendars within datetime64[ns] (1677-09-21..2262-04-11) decode
     standard = ("standard", "gregorian", "proleptic_gregorian")
-    assert decoded == {(c, r) for c in standard for r in ("1677-09-22", "1970-01-01")}
+    within = ("0001-01-01 00:00:00", "1677-09-22", "1970-01-01")
+    assert decoded == {(c, r) for c in standard for r in within}
 
 
 def test_cf_times_without_cftime_are_a_named_error(files, monkeypatch):
