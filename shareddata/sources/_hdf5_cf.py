@@ -50,13 +50,11 @@ __all__ = [
     "decoded_attrs",
     "is_netcdf",
     "times_of",
-    "warn_packed",
 ]
 
 _PHONY = "This is a netCDF dimension but not a netCDF variable"
 _BOOKKEEPING = {"CLASS", "NAME", "REFERENCE_LIST", "DIMENSION_LIST", "_Netcdf4Dimid",
                 "_Netcdf4Coordinates", "_nc3_strict", "_NCProperties"}  # fmt: skip
-_PACKING = ("scale_factor", "add_offset")
 _ENCODING = {"scale_factor", "add_offset", "_FillValue", "missing_value", "_Unsigned"}
 _NS = {"nanoseconds": 1, "microseconds": 1_000, "milliseconds": 1_000_000, "seconds": 10**9,
        "minutes": 60 * 10**9, "hours": 3600 * 10**9, "days": 86400 * 10**9}  # fmt: skip
@@ -94,19 +92,6 @@ def is_netcdf(file: Any) -> bool:
         if type(link).__name__ == "HardLink" and "_Netcdf4Dimid" in file[name].attrs:
             return True
     return False
-
-
-def _cftime(label: str, name: str) -> Any:
-    """``cftime``, or the error that says how to install it (or not to decode)."""
-    try:
-        import cftime
-    except ImportError as error:
-        raise MissingDependencyError(
-            f"{label}: variable {name!r} holds CF times, which cftime decodes, and cftime "
-            "is not installed. Install it with: pip install 'torch-shareddata[netcdf]' "
-            "(or pass decode_cf=False to keep every variable as stored)."
-        ) from error
-    return cftime
 
 
 @dataclass(frozen=True)
@@ -164,7 +149,14 @@ def times_of(label: str, name: str, ds: Any, attrs: dict[str, Any]) -> Times | N
     if not since:
         base, why = 0, "the durations do not fit int64 nanoseconds"
     elif calendar in _STANDARD:
-        cftime = _cftime(label, name)
+        try:
+            import cftime
+        except ImportError as error:
+            raise MissingDependencyError(
+                f"{label}: variable {name!r} holds CF times, which cftime decodes, and cftime "
+                "is not installed. Install it with: pip install 'torch-shareddata[netcdf]' "
+                "(or pass decode_cf=False to keep every variable as stored)."
+            ) from error
         why = "its reference date cannot be read"
         try:
             ref = cftime.num2date(0, units, calendar, only_use_cftime_datetimes=True)
@@ -382,28 +374,6 @@ class CFRead:
             dest = out.rows(start, stop)
             dest[...] = cf_decode(block, self.attrs, self.time)
             progress(dest.nbytes)
-
-
-def warn_packed(label: str, file: Any, plans: list[Plan]) -> None:
-    """Warn about datasets of a file that is not netCDF which carry packing attributes.
-
-    ``scale_factor`` / ``add_offset`` outside netCDF follow no one convention (CF's
-    ``codes * scale + offset``, HDF-EOS/MODIS ``scale * (codes - offset)``), so the
-    codes are loaded as stored and the warning names each dataset and its attributes.
-    """
-    for path in dict.fromkeys(p.path for p in plans if p.kind == "tensor"):
-        attrs = file[path].attrs
-        packing = {k: _scalar(attr_value(file[path], k)) for k in _PACKING if k in attrs}
-        if packing:
-            warnings.warn(
-                f"{label}: dataset {path!r} carries {packing} but the file is not netCDF, "
-                f"so its stored {file[path].dtype} codes are loaded as they are (packing "
-                "conventions differ outside CF: CF is codes * scale_factor + add_offset, "
-                "HDF-EOS scale_factor * (codes - add_offset)). Decode them in a transform, "
-                "or write the file with netCDF4/xarray to have shareddata decode it.",
-                UserWarning,
-                stacklevel=2,
-            )
 
 
 class Netcdf:

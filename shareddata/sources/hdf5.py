@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -36,8 +37,7 @@ from ..errors import (
     SourceReadError,
 )
 from . import _hdf5_chunks
-from ._hdf5_cf import warn_packed
-from ._hdf5_layout import Plan
+from ._hdf5_layout import Plan, attr_value
 from ._hdf5_open import check_filters, import_h5py, open_file, read_errors
 from ._hdf5_select import Selection
 from ._hdf5_values import VariableReader
@@ -107,7 +107,7 @@ class HDF5Source:
             self.attrs = {p.name: netcdf.attrs(p.path) for p in self.plans} if netcdf else {}
             self.attrs.update({n: netcdf.attrs(n) for n in self.coords} if netcdf else {})
             if netcdf is None:
-                warn_packed(self.label, self._file, self.plans)
+                _warn_packed(self.label, self._file, self.plans)
             paths = [p.special.datasets if p.special else [p.path] for p in self.plans]
             paths = [some for p, some in zip(self.plans, paths) if p.values is None]
             for path_ in dict.fromkeys(path_ for some in paths for path_ in some):
@@ -295,6 +295,28 @@ class HDF5Source:
         if plan.reader != "direct" or self._swmr or plan.rows != ds.shape[0]:
             return False  # (a node's share of the rows: read_direct selects them)
         return _hdf5_chunks.inflatable(ds)
+
+
+def _warn_packed(label: str, file: Any, plans: list[Plan]) -> None:
+    """Warn about datasets of a file that is not netCDF which carry packing attributes.
+
+    ``scale_factor`` / ``add_offset`` outside netCDF follow no one convention (CF's
+    ``codes * scale + offset``, HDF-EOS/MODIS ``scale * (codes - offset)``), so the
+    codes are loaded as stored and the warning names each dataset and its attributes.
+    """
+    for path in dict.fromkeys(p.path for p in plans if p.kind == "tensor" and p.values is None):
+        ds = file[path]
+        packing = {k: attr_value(ds, k) for k in ("scale_factor", "add_offset") if k in ds.attrs}
+        if packing:
+            warnings.warn(
+                f"{label}: dataset {path!r} carries {packing} but the file is not netCDF, "
+                f"so its stored {ds.dtype} codes are loaded as they are (packing "
+                "conventions differ outside CF: CF is codes * scale_factor + add_offset, "
+                "HDF-EOS scale_factor * (codes - add_offset)). Decode them in a transform, "
+                "or write the file with netCDF4/xarray to have shareddata decode it.",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _check_length(ds: Any, what: str) -> None:
