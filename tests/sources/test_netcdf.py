@@ -366,4 +366,9 @@ if __name__ == "__main__":  # the table for the docs / a report
         for engine in ENGINES:
             for row in compare(file, engine):
                 print("| " + " | ".join(row) + " |")
+    calendars = next(iter(made)).parent / "calendars.nc"
+    _cf_times_file(calendars)
+    print("\n| calendar | units | since | result |\n|---|---|---|---|")
+    for row in cf_table(calendars):
+        print("| " + " | ".join(row) + " |")
     sys.exit(0)
