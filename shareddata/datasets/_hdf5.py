@@ -38,13 +38,17 @@ class HDF5Dataset(ColumnDataset):
     codes. External links are followed (their targets named by the link's path).
 
     Scientific files load as their users mean them. An AnnData ``.h5ad`` loads as
-    cells: ``X`` then every ``obs`` column (categoricals as codes with labels). A
+    cells: ``X`` then every ``obs`` column (categoricals as codes with labels; obs is
+    read by anndata, the ``anndata`` extra, X straight into shared memory). A
     group encoding a sparse matrix (anndata's CSR/CSC, 10x ``matrix``, h5sparse),
     in any file, is ONE column of per-row values, kept compressed in shared memory;
     its rows are the file's rows. A netCDF-4 file loads its variables along one
     dimension (e.g. ``time``), decoded by the CF conventions as xarray does
-    (packing, fill values to NaN, times as int64 ns since 1970), other coordinates
-    in :attr:`coords`. docs/tutorials/single-cell.md and climate-netcdf.md show both.
+    (packing, fill values to NaN, times as int64 ns since 1970 placed by cftime, the
+    ``netcdf`` extra; times with no datetime64[ns] keep their numbers, with a warning
+    naming them), other coordinates in :attr:`coords`. A plain HDF5 dataset with
+    ``scale_factor``/``add_offset`` loads its codes, with a warning naming it.
+    docs/tutorials/single-cell.md and climate-netcdf.md show both.
 
     Args:
         path: the HDF5 file.

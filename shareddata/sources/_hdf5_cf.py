@@ -14,19 +14,22 @@ A netCDF-4 file (HDF5 with ``_NCProperties``, netCDF's dimension scales or a CF
   xarray chooses (``int16`` packed with a float64 ``scale_factor`` gives float64;
   an int16 variable with only a fill value, float32). ``_Unsigned`` and xarray's
   ``dtype: bool`` are honoured.
-* **times** (``units`` ``"<unit> since <date>"`` on a standard, gregorian or
-  proleptic_gregorian calendar) become int64 nanoseconds since 1970-01-01 (what
+* **times** (``units`` ``"<unit> since <date>"``) on the ``standard``, ``gregorian`` or
+  ``proleptic_gregorian`` calendar become int64 nanoseconds since 1970-01-01 (what
   ``datetime64[ns]`` holds; NaT is the smallest int64): ``.numpy().view(
-  "datetime64[ns]")`` gives xarray's values. Their ``ds.attrs`` then say so
-  (``units: "nanoseconds since 1970-01-01"``). Durations (``units: "hours"``) become
-  int64 nanoseconds likewise. Other calendars keep their numbers and units.
+  "datetime64[ns]")`` gives xarray's values. cftime (the ``netcdf`` extra) places the
+  reference date; every value is checked to land within datetime64[ns]. Their
+  ``ds.attrs`` then say so (``units: "nanoseconds since 1970-01-01"``). Durations
+  (``units: "hours"``) become int64 nanoseconds likewise. Times on other calendars
+  (``julian``, ``noleap``, ``360_day``, ...) or outside datetime64[ns] keep their
+  numbers, units and calendar, with a warning naming them (:func:`times_of`).
 
 With ``decode_cf=False`` every variable keeps its stored values (codes).
 """
 
 from __future__ import annotations
 
-import re
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,10 +38,19 @@ from typing import Any
 import numpy as np
 
 from ..columns._columns import ColumnSpec
+from ..errors import MissingDependencyError
 from ._hdf5_layout import Plan, attr_value
 from ._source import Buffer
 
-__all__ = ["CFRead", "Netcdf", "cf_decode", "decoded_attrs", "is_netcdf"]
+__all__ = [
+    "CFRead",
+    "Netcdf",
+    "Times",
+    "cf_decode",
+    "decoded_attrs",
+    "is_netcdf",
+    "times_of",
+]
 
 _PHONY = "This is a netCDF dimension but not a netCDF variable"
 _BOOKKEEPING = {"CLASS", "NAME", "REFERENCE_LIST", "DIMENSION_LIST", "_Netcdf4Dimid",
@@ -51,12 +63,11 @@ _ALIASES = {"ns": "nanoseconds", "us": "microseconds", "ms": "milliseconds", "s"
             "mins": "minutes", "minute": "minutes", "h": "hours", "hr": "hours",
             "hrs": "hours", "hour": "hours", "d": "days", "day": "days"}  # fmt: skip
 _STANDARD = {"standard", "gregorian", "proleptic_gregorian"}
-_DATE = re.compile(
-    r"^(-?\d{1,4})-(\d{1,2})-(\d{1,2})(?:[ T](\d{1,2}):(\d{1,2})(?::(\d{1,2})(\.\d*)?)?)?"
-    r"\s*(Z|UTC|GMT|[+-]\d{1,2}(?::?\d{2})?)?$"
-)
 NAT = np.iinfo(np.int64).min
 """What a missing time is (``NaT``) in an int64 time column."""
+_INT64_MAX = np.iinfo(np.int64).max
+_NS_LIMIT = (1 - 2**-20) * 2.0**63
+"""Float times are decoded only below this (a margin for the float steps of ``_to_ns``)."""
 _BLOCK = 32 << 20
 """Bytes of stored values decoded per block."""
 
@@ -83,36 +94,106 @@ def is_netcdf(file: Any) -> bool:
     return False
 
 
-def _time_unit(units: Any) -> tuple[int, int | None] | None:
-    """``(nanoseconds per unit, reference in ns since 1970 or None)`` of time-like units."""
+@dataclass(frozen=True)
+class Times:
+    """How a time variable's numbers become int64 ns: ``number * per + base``."""
+
+    per: int
+    """Nanoseconds per unit."""
+    base: int
+    """The reference date in ns since 1970-01-01 (0 for a duration)."""
+    since: bool
+    """A date (``<unit> since <date>``), not a duration."""
+
+
+def _time_units(attrs: dict[str, Any]) -> tuple[int, bool] | None:
+    """``(ns per unit, whether "since" a date)`` of time-like ``units``, or None."""
+    units = attrs.get("units")
     if not isinstance(units, str):
         return None
-    unit, since, ref = units.strip().partition(" since ")
+    unit, since, _ = units.strip().partition(" since ")
     per = _NS.get(_ALIASES.get(unit.strip().lower(), unit.strip().lower()))
-    if per is None:
+    return None if per is None else (per, bool(since))
+
+
+def _fits(low: Any, high: Any, per: int, base: int) -> bool:
+    """Whether every ``v * per + base`` for ``low <= v <= high`` is an int64 that is not NaT."""
+    if isinstance(low, float):  # a margin for the float steps of _to_ns
+        return low * per + base > -_NS_LIMIT and high * per + base < _NS_LIMIT
+    shifted = (int(low) + base // per, int(high) + base // per)  # what _to_ns multiplies
+    return (
+        int(low) * per + base > NAT
+        and int(high) * per + base <= _INT64_MAX
+        and shifted[0] > NAT
+        and shifted[1] <= _INT64_MAX
+    )
+
+
+def times_of(label: str, name: str, ds: Any, attrs: dict[str, Any]) -> Times | None:
+    """How variable ``name`` decodes to datetime64[ns] / timedelta64[ns], or None.
+
+    The reference date is placed by cftime (the CF conventions' own code: the
+    ``standard`` calendar is Julian before 1582-10-15, dates carry time zones).
+    A variable is decoded only when its calendar is ``standard``, ``gregorian`` or
+    ``proleptic_gregorian`` and every value lands within datetime64[ns]
+    (1677-09-21 to 2262-04-11, all after the Gregorian reform, so the calendars
+    agree there); otherwise it keeps its numbers, with a warning that names it,
+    its units and its calendar (``ds.attrs`` keeps both).
+    """
+    unit = _time_units(attrs)
+    if unit is None or ds.dtype.kind not in "iuf":
         return None
+    per, since = unit
+    units, calendar = attrs["units"], str(attrs.get("calendar", "standard")).lower()
+    why = f"calendar {calendar!r} has no datetime64 equivalent"
     if not since:
-        return per, None
-    match = _DATE.match(ref.strip())
-    if match is None:
-        return None
-    year, month, day, hour, minute, second, fraction, zone = match.groups()
-    try:
-        stamp = np.datetime64(
-            f"{int(year):04d}-{int(month):02d}-{int(day):02d}T{int(hour or 0):02d}:"
-            f"{int(minute or 0):02d}:{int(second or 0):02d}",
-            "ns",
-        )
-    except ValueError:
-        return None
-    ns = int(stamp.astype(np.int64)) + round(float(fraction or 0) * 10**9)
-    if zone and zone not in ("Z", "UTC", "GMT"):  # to UTC, as pandas does
-        hours, _, minutes = zone[1:].partition(":")
-        if not minutes and len(hours) > 2:
-            hours, minutes = hours[:-2], hours[-2:]
-        sign = -1 if zone[0] == "-" else 1
-        ns -= sign * (int(hours) * 3600 + int(minutes or 0) * 60) * 10**9
-    return per, ns
+        base, why = 0, "the durations do not fit int64 nanoseconds"
+    elif calendar in _STANDARD:
+        try:
+            import cftime
+        except ImportError as error:
+            raise MissingDependencyError(
+                f"{label}: variable {name!r} holds CF times, which cftime decodes, and cftime "
+                "is not installed. Install it with: pip install 'torch-shareddata[netcdf]' "
+                "(or pass decode_cf=False to keep every variable as stored)."
+            ) from error
+        why = "its reference date cannot be read"
+        try:
+            ref = cftime.num2date(0, units, calendar, only_use_cftime_datetimes=True)
+            delta = ref - cftime.datetime(1970, 1, 1, calendar=calendar)
+        except (ValueError, TypeError, OverflowError):
+            base = None
+        else:
+            base = (delta.days * 86400 + delta.seconds) * 10**9 + delta.microseconds * 1000
+            why = "its dates fall outside datetime64[ns] (1677-09-21 to 2262-04-11)"
+    else:
+        base = None
+    if base is not None:
+        low, high = _value_range(ds, attrs)
+        if low is None or _fits(low, high, per, base):
+            return Times(per, base, since)
+    warnings.warn(
+        f"{label}: variable {name!r} (units {units!r}, calendar {calendar!r}) is kept as "
+        f"its stored numbers: {why}. ds.attrs[{name!r}] keeps its units and calendar; "
+        "cftime.num2date(values, units, calendar) gives its dates.",
+        UserWarning,
+        stacklevel=2,
+    )
+    return None
+
+
+def _value_range(ds: Any, attrs: dict[str, Any]) -> tuple[Any, Any]:
+    """The smallest and largest decoded number of ``ds`` (fill values left out), or None."""
+    low = high = None
+    step = max(1, _BLOCK // max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64))))
+    for start in range(0, int(ds.shape[0]) if ds.shape else 1, step):
+        block = cf_decode(ds[start : start + step] if ds.shape else ds[()], attrs)
+        block = block[~np.isnan(block)] if block.dtype.kind == "f" else block[block != NAT]
+        if block.size:
+            lo, hi = block.min().item(), block.max().item()
+            low = lo if low is None else min(low, lo)
+            high = hi if high is None else max(high, hi)
+    return low, high
 
 
 def _float_dtype(dtype: np.dtype, attrs: dict[str, Any]) -> np.dtype:
@@ -147,27 +228,22 @@ def _fills(attrs: dict[str, Any]) -> list[Any]:
     return out
 
 
-def _time(attrs: dict[str, Any]) -> tuple[int, int | None] | None:
-    calendar = str(attrs.get("calendar", "standard")).lower()
-    unit = _time_unit(attrs.get("units"))
-    if unit is None or (unit[1] is not None and calendar not in _STANDARD):
-        return None
-    return unit
-
-
-def cf_dtype(dtype: np.dtype, attrs: dict[str, Any]) -> np.dtype:
+def cf_dtype(dtype: np.dtype, attrs: dict[str, Any], time: Times | None = None) -> np.dtype:
     """The type of a variable of stored type ``dtype`` once :func:`cf_decode` decoded it."""
-    return cf_decode(np.zeros(0, dtype), attrs).dtype
+    return cf_decode(np.zeros(0, dtype), attrs, time).dtype
 
 
-def cf_decode(values: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
+def cf_decode(values: np.ndarray, attrs: dict[str, Any], time: Times | None = None) -> np.ndarray:
     """``values`` decoded as xarray decodes a variable with these attributes (module doc).
+
+    ``time`` (from :func:`times_of`): the variable's times, decoded to int64 ns.
 
     Example:
         >>> cf_decode(np.array([0, 100, -1], np.int16), {"scale_factor": np.float32(0.5),
         ...                                              "_FillValue": np.int16(-1)})
         array([ 0., 50., nan], dtype=float32)
-        >>> cf_decode(np.array([0, 24]), {"units": "hours since 2000-01-01"}).view("M8[ns]")
+        >>> day = Times(3600 * 10**9, 946684800 * 10**9, since=True)  # 2000-01-01
+        >>> cf_decode(np.array([0, 24]), {}, day).view("M8[ns]")
         array(['2000-01-01T00:00:00.000000000', '2000-01-02T00:00:00.000000000'],
               dtype='datetime64[ns]')
     """
@@ -181,7 +257,6 @@ def cf_decode(values: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
         data = data.view(f"i{data.dtype.itemsize}")
         fills = [data.dtype.type(f) for f in fills]
     packed = "scale_factor" in attrs or "add_offset" in attrs
-    time = _time(attrs)
     if fills:
         if packed:
             dtype = _float_dtype(data.dtype, attrs)
@@ -207,21 +282,25 @@ def cf_decode(values: np.ndarray, attrs: dict[str, Any]) -> np.ndarray:
         if attrs.get("add_offset") is not None:
             data += _scalar(np.asarray(attrs["add_offset"]))
     if time is not None and data.dtype.kind in "iuf":
-        return _to_ns(data, *time)
+        return _to_ns(data, time.per, time.base)
     if str(attrs.get("dtype", "")) == "bool" and data.dtype.kind in "iu":
         return data.astype(bool)
     return data
 
 
-def _to_ns(data: np.ndarray, per: int, ref: int | None) -> np.ndarray:
-    """Numbers of ``per``-ns units after ``ref`` as int64 ns since 1970 (xarray's steps)."""
-    base = 0 if ref is None else ref
+def _to_ns(data: np.ndarray, per: int, base: int) -> np.ndarray:
+    """Numbers of ``per``-ns units after ``base`` as int64 ns (xarray's steps; they fit).
+
+    ``base`` may lie outside int64 (``days since 0001-01-01``): the numbers are first
+    counted from the unit nearest 1970 (``shift``), so only the results must fit.
+    """
+    shift, base = divmod(base, per)
     if data.dtype.kind in "iu":
         missing = data == NAT if data.dtype == np.int64 else np.zeros(data.shape, bool)
-        out = data.astype(np.int64) * per + base
+        out = (np.where(missing, 0, data).astype(np.int64) + shift) * per + base
         out[missing] = NAT
         return out
-    values = data.astype(np.float64)
+    values = data.astype(np.float64) + shift
     missing = np.isnan(values)
     unit = per
     if unit > 10**9:  # to the reference's seconds first, as pandas does
@@ -245,16 +324,15 @@ def variable_attrs(ds: Any) -> dict[str, Any]:
     return out
 
 
-def decoded_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+def decoded_attrs(attrs: dict[str, Any], time: Times | None) -> dict[str, Any]:
     """What a variable's attributes say once decoded (xarray's ``.attrs``, times renamed)."""
     out = {k: v for k, v in attrs.items() if k not in _ENCODING}
     if str(out.get("dtype", "")) == "bool":
         out.pop("dtype")
-    time = _time(attrs)
     if time is not None:
         out.pop("calendar", None)
-        out["units"] = "nanoseconds" if time[1] is None else "nanoseconds since 1970-01-01"
-        if time[1] is not None:
+        out["units"] = "nanoseconds since 1970-01-01" if time.since else "nanoseconds"
+        if time.since:
             out["calendar"] = "proleptic_gregorian"
     return out
 
@@ -265,6 +343,7 @@ class CFRead:
 
     path: str
     attrs: dict[str, Any]
+    time: Times | None = None
 
     @property
     def datasets(self) -> list[str]:
@@ -293,7 +372,7 @@ class CFRead:
             stop = min(plan.rows, start + step)
             block = ds[plan.first + start : plan.first + stop]
             dest = out.rows(start, stop)
-            dest[...] = cf_decode(block, self.attrs)
+            dest[...] = cf_decode(block, self.attrs, self.time)
             progress(dest.nbytes)
 
 
@@ -304,11 +383,14 @@ class Netcdf:
         h5py: the module.
         file: the open file.
         decode: decode the CF conventions (``decode_cf``).
+        label: the file, for messages.
     """
 
-    def __init__(self, h5py: Any, file: Any, decode: bool) -> None:
+    def __init__(self, h5py: Any, file: Any, decode: bool, label: str) -> None:
         self._h5py = h5py
         self.decode = decode
+        self.label = label
+        self._times: dict[str, Times | None] = {}
         self.variables: dict[str, Any] = {}
         self.coordinates: set[str] = set()
         file.visititems(self._visit)
@@ -382,16 +464,24 @@ class Netcdf:
         if ds is None or not self.decode or plan.kind != "tensor" or plan.member:
             return plan
         attrs = variable_attrs(ds)
-        dtype = cf_dtype(ds.dtype, attrs)
-        if dtype == plan.dtype and not _fills(attrs) and _time(attrs) is None:
+        time = self.times(plan.path)
+        dtype = cf_dtype(ds.dtype, attrs, time)
+        if dtype == plan.dtype and not _fills(attrs) and time is None:
             return plan
-        plan.dtype, plan.special, plan.reader = dtype, CFRead(plan.path, attrs), "cf"
+        plan.dtype, plan.special, plan.reader = dtype, CFRead(plan.path, attrs, time), "cf"
         return plan
+
+    def times(self, name: str) -> Times | None:
+        """How variable ``name``'s times decode (:func:`times_of`, asked once per variable)."""
+        if name not in self._times:
+            ds = self.variables[name]
+            self._times[name] = times_of(self.label, name, ds, variable_attrs(ds))
+        return self._times[name]
 
     def attrs(self, name: str) -> dict[str, Any]:
         """Variable ``name``'s attributes as xarray shows them (decoded ones when decoding)."""
         attrs = variable_attrs(self.variables[name])
-        return decoded_attrs(attrs) if self.decode else attrs
+        return decoded_attrs(attrs, self.times(name)) if self.decode else attrs
 
     def coord(self, name: str) -> Any:
         """Variable ``name`` read whole and decoded: a numpy array (or a list of str)."""
@@ -399,4 +489,4 @@ class Netcdf:
         values = ds[()]
         if self._h5py.check_string_dtype(ds.dtype) is not None:
             return [v.decode() if isinstance(v, bytes) else str(v) for v in np.ravel(values)]
-        return cf_decode(values, variable_attrs(ds)) if self.decode else values
+        return cf_decode(values, variable_attrs(ds), self.times(name)) if self.decode else values

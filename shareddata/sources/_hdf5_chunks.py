@@ -1,18 +1,13 @@
-"""Raw readers of HDF5 numeric data: a dataset's bytes copied or inflated by shareddata.
+"""The gzip chunk reader: HDF5 deflate chunks inflated in threads, straight into the rows.
 
 HDF5 runs its filters in the calling thread and h5py serialises every call, so
-``read_direct`` uses one core and copies through HDF5's buffers. For the common
-layouts the bytes are read from the file here instead, straight into the rows
-they belong to:
-
-* contiguous, unfiltered datasets: ``os.preadv`` from the dataset's offset
-  (:func:`raw_offset`);
-* chunked ones whose pipeline is ``deflate`` (optionally after ``shuffle``), or no
-  filter with chunks of whole rows: each stored chunk read and decoded in threads
-  (:func:`inflatable`, :func:`inflate`; Note [Inflating chunks in threads]).
-
-Everything else (other filters, compound members, chunks never written, other
-file drivers) goes through h5py; see :mod:`shareddata.sources.hdf5`.
+``read_direct`` of a gzip dataset decodes on one core. Chunks whose only filter is
+``deflate`` are read here instead (:func:`inflatable`, :func:`inflate`; Note
+[Inflating chunks in threads]): the A/B of ``benchmarks/bench_hdf5_readers.py``
+measured it >= 1.3x faster than h5py for that layout alone (docs/benchmarks.md).
+Everything else (contiguous and unfiltered chunked data, shuffle, lzf, fletcher32,
+compound records, chunks never written, other file drivers) is read by h5py's
+``read_direct``, which measured as fast.
 """
 
 from __future__ import annotations
@@ -28,36 +23,23 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceReadError
-from ._io import open_file, read_exactly
 from ._source import Buffer
 
-__all__ = [
-    "copy_field",
-    "copy_raw",
-    "inflatable",
-    "inflate",
-    "raw_offset",
-    "record_runs",
-    "row_steps",
-    "runs_within",
-]
+__all__ = ["inflatable", "inflate", "row_steps"]
 
 # Note [Inflating chunks in threads]
 # ==================================
 # HDF5 runs its filters in the calling thread, one chunk after another, and h5py
 # serialises every call, so ``read_direct`` of a gzip dataset uses one core. For
-# the common pipelines (``deflate``, optionally after ``shuffle``), shareddata reads
-# each stored chunk's bytes itself (``chunk_iter`` gives their offsets, ``os.pread``
-# reads them) and decodes them in several threads (``zlib`` and numpy release the
-# GIL), each writing its chunk straight into the shared buffer; at most four chunks
-# per thread wait in memory. A chunk's ``filter_mask`` says which filters were
-# skipped for it. Unfiltered chunks that hold whole rows take the same path, each
-# ``preadv``-ed by a thread straight into its rows (``read_direct`` copies them one
-# after another through HDF5). Other filters (lzf, szip, fletcher32, plugins), chunks
-# never written (the fill value) and other file drivers go through ``read_direct``.
+# chunks whose only filter is ``deflate``, shareddata reads each stored chunk's
+# bytes itself (``chunk_iter`` gives their offsets, ``os.pread`` reads them) and
+# inflates them in several threads (``zlib`` and numpy release the GIL), each
+# writing its chunk straight into the shared buffer; at most four chunks per thread
+# wait in memory. A chunk whose ``filter_mask`` has bit 0 set was stored raw. Other
+# pipelines (shuffle, lzf, szip, fletcher32, plugins), chunks never written (the
+# fill value) and other file drivers go through ``read_direct``.
 
 _DEFLATE = 1  # H5Z_FILTER_DEFLATE
-_SHUFFLE = 2  # H5Z_FILTER_SHUFFLE
 _INFLATE_THREADS: int | None = None
 """Threads decoding gzip chunks (None: one per usable core, at most 8)."""
 
@@ -72,109 +54,32 @@ def _inflate_threads() -> int:
     return max(1, min(8, cores))
 
 
-def _decode(raw: bytes, mask: int, filters: list[int], itemsize: int) -> bytes:
-    """Undo a chunk's filters, last first, skipping those its ``filter_mask`` names."""
-    data = raw
-    for index in reversed(range(len(filters))):
-        if mask >> index & 1:
-            continue
-        if filters[index] == _DEFLATE:
-            data = zlib.decompress(data)
-        elif itemsize > 1:  # shuffle: byte j of every element was stored together
-            count = len(data) // itemsize
-            planes = np.frombuffer(data, np.uint8, count * itemsize).reshape(itemsize, count)
-            data = planes.T.tobytes() + data[count * itemsize :]
-    return data
+def _decode(raw: bytes, mask: int) -> bytes:
+    """A chunk's bytes inflated (as stored when its ``filter_mask`` skipped deflate)."""
+    return raw if mask & 1 else zlib.decompress(raw)
 
 
-def raw_offset(h5py: Any, ds: Any, nbytes: int) -> int | None:
-    """Where a contiguous, unfiltered numeric dataset's bytes start in the file, or None.
-
-    Such a dataset is stored as one run of raw bytes (in the file's byte order),
-    so ``preadv`` can copy it without HDF5's per-call overhead. Anything else
-    (chunked, compact, external, virtual, not yet written, a driver other than a
-    single plain file, a type HDF5 converts) goes through h5py.
-    """
-    if ds.dtype.kind not in "iufc" or ds.file.driver != "sec2":
-        return None
-    try:
-        dcpl = ds.id.get_create_plist()
-        if (
-            dcpl.get_layout() != h5py.h5d.CONTIGUOUS
-            or dcpl.get_nfilters()
-            or dcpl.get_external_count()
-            or ds.id.get_storage_size() != nbytes  # unallocated: its offset is garbage
-        ):
-            return None
-        offset = ds.id.get_offset()
-    except (OSError, RuntimeError, ValueError, AttributeError):
-        return None
-    return None if offset is None or offset < 0 else int(offset)
-
-
-_RAW_BLOCK = 64 << 20
-"""Bytes per ``preadv`` of a contiguous dataset (one progress update each)."""
-
-
-def copy_raw(
-    path: str, what: str, offset: int, out: Buffer, progress: Callable[[int], None]
-) -> None:
-    """Fill ``out`` with the bytes of ``path`` from ``offset`` on, in blocks of whole rows.
-
-    ``os.preadv`` copies from the page cache into the rows' shared pages: one
-    kernel copy, no private buffer, the GIL released while it runs.
-
-    Raises:
-        SourceReadError: the file ends early, or the disk or file system fails.
-    """
-    row_bytes = out.nbytes // max(1, len(out))
-    step = max(1, _RAW_BLOCK // max(1, row_bytes))
-    done = 0
-    with open_file(path, what) as fd:
-        for start in range(0, len(out), step):
-            view = out.rows(start, min(len(out), start + step)).reshape(-1).view(np.uint8)
-            read_exactly(fd, view, offset + done, what)
-            done += view.nbytes
-            progress(view.nbytes)
-
-
-def inflatable(ds: Any) -> list[int] | None:
-    """The filter pipeline of a chunked numeric dataset :func:`inflate` can read, or None.
-
-    Only pipelines of ``deflate`` (gzip) and ``shuffle`` qualify, and no filters
-    at all when each chunk holds whole rows: Note [Inflating chunks in threads].
-    """
+def inflatable(ds: Any) -> bool:
+    """Whether :func:`inflate` reads this chunked numeric dataset: gzip alone, a plain file."""
     if ds.chunks is None or ds.dtype.kind not in "iufc":
-        return None
+        return False
     if ds.file.driver != "sec2" or not hasattr(ds.id, "chunk_iter"):
-        return None
+        return False
     try:
         dcpl = ds.id.get_create_plist()
         filters = [int(dcpl.get_filter(i)[0]) for i in range(dcpl.get_nfilters())]
     except (OSError, RuntimeError, ValueError):
-        return None
-    if not filters and tuple(ds.chunks[1:]) == tuple(ds.shape[1:]):
-        return filters  # chunks of whole rows, stored as they are
-    if _DEFLATE not in filters or not set(filters) <= {_DEFLATE, _SHUFFLE}:
-        return None
-    return filters
+        return False
+    return filters == [_DEFLATE]
 
 
-def inflate(
-    path: str,
-    what: str,
-    ds: Any,
-    filters: list[int],
-    out: Buffer,
-    progress: Callable[[int], None],
-) -> bool:
+def inflate(path: str, what: str, ds: Any, out: Buffer, progress: Callable[[int], None]) -> bool:
     """Read every chunk of ``ds`` raw and decode it in threads, into ``out``.
 
     Args:
         path: the HDF5 file.
         what: the dataset, for messages (``"f.h5: reading dataset 'x'"``).
-        ds: the h5py dataset.
-        filters: its pipeline, from :func:`inflatable`.
+        ds: the h5py dataset (:func:`inflatable`).
         out: the dataset's buffer (native byte order).
         progress: called with the bytes of each chunk placed.
 
@@ -200,15 +105,10 @@ def inflate(
         rows_of: np.ndarray, offset: tuple[int, ...], mask: int, address: int, size: int
     ) -> int:
         """Chunk ``offset`` into ``rows_of``, the rows it covers (from ``rows``)."""
-        if not filters and dtype.isnative:  # whole rows: straight into them
-            if size != chunk_bytes:
-                raise SourceReadError(f"{what} failed: a chunk's size is not its rows' bytes")
-            read_exactly(fd, rows_of.reshape(-1).view(np.uint8), address, f"{what} (a chunk)")
-            return rows_of.nbytes
         raw = os.pread(fd, size, address)
         if len(raw) != size:
             raise SourceReadError(f"{what} failed: the file ends inside a chunk")
-        data = _decode(raw, mask, filters, dtype.itemsize)
+        data = _decode(raw, mask)
         if len(data) != chunk_bytes:
             raise SourceReadError(
                 f"{what} failed: a chunk decodes to {len(data)} bytes, not {chunk_bytes}"
@@ -255,118 +155,6 @@ def inflate(
     return True
 
 
-# Note [Fields of raw records]
-# ============================
-# A compound (record) dataset loads as one column per field, and the loader reads
-# one column at a time, so every field is a pass over all the records. Through
-# HDF5 each pass converts every record (a subset conversion per field); when the
-# records are stored raw (no filter, contiguous or chunked, a fixed-size type whose
-# numpy layout is HDF5's), shareddata instead reads a bounded block of records
-# with ``preadv`` and copies the field out with numpy (a strided copy, byte order
-# swapped on the way). Records with variable-length members (whose in-file size
-# differs from numpy's), filtered chunks, chunks never written and other drivers
-# go through HDF5.
-
-_RECORD_BLOCK = 4 << 20
-"""Bytes of records read per ``preadv`` when a field is copied out of raw records."""
-
-
-def _same_layout(h5py: Any, htype: Any, dtype: np.dtype) -> bool:
-    """Whether numpy ``dtype`` places every member where HDF5 type ``htype`` does."""
-    if htype.get_size() != dtype.itemsize:
-        return False
-    if htype.get_class() != h5py.h5t.COMPOUND or dtype.names is None:  # (complex: {r, i})
-        return not dtype.hasobject
-    names = dtype.names or ()
-    if htype.get_nmembers() != len(names):
-        return False
-    for i, name in enumerate(names):
-        sub, offset = dtype.fields[name][:2]  # type: ignore[index]
-        if htype.get_member_offset(i) != offset or htype.get_member_name(i) != name.encode():
-            return False
-        if not _same_layout(h5py, htype.get_member_type(i), sub):
-            return False
-    return True
-
-
-def record_runs(h5py: Any, ds: Any) -> list[tuple[int, int, int]] | None:
-    """``(first row, rows, file offset)`` of the raw records of a 1-D compound dataset.
-
-    None when the records are not stored raw in one plain file (Note [Fields of
-    raw records]): HDF5 must read them.
-    """
-    if ds.dtype.names is None or len(ds.shape or ()) != 1 or ds.file.driver != "sec2":
-        return None
-    try:
-        if not _same_layout(h5py, ds.id.get_type(), ds.dtype):
-            return None
-        dcpl = ds.id.get_create_plist()
-        if dcpl.get_nfilters() or dcpl.get_external_count():
-            return None
-        rows, size = int(ds.shape[0]), ds.dtype.itemsize
-        layout = dcpl.get_layout()
-        if layout == h5py.h5d.CONTIGUOUS:
-            offset = ds.id.get_offset()
-            if offset is None or ds.id.get_storage_size() != rows * size:
-                return None
-            return [(0, rows, int(offset))] if rows else []
-        if layout != h5py.h5d.CHUNKED or not hasattr(ds.id, "chunk_iter"):
-            return None
-        along = int(ds.chunks[0])
-        runs: list[tuple[int, int, int]] = []
-        ds.id.chunk_iter(
-            lambda c: runs.append(
-                (c.chunk_offset[0], min(along, rows - c.chunk_offset[0]), c.byte_offset)
-                if c.size == along * size and not c.filter_mask
-                else (-1, 0, 0)
-            )
-        )
-    except (OSError, RuntimeError, ValueError, TypeError, AttributeError):
-        return None
-    runs.sort()
-    if len(runs) != -(-rows // along) or any(r[0] != i * along for i, r in enumerate(runs)):
-        return None  # chunks never written (the fill value) or not as expected
-    return runs
-
-
-def copy_field(
-    path: str,
-    what: str,
-    ds: Any,
-    runs: list[tuple[int, int, int]],
-    take: Callable[[np.ndarray], np.ndarray],
-    out: Buffer,
-    progress: Callable[[int], None],
-) -> None:
-    """Copy ``take(records)`` of each block of raw records into the rows of ``out``.
-
-    Args:
-        path: the HDF5 file.
-        what: the column, for messages.
-        ds: the h5py dataset (its numpy dtype describes the records).
-        runs: from :func:`record_runs`.
-        take: the field of a block of records (``records["a"]["b"]``).
-        out: the column's buffer.
-        progress: called with the bytes of each block of rows written.
-
-    Raises:
-        SourceReadError: the file ends inside the records.
-    """
-    dtype = ds.dtype
-    step = max(1, _RECORD_BLOCK // dtype.itemsize)
-    block = np.empty(min(step, max((n for _, n, _ in runs), default=1)), dtype)
-    raw = block.view(np.uint8)
-    row_bytes = out.nbytes // max(1, len(out))
-    with open_file(path, what) as fd:
-        for first, count, offset in runs:
-            for start in range(0, count, step):
-                n = min(step, count - start)
-                nbytes = n * dtype.itemsize
-                read_exactly(fd, raw[:nbytes], offset + start * dtype.itemsize, what)
-                out.rows(first + start, first + start + n)[...] = take(block[:n])
-                progress(n * row_bytes)
-
-
 def row_steps(rows: int, row_bytes: int, budget: int, chunks: Any) -> Iterator[tuple[int, int]]:
     """Blocks of rows of about ``budget`` bytes, whole chunks along axis 0 if chunked.
 
@@ -380,20 +168,3 @@ def row_steps(rows: int, row_bytes: int, budget: int, chunks: Any) -> Iterator[t
         step = max(along, step - step % along)
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
-
-
-def runs_within(
-    runs: list[tuple[int, int, int]], start: int, stop: int, size: int
-) -> list[tuple[int, int, int]]:
-    """The parts of ``runs`` of records in rows ``[start, stop)``, renumbered from ``start``.
-
-    Example:
-        >>> runs_within([(0, 10, 100), (10, 10, 500)], 5, 12, 2)
-        [(0, 5, 110), (5, 2, 500)]
-    """
-    inside = []
-    for first, count, offset in runs:
-        lo, hi = max(first, start), min(first + count, stop)
-        if lo < hi:
-            inside.append((lo - start, hi - lo, offset + (lo - first) * size))
-    return inside

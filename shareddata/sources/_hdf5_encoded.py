@@ -1,7 +1,10 @@
 """HDF5 groups that encode one element, as anndata writes them, and AnnData files.
 
 anndata (``.h5ad``) marks each element with an ``encoding-type`` attribute; a
-group element is read as the columns it means, never as its raw arrays:
+group element is read as the columns it means, never as its raw arrays. Sparse
+matrices are read here, their arrays straight into shared memory; data frames,
+categoricals and nullable arrays are read by anndata's own reader
+(``anndata.io.read_elem``, the ``anndata`` extra), then copied into the columns:
 
 ================================  ==============================================
 ``encoding-type``                 columns (named by the group's path)
@@ -24,11 +27,18 @@ An AnnData file (root ``encoding-type`` ``anndata``) loads as cells: by default
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ..errors import NullValuesError, SharedDataError, SourceReadError, UnsupportedDtypeError
+from ..errors import (
+    MissingDependencyError,
+    NullValuesError,
+    SharedDataError,
+    SourceReadError,
+    UnsupportedDtypeError,
+)
 from ._hdf5_layout import Plan, Refuse, attr_value, plans_of
 from ._hdf5_sparse import SparseRead, sparse_layout
 
@@ -119,12 +129,8 @@ class Encoded:
         if layout is not None:
             read = SparseRead(self.label, name, layout[0], layout[1], self.output)
             return [read.plan(name, obj)]
-        if kind == "categorical":
-            return self._categorical(obj, name)
-        if kind.startswith("nullable-"):
-            return self._nullable(obj, name)
-        if kind == "dataframe":
-            return self._frame(obj, name, skipped)
+        if kind in _UNITS:  # a data frame, categorical or nullable array
+            return self._element(obj, name, skipped)
         if kind in _CONTAINERS:
             plans = []
             for key in obj:
@@ -138,34 +144,50 @@ class Encoded:
             "load its arrays by their own keys, or convert it to a numeric or string array",
         )
 
-    def _categorical(self, group: Any, name: str) -> list[Plan]:
-        plans = plans_of(self._h5py, group["codes"], name, self._refuse, path=f"{name}/codes")
-        categories = group["categories"][()]
-        labels = {_label(value): code for code, value in enumerate(categories)}
-        for plan in plans:
-            plan.labels = labels
+    def _element(self, obj: Any, name: str, skipped: dict[str, str] | None) -> list[Plan]:
+        """A data frame, categorical or nullable array, read by anndata's own reader."""
+        value = _read_elem(self.label, name)(obj)
+        if encoding(obj) != "dataframe":
+            return [self._column(value, name)]
+        index = attr_value(obj, "_index")
+        index = index.decode() if isinstance(index, bytes) else index
+        columns = [(f"{name}/{index}", value.index)] if index is not None else []
+        plans: list[Plan] = []
+        for column, values in columns + [(f"{name}/{c}", value[c]) for c in value.columns]:
+            try:
+                plans.append(self._column(values, column))
+            except (UnsupportedDtypeError, NullValuesError) as error:
+                if skipped is None:
+                    raise
+                skipped[column] = str(error)
         return plans
 
-    def _nullable(self, group: Any, name: str) -> list[Plan]:
-        missing = int(np.count_nonzero(group["mask"][()])) if "mask" in group else 0
+    def _column(self, values: Any, name: str) -> Plan:
+        """The plan of one column anndata read (numbers, strings, a categorical)."""
+        labels = None
+        if hasattr(values, "cat"):  # a pandas Series of a categorical
+            values = values.array
+        if hasattr(values, "categories"):  # pandas' codes: -1 is a missing category
+            labels = {_label(v): code for code, v in enumerate(values.categories)}
+            values = values.codes
+        missing = int(np.count_nonzero(getattr(values, "isna", lambda: [])()))
         if missing:
             raise NullValuesError(
                 f"{name!r} of {self.label} has {missing} missing value(s) (pandas <NA>); a "
                 "column needs a value in every row. Fix: fill them before writing (e.g. "
                 f"adata.obs[col] = adata.obs[col].fillna(0)), or pass keys=[...] without it."
             )
-        return plans_of(self._h5py, group["values"], name, self._refuse, path=f"{name}/values")
-
-    def _frame(self, group: Any, name: str, skipped: dict[str, str] | None) -> list[Plan]:
-        index = attr_value(group, "_index")
-        order = attr_value(group, "column-order")
-        columns = [] if order is None else [_label(c) for c in np.asarray(order).reshape(-1)]
-        keys = ([_label(index)] if index is not None else []) + columns
-        plans: list[Plan] = []
-        for key in dict.fromkeys(keys):
-            if key in group:
-                plans += self.plans(group[key], f"{name}/{key}", skipped)
-        return plans
+        array = np.asarray(values)
+        if array.dtype.kind in "OUS":  # strings: stored as UTF-8 bytes
+            kind = "bytes" if array.dtype.kind == "S" else "str"
+            array = np.array([_utf8(v, name, self._refuse) for v in array.reshape(-1)], object)
+            plan = Plan(name, name, len(array), kind, np.dtype(np.uint8), (), "vlen_str")
+        elif array.dtype.kind in "biuf" and array.ndim == 1:
+            plan = Plan(name, name, len(array), "tensor", array.dtype, (), "direct")
+        else:
+            raise self._refuse(name, f"holds {array.dtype} values", "store numbers or strings")
+        plan.values, plan.labels = array, labels
+        return plan
 
     def anndata(self, file: Any, skipped: dict[str, str] | None) -> list[Plan]:
         """An AnnData file's default columns: ``X``, then ``obs`` (index first)."""
@@ -174,3 +196,26 @@ class Encoded:
             if key in file:
                 plans += self.plans(file[key], key, skipped)
         return plans
+
+
+def _read_elem(label: str, name: str) -> Callable[[Any], Any]:
+    """The reader of one anndata element (``read_elem``), or the error naming the extra."""
+    try:
+        import anndata
+    except ImportError as error:
+        raise MissingDependencyError(
+            f"{label}: {name!r} is an anndata element (data frame, categorical or nullable "
+            "array), which anndata's own reader reads, and anndata is not installed. "
+            "Install it with: pip install 'torch-shareddata[anndata]' (or pass "
+            "keys=['X', ...] without it: matrices and plain arrays need no anndata)."
+        ) from error
+    io = getattr(anndata, "io", None)
+    return io.read_elem if hasattr(io, "read_elem") else anndata.experimental.read_elem
+
+
+def _utf8(value: Any, name: str, refuse: Refuse) -> bytes:
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    raise refuse(name, f"holds {type(value).__name__} values among strings", "store strings")

@@ -89,6 +89,8 @@ class Plan:
     """The dataset's row that is the column's row 0 (``select_rows``); ``rows`` follow it."""
     special: Any = None
     """A reader of its own (a sparse group, CF decoding): ``datasets``, ``spec()``, ``read()``."""
+    values: Any = None
+    """The column's values, already read by anndata (numbers, or UTF-8 ``bytes``)."""
 
 
 class _NoGlobals(pickle.Unpickler):

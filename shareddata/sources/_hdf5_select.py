@@ -67,7 +67,7 @@ class Selection:
         self.skipped: dict[str, str] = {}
         self.encoded = Encoded(h5py, label, self._refuse, sparse)
         try:
-            self.netcdf = Netcdf(h5py, file, decode_cf) if is_netcdf(file) else None
+            self.netcdf = Netcdf(h5py, file, decode_cf, label) if is_netcdf(file) else None
         except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
             raise SourceReadError(
                 f"{label}: the file's group structure cannot be read ({error}); the file "

@@ -1,81 +1,23 @@
 """Raw bytes of a file read straight into shared memory: the package's one ``preadv`` loop.
 
 ``os.preadv`` copies from the page cache into the mapped shared pages: one kernel
-copy, no private buffer, the GIL released while it runs. ``.npy`` data, contiguous
-HDF5 datasets, whole HDF5 chunks and records all read through :func:`read_exactly`.
+copy, no private buffer, the GIL released while it runs. ``.npy`` data reads
+through :func:`read_into`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import SourceReadError
 
-__all__ = ["open_file", "read_exactly", "read_into"]
+__all__ = ["read_into"]
 
 _CHUNK = 64 << 20
 """Bytes per ``preadv`` call (one progress update each)."""
-
-
-@contextlib.contextmanager
-def open_file(path: str, what: str) -> Iterator[int]:
-    """A read-only descriptor of ``path``; an ``OSError`` inside becomes SourceReadError.
-
-    Raises:
-        SourceReadError: the disk or file system fails (naming ``what`` and the fix).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
-    except SourceReadError:
-        raise
-    except OSError as e:  # an I/O error of the disk or file system: name the file
-        raise SourceReadError(
-            f"{what} could not be read ({e}). Check the disk or file system, or copy the "
-            "file elsewhere and load it again."
-        ) from e
-
-
-def read_exactly(
-    fd: int,
-    out: np.ndarray | memoryview,
-    offset: int,
-    what: str,
-    progress: Callable[[int], None] | None = None,
-) -> None:
-    """Fill all of ``out`` (C-contiguous bytes) from ``fd`` at byte ``offset``.
-
-    Raises:
-        SourceReadError: the file ends before ``out`` is full (truncated).
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryFile() as f:
-        ...     _ = f.write(bytes(range(10))); f.flush()
-        ...     out = np.zeros(4, np.uint8)
-        ...     read_exactly(f.fileno(), out, 3, "ten bytes")
-        >>> out.tolist()
-        [3, 4, 5, 6]
-    """
-    view = out.data.cast("B") if isinstance(out, np.ndarray) else out
-    pos = 0
-    while pos < len(view):
-        n = os.preadv(fd, [view[pos : pos + _CHUNK]], offset + pos)
-        if n == 0:
-            raise SourceReadError(
-                f"{what} ended early, after {pos} of {len(view)} bytes of data: the file "
-                "is truncated. Re-create or re-download it."
-            )
-        pos += n
-        if progress is not None:
-            progress(n)
 
 
 def read_into(
@@ -89,10 +31,41 @@ def read_into(
         out: the destination; its ``nbytes`` are read. Its pages must be ready to
             write (a view from ``Buffer.rows``).
         progress: called with the bytes of each chunk read.
-        what: the data, for messages (e.g. ``"data.npy"`` or ``"f.h5: dataset 'x'"``).
+        what: the data, for messages (e.g. ``"data.npy"``).
 
     Raises:
-        SourceReadError: the file ends early, or the disk or file system fails.
+        SourceReadError: the file ends early (truncated), or the disk or file system
+            fails (naming ``what`` and the fix).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     _ = f.write(bytes(range(10))); f.flush()
+        ...     out = np.zeros(4, np.uint8)
+        ...     read_into(f.name, 3, out, lambda n: None, "ten bytes")
+        >>> out.tolist()
+        [3, 4, 5, 6]
     """
-    with open_file(path, what) as fd:
-        read_exactly(fd, out.reshape(-1).view(np.uint8), offset, what, progress)
+    view = out.reshape(-1).view(np.uint8).data.cast("B")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            pos = 0
+            while pos < len(view):
+                n = os.preadv(fd, [view[pos : pos + _CHUNK]], offset + pos)
+                if n == 0:
+                    raise SourceReadError(
+                        f"{what} ended early, after {pos} of {len(view)} bytes of data: the "
+                        "file is truncated. Re-create or re-download it."
+                    )
+                pos += n
+                progress(n)
+        finally:
+            os.close(fd)
+    except SourceReadError:
+        raise
+    except OSError as e:  # an I/O error of the disk or file system: name the file
+        raise SourceReadError(
+            f"{what} could not be read ({e}). Check the disk or file system, or copy the "
+            "file elsewhere and load it again."
+        ) from e

@@ -2,11 +2,11 @@
 
 Opening the file reads metadata only (shapes, types, filters). Fixed-shape numeric
 data is then read straight into the shared buffer, so no private copy of a column
-exists: contiguous and gzip/unfiltered chunked datasets, and the fields of
-unfiltered records, by shareddata itself (:mod:`~shareddata.sources._hdf5_chunks`),
-everything else by HDF5 in bounded blocks of rows aligned to the dataset's chunks,
-HDF5 converting types (byte order, enums, one field of a compound) on the way
-into the buffer. Variable-length
+exists: by h5py's ``read_direct`` in bounded blocks of rows aligned to the dataset's
+chunks (Note [Reading HDF5 chunks once]), HDF5 converting types (byte order, enums,
+one field of a compound) on the way into the buffer; gzip chunks and the fields of
+raw records by shareddata itself, where it measured faster
+(:mod:`~shareddata.sources._hdf5_chunks`). Variable-length
 data (strings, ``vlen`` sequences) is read twice in bounded blocks of rows: once
 to size the ``values`` buffer exactly, once to fill it; at most one block exists
 as Python objects at any time. docs/internals.md gives the memory this takes.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -33,9 +34,10 @@ from ..errors import (
     ArgumentTypeError,
     ColumnLengthError,
     InvalidArgumentError,
+    SourceReadError,
 )
 from . import _hdf5_chunks
-from ._hdf5_layout import Plan
+from ._hdf5_layout import Plan, attr_value
 from ._hdf5_open import check_filters, import_h5py, open_file, read_errors
 from ._hdf5_select import Selection
 from ._hdf5_values import VariableReader
@@ -92,7 +94,6 @@ class HDF5Source:
         self.label = os.fspath(path)
         self._file: Any = None
         self._specs: list[ColumnSpec] | None = None
-        self._runs: dict[str, list[tuple[int, int, int]] | None] = {}
         self._total = -1  # rows of every column, once checked equal
         self.skipped: dict[str, str] = {}
         self._file, self._swmr = open_file(self._h5py, self.label)
@@ -105,7 +106,10 @@ class HDF5Source:
                 self.coords = {n: netcdf.coord(n) for n in selection.coords} if netcdf else {}
             self.attrs = {p.name: netcdf.attrs(p.path) for p in self.plans} if netcdf else {}
             self.attrs.update({n: netcdf.attrs(n) for n in self.coords} if netcdf else {})
+            if netcdf is None:
+                _warn_packed(self.label, self._file, self.plans)
             paths = [p.special.datasets if p.special else [p.path] for p in self.plans]
+            paths = [some for p, some in zip(self.plans, paths) if p.values is None]
             for path_ in dict.fromkeys(path_ for some in paths for path_ in some):
                 check_filters(self._h5py, self.label, path_, self._file[path_])
             self._values = VariableReader(self.label, self._reading, self._block)
@@ -155,7 +159,8 @@ class HDF5Source:
                 continue
             values = 0
             if plan.kind != "tensor":
-                values = self._values.size(plan, self._file[plan.path])
+                ds = self._file[plan.path] if plan.values is None else None
+                values = self._values.size(plan, ds)
             specs.append(
                 ColumnSpec(plan.name, plan.rows, plan.dtype, plan.shape, plan.kind, values)
             )
@@ -168,16 +173,21 @@ class HDF5Source:
         """Fill ``buffers`` for ``spec`` (``data``, or ``offsets`` and ``values``)."""
         self.specs()  # variable-length columns are read in the blocks that sized them
         plan = next(p for p in self.plans if p.name == spec.name)
-        ds = self._file[plan.path]
         with self._reading(plan):
             if plan.special is not None:
                 plan.special.read(plan, self._file, buffers, progress, self._read_range)
             elif plan.kind != "tensor":
+                ds = self._file[plan.path] if plan.values is None else None
                 self._values.read(plan, ds, buffers["offsets"], buffers["values"], progress)
-            elif plan.reader == "direct":
-                self._read_tensor(plan, ds, buffers["data"], progress)
+            elif plan.values is not None:  # read by anndata
+                out = buffers["data"].rows(0, plan.rows)
+                out[...] = plan.values[plan.first : plan.first + plan.rows]
+                progress(out.nbytes)
             else:
-                self._read_member(plan, ds, buffers["data"], progress)
+                ds = _uncached(self._h5py, self._file, plan.path)
+                read = self._read_tensor if plan.reader == "direct" else self._read_member
+                read(plan, ds, buffers["data"], progress)
+                _check_length(ds, f"{self.label}: dataset {plan.path!r}")
 
     def close(self) -> None:
         """Close the HDF5 file (idempotent)."""
@@ -214,6 +224,8 @@ class HDF5Source:
     def _block(self, plan: Plan, ds: Any, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of the plan's values as numpy (one bounded block)."""
         start, stop = plan.first + start, plan.first + stop
+        if plan.values is not None:  # read by anndata
+            return plan.values[start:stop]
         if not plan.member:
             block = ds[start:stop]
         else:
@@ -230,18 +242,9 @@ class HDF5Source:
         if out.size == 0:
             return
         row_bytes = out.nbytes // plan.rows
-        offset = self._raw_offset(plan, ds, row_bytes * int(ds.shape[0]))
-        if offset is not None:  # contiguous and unfiltered: the bytes straight from the file
-            what = f"{self.label}: dataset {plan.name!r}"
-            start = offset + plan.first * row_bytes
-            _hdf5_chunks.copy_raw(ds.file.filename, what, start, out, progress)
-            if not ds.dtype.isnative and ds.dtype.itemsize > 1:
-                out.rows(0, plan.rows).byteswap(inplace=True)
-            return
-        filters = self._inflatable(plan, ds)
         what = f"{self.label}: reading dataset {plan.name!r}"
-        if filters is not None and _hdf5_chunks.inflate(
-            ds.file.filename, what, ds, filters, out, progress
+        if self._inflatable(plan, ds) and _hdf5_chunks.inflate(
+            ds.file.filename, what, ds, out, progress
         ):
             return
         first = plan.first
@@ -256,16 +259,6 @@ class HDF5Source:
         if out.size == 0:
             return
         row_bytes = out.nbytes // plan.rows
-        runs = self._record_runs(plan, ds)
-        if runs is not None:  # Note [Fields of raw records]
-            runs = _hdf5_chunks.runs_within(
-                runs, plan.first, plan.first + plan.rows, ds.dtype.itemsize
-            )
-            what = f"{self.label}: dataset {plan.path!r}"
-            _hdf5_chunks.copy_field(
-                ds.file.filename, what, ds, runs, lambda block: _field(plan, block), out, progress
-            )
-            return
         if plan.index is not None:  # a column of a pandas block: through a small block
             budget = _CHUNK // 16
             for start, stop in _hdf5_chunks.row_steps(
@@ -297,29 +290,63 @@ class HDF5Source:
             ds.id.read(h5s.create_simple(count), file_space, out.rows(start, stop), mtype=mtype)
             progress((stop - start) * row_bytes)
 
-    def _record_runs(self, plan: Plan, ds: Any) -> list[tuple[int, int, int]] | None:
-        """Where a compound dataset's raw records are (``_hdf5_chunks.record_runs``), or None."""
-        if not plan.member or self._swmr:  # a SWMR writer may be appending
-            return None
-        if plan.path not in self._runs:
-            self._runs[plan.path] = _hdf5_chunks.record_runs(self._h5py, ds)
-        return self._runs[plan.path]
-
-    def _raw_offset(self, plan: Plan, ds: Any, nbytes: int) -> int | None:
-        """Where a whole numeric dataset's raw bytes start (see ``_hdf5_chunks.raw_offset``)."""
-        if plan.reader != "direct" or self._swmr:  # a SWMR writer may be appending
-            return None
-        return _hdf5_chunks.raw_offset(self._h5py, ds, nbytes)
-
-    def _inflatable(self, plan: Plan, ds: Any) -> list[int] | None:
-        """The pipeline ``_hdf5_chunks.inflate`` decodes for this plan, or None."""
+    def _inflatable(self, plan: Plan, ds: Any) -> bool:
+        """Whether ``_hdf5_chunks.inflate`` reads this plan's dataset (gzip chunks)."""
         if plan.reader != "direct" or self._swmr or plan.rows != ds.shape[0]:
-            return None  # (a node's share of the rows: read_direct selects them)
+            return False  # (a node's share of the rows: read_direct selects them)
         return _hdf5_chunks.inflatable(ds)
 
 
-def _field(plan: Plan, records: np.ndarray) -> np.ndarray:
-    """The plan's field (and block position) of a block of records."""
-    for part in plan.member:
-        records = records[part]
-    return records if plan.index is None else records[..., plan.index]
+def _warn_packed(label: str, file: Any, plans: list[Plan]) -> None:
+    """Warn about datasets of a file that is not netCDF which carry packing attributes.
+
+    ``scale_factor`` / ``add_offset`` outside netCDF follow no one convention (CF's
+    ``codes * scale + offset``, HDF-EOS/MODIS ``scale * (codes - offset)``), so the
+    codes are loaded as stored and the warning names each dataset and its attributes.
+    """
+    for path in dict.fromkeys(p.path for p in plans if p.kind == "tensor" and p.values is None):
+        ds = file[path]
+        packing = {k: attr_value(ds, k) for k in ("scale_factor", "add_offset") if k in ds.attrs}
+        if packing:
+            warnings.warn(
+                f"{label}: dataset {path!r} carries {packing} but the file is not netCDF, "
+                f"so its stored {ds.dtype} codes are loaded as they are (packing "
+                "conventions differ outside CF: CF is codes * scale_factor + add_offset, "
+                "HDF-EOS scale_factor * (codes - add_offset)). Decode them in a transform, "
+                "or write the file with netCDF4/xarray to have shareddata decode it.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+
+def _check_length(ds: Any, what: str) -> None:
+    """Refuse data read from a file that shrank after it was opened.
+
+    HDF5 checks a file's length when it opens it, but reads past the end of a file
+    cut later as zeros, without an error.
+    """
+    size, expected = os.stat(ds.file.filename).st_size, ds.file.id.get_filesize()
+    if size < expected:
+        raise SourceReadError(
+            f"{what} ended early: the file is {size} bytes, {expected} when it was opened "
+            "(it was truncated while being loaded). Re-create or re-download it."
+        )
+
+
+# Note [Reading HDF5 chunks once]
+# ===============================
+# A load reads every chunk once, in blocks of whole chunks along the rows, so HDF5's
+# chunk cache (8 MiB per dataset by default) holds nothing worth keeping: with it a chunk that
+# fits is read into the cache and copied out (~9 MiB of private memory at the
+# peak), without it ``read_direct`` places the chunk straight into the buffer
+# (0.2 MiB), as fast (docs/benchmarks.md). Fixed-shape reads therefore open their
+# dataset with a zero-byte cache (HDF5 applies it only when no other handle of the
+# dataset is open: a second open shares the first's cache). Variable-length rows
+# keep the cache: they are read in blocks that need not end on a chunk.
+
+
+def _uncached(h5py: Any, file: Any, path: str) -> Any:
+    """Dataset ``path`` opened without HDF5's chunk cache (Note [Reading HDF5 chunks once])."""
+    access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+    access.set_chunk_cache(0, 0, 1.0)  # slots, bytes, preemption
+    return h5py.Dataset(h5py.h5d.open(file.id, path.encode(), access))

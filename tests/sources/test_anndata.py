@@ -398,3 +398,13 @@ if __name__ == "__main__":  # the table for the docs / a report
         for row in compare(file, tool):
             print("| " + " | ".join(row) + " |")
     sys.exit(0)
+
+
+def test_obs_without_anndata_is_a_named_error_and_x_still_loads(files, monkeypatch):
+    """obs is read by anndata's own reader; without anndata the error names the extra."""
+    path = _file(files, "csr.h5ad")
+    monkeypatch.setitem(sys.modules, "anndata", None)  # import anndata: ImportError
+    with pytest.raises(sd.MissingDependencyError, match=r"torch-shareddata\[anndata\]"):
+        HDF5Dataset(path, progress=False)
+    x = HDF5Dataset(path, ["X"], progress=False)  # the matrix needs no anndata
+    assert x.specs["X"].kind == "sparse" and len(x) == CELLS

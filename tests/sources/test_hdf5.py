@@ -245,27 +245,15 @@ def test_bounded_chunk_aligned_reads(h5path, monkeypatch):
         return real(self, dest, source_sel, dest_sel)
 
     monkeypatch.setattr(h5py.Dataset, "read_direct", spy)
-    # contiguous, unfiltered datasets are copied from the file with preadv, also bounded
-    monkeypatch.setattr(_hdf5_chunks, "_RAW_BLOCK", 1000)
-    preads = []
-    real_preadv = os.preadv
-
-    def spy_preadv(fd, buffers, offset):
-        preads.append((len(buffers[0]), offset))
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", spy_preadv)
     ds = HDF5Dataset(h5path)
     lzf = [c for c in calls if c[0] == "/grp/sub/lzf"]
     assert len(lzf) > 3
     assert all(c[1].start % 50 == 0 and c[2] is None for c in lzf)  # chunks of 50 rows
     assert len({c[3] - c[1].start * 40 for c in lzf}) == 1  # into the rows of one buffer
     assert not [c for c in calls if c[0] == "/images"]  # gzip: inflated in threads
-    assert not [c for c in calls if c[0] == "/labels"]  # contiguous: not read_direct
-    with h5py.File(h5path) as f:
-        start = f["labels"].id.get_offset()
-    labels = [p for p in preads if start <= p[1] < start + ROWS * 4]
-    assert len(labels) == -(-ROWS * 4 // 1000) and max(n for n, _ in labels) <= 1000
+    labels = [c for c in calls if c[0] == "/labels"]  # contiguous: read_direct, bounded
+    assert len(labels) == -(-ROWS * 4 // 1000)
+    assert all(c[1].stop - c[1].start <= 1000 // 4 for c in labels)
     full = HDF5Dataset(h5path, ["text", "fixed", "ragged_gzip", "opaque"])
     with h5py.File(h5path) as f:
         for i in range(0, ROWS, 7):
@@ -524,8 +512,8 @@ def test_invalid_utf8_text_is_refused_when_loading(tmp_path):
 
 
 def test_gzip_chunks_are_inflated_in_threads(tmp_path, monkeypatch):
-    # Note [Inflating chunks in threads]: same values as h5py, for every chunk shape,
-    # byte order and pipeline; chunks never written fall back to read_direct
+    # Note [Inflating chunks in threads]: same values as h5py, for every chunk shape
+    # and byte order; shuffle and chunks never written go through read_direct
     rng = np.random.default_rng(3)
     path = tmp_path / "gz.h5"
     with h5py.File(path, "w") as f:
@@ -541,10 +529,10 @@ def test_gzip_chunks_are_inflated_in_threads(tmp_path, monkeypatch):
     decoded, threads = [], set()
     real_decode = _hdf5_chunks._decode
 
-    def decode(raw, mask, filters, itemsize):
-        decoded.append(filters)
+    def decode(raw, mask):
+        decoded.append(mask)
         threads.add(threading.get_ident())
-        return real_decode(raw, mask, filters, itemsize)
+        return real_decode(raw, mask)
 
     monkeypatch.setattr(_hdf5_chunks, "_decode", decode)
     monkeypatch.setattr(_hdf5_chunks, "_INFLATE_THREADS", 3)
@@ -554,16 +542,14 @@ def test_gzip_chunks_are_inflated_in_threads(tmp_path, monkeypatch):
         for key in "abcde":
             np.testing.assert_array_equal(batch[key].numpy(), f[key][()])
             assert batch[key].numpy().dtype == f[key].dtype.newbyteorder("=")
-    chunks = 15 * 4 + 12 * 3 + 7 + 1  # a, b, c, d; e is read by read_direct
-    assert len(decoded) == chunks
-    assert [2, 1] in decoded and [1] in decoded  # shuffle + deflate, deflate alone
+    assert len(decoded) == 15 * 4 + 12 * 3  # a, b; c, d (shuffle) and e by read_direct
     assert threading.get_ident() not in threads and len(threads) > 1
 
 
-def test_unfiltered_chunks_of_whole_rows_are_read_in_threads(tmp_path, monkeypatch):
-    # Note [Inflating chunks in threads]: chunks of whole rows go straight into their
-    # rows (a last chunk past the end, one chunk larger than the dataset, big-endian
-    # ones copied); chunks that split rows, or were never written, use read_direct
+def test_unfiltered_chunks_are_read_by_read_direct_without_the_chunk_cache(tmp_path, monkeypatch):
+    # Note [Reading HDF5 chunks once]: every chunk shape, a last chunk past the end, one
+    # chunk larger than the dataset, big-endian ones, chunks never written: read_direct
+    # on a dataset handle whose chunk cache holds 0 bytes, same values as h5py
     path = tmp_path / "chunked.h5"
     with h5py.File(path, "w") as f:
         f.create_dataset("a", data=np.arange(1030.0).reshape(103, 10), chunks=(8, 10))
@@ -573,25 +559,24 @@ def test_unfiltered_chunks_of_whole_rows_are_read_in_threads(tmp_path, monkeypat
         f.create_dataset("split", data=np.arange(1030.0).reshape(103, 10), chunks=(8, 5))
         partial = f.create_dataset("partial", shape=(103,), dtype="f4", chunks=(10,), fillvalue=7)
         partial[:35] = 1
-    direct = []
+    caches = {}
     real = h5py.Dataset.read_direct
 
     def spy(self, dest, source_sel=None, dest_sel=None):
-        direct.append(self.name)
+        caches[self.name] = self.id.get_access_plist().get_chunk_cache()[1]  # bytes
         return real(self, dest, source_sel, dest_sel)
 
     monkeypatch.setattr(h5py.Dataset, "read_direct", spy)
-    monkeypatch.setattr(_hdf5_chunks, "_INFLATE_THREADS", 3)
     batch = HDF5Dataset(path)[:]
     with h5py.File(path) as f:
         for key in ["a", "b", "c", "split", "partial"]:
             np.testing.assert_array_equal(batch[key].numpy(), f[key][()])
-    assert set(direct) == {"/split", "/partial"}
+    assert caches == dict.fromkeys(["/a", "/b", "/c", "/split", "/partial"], 0)
 
 
-def test_contiguous_datasets_are_copied_from_their_file_offset(tmp_path):
-    # a user block shifts every offset; an unwritten dataset has no offset (h5py gives
-    # garbage for it), a big-endian one is swapped after the raw copy
+def test_contiguous_datasets_with_a_user_block_unwritten_or_big_endian(tmp_path):
+    # a user block shifts every offset; an unwritten dataset has no offset, a
+    # big-endian one is swapped; a file cut inside the data is a named error
     path = tmp_path / "ub.h5"
     with h5py.File(path, "w", userblock_size=1024) as f:
         f["x"] = np.arange(4000, dtype=">f8").reshape(1000, 4)
@@ -943,9 +928,9 @@ def test_two_pandas_frames_with_one_column_name(tmp_path):
     assert ds.columns == ["x"] and ds[4]["x"] == 4 and len(ds) == 5
 
 
-def test_fields_are_copied_out_of_raw_records(tmp_path, monkeypatch):
-    # Note [Fields of raw records]: unfiltered records (contiguous, or chunked with a
-    # last chunk past the end) are read raw in blocks; gzip / vlen ones through HDF5
+def test_fields_of_records_are_read_by_hdf5(tmp_path):
+    # contiguous, chunked (a last chunk past the end), gzip and vlen records: HDF5
+    # converts each field straight into its column
     dtype = np.dtype([("a", ">i4"), ("p", [("x", "<f8"), ("ok", "?")]), ("v", "<u2", (3,))])
     rec = np.zeros(103, dtype)
     rec["a"], rec["p"]["x"], rec["p"]["ok"] = np.arange(103), np.arange(103) / 8, True
@@ -958,12 +943,6 @@ def test_fields_are_copied_out_of_raw_records(tmp_path, monkeypatch):
         f.create_dataset("gz", data=rec, chunks=(10,), compression="gzip")
         text = f.create_dataset("text", (103,), with_text)
         text[:] = [(*r.tolist(), "é") for r in rec]
-    copied = []
-    real = _hdf5_chunks.copy_field
-    monkeypatch.setattr(
-        _hdf5_chunks, "copy_field", lambda *a: copied.append(a[1].split("'")[1]) or real(*a)
-    )
-    monkeypatch.setattr(_hdf5_chunks, "_RECORD_BLOCK", 7 * dtype.itemsize)  # blocks of 7
     ds = HDF5Dataset(path, progress=False)
     batch = ds[list(range(103))]
     for key in ("flat", "chunked", "gz", "text"):
@@ -972,7 +951,6 @@ def test_fields_are_copied_out_of_raw_records(tmp_path, monkeypatch):
         assert batch[f"{key}/p/ok"].dtype == torch.bool and bool(batch[f"{key}/p/ok"].all())
         np.testing.assert_array_equal(batch[f"{key}/v"].numpy(), rec["v"])
     assert batch["text/t"] == ["é"] * 103
-    assert set(copied) == {"flat", "chunked"} and len(copied) == 2 * 4  # one per field
 
     with h5py.File(path) as f:
         end = f["flat"].id.get_offset() + 50 * dtype.itemsize
@@ -1073,3 +1051,16 @@ def test_nested_paths_that_clash_are_refused_before_loading(tmp_path, monkeypatc
         HDF5Dataset(path, nested=True, progress=False)
     assert isinstance(info.value, sd.SharedDataError) and loads == []
     assert len(HDF5Dataset(path, progress=False)) == 5  # flat names do not clash; file closed
+
+
+def test_packing_attributes_outside_netcdf_are_named(tmp_path):
+    """h5py-written codes with scale_factor/add_offset: loaded as stored, with a warning."""
+    path = tmp_path / "packed.h5"
+    with h5py.File(path, "w") as f:
+        t2m = f.create_dataset("t2m", data=np.arange(10, dtype=np.int16))
+        t2m.attrs["scale_factor"], t2m.attrs["add_offset"] = 0.5, 273.0
+        f["plain"] = np.arange(10)
+    with pytest.warns(UserWarning, match=r"'t2m' carries .*scale_factor.* not netCDF") as caught:
+        ds = HDF5Dataset(path, progress=False)
+    assert ds.specs["t2m"].dtype == np.int16 and ds[3]["t2m"] == 3  # the codes
+    assert len(caught) == 1 and "'plain'" not in str(caught[0].message)

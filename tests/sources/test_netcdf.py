@@ -31,6 +31,7 @@ if _PLUGINS is None:
 else:
     os.environ["HDF5_PLUGIN_PATH"] = _PLUGINS
 pytest.importorskip("h5netcdf")
+cftime = pytest.importorskip("cftime")
 
 ENGINES = ["netcdf4", "h5netcdf"]
 TIMES, LAT, LON = 30, 6, 8
@@ -149,7 +150,10 @@ def _equal(got, want, where):
 def compare(path, engine):
     """Rows of (file, engine, variable, result, detail); asserts every value equal."""
     rows = []
-    ds = HDF5Dataset(path, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = HDF5Dataset(path, progress=False)
+    named = [str(w.message) for w in caught]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # xarray's own warnings (noleap calendars)
         ref = xr.open_dataset(path, engine=engine)
@@ -162,6 +166,8 @@ def compare(path, engine):
         if want.dtype.kind == "O" and not isinstance(want.reshape(-1)[0], str):
             # a calendar numpy has no dates for (noleap): xarray gives cftime objects
             _equal(batch[name], raw[name].values, f"{path.name}:{name}")
+            calendar = ds.attrs[name]["calendar"]
+            assert any(f"{name!r}" in m and repr(calendar) in m for m in named), named
             rows.append(
                 (path.name, engine, name, "numbers", f"calendar {ds.attrs[name]['calendar']}")
             )
@@ -231,6 +237,116 @@ def test_a_node_shard_is_decoded_too(files):
     _equal(columns["temp"].gather(torch.arange(15)), ref["temp"].values[10:25], "temp")
 
 
+# -- CF times: every calendar, unit and date range against cftime --------------------------
+
+CALENDARS = ["standard", "gregorian", "proleptic_gregorian", "julian", "noleap", "365_day",
+             "all_leap", "366_day", "360_day"]  # fmt: skip
+UNITS = {"seconds": 86400, "minutes": 1440, "hours": 24, "days": 1}  # per day
+RANGES = {  # reference date: day offsets (dates from year 1 to 9999)
+    "0001-01-01": [0, 1, 577460, 730000],  # year 1; the Julian years; 1582; ~2000
+    "0001-01-01 00:00:00": [730000, 730001, 730500],  # ~2000 only, counted from year 1
+    "1500-01-01": [0, 31, 365],
+    "1677-09-22": [0, 1, 1000],  # just inside datetime64[ns]
+    "1970-01-01": [-36524, 0, 19000.5, 106750],  # 1870 to 2262
+    "2000-01-01": [0, 1, 200000],  # 2547: beyond datetime64[ns]
+    "9999-01-01": [0, 100, 300],
+}
+
+
+def _cf_times_file(path):
+    """One variable per calendar x unit x reference date, along one dimension."""
+    width = max(map(len, RANGES.values()))
+    with netCDF4.Dataset(path, "w") as f:
+        f.createDimension("t", width)
+        for c, calendar in enumerate(CALENDARS):
+            for u, (unit, per_day) in enumerate(UNITS.items()):
+                for r, (ref, days) in enumerate(RANGES.items()):
+                    days = days + [days[-1]] * (width - len(days))
+                    values = np.array(days) * per_day
+                    floats = any(d % 1 for d in days) or (c + u + r) % 2
+                    var = f.createVariable(f"v{c}_{u}_{r}", "f8" if floats else "i8", ("t",))
+                    var.units, var.calendar = f"{unit} since {ref}", calendar
+                    var[:] = values if floats else values.astype(np.int64)
+
+
+def _instant_ns(date):
+    """A cftime date as ns since 1970-01-01 on its own calendar (exact, a Python int)."""
+    delta = date - cftime.datetime(1970, 1, 1, calendar=date.calendar)
+    return ((delta.days * 86400 + delta.seconds) * 10**6 + delta.microseconds) * 1000
+
+
+def cf_table(path):
+    """Rows (calendar, unit, reference, result) and the assertions behind each.
+
+    Every variable is either decoded to the instants cftime (through
+    ``xarray.open_dataset(decode_times=CFDatetimeCoder(use_cftime=True))``) gives, with
+    xarray's date labels, or kept as its stored numbers with a warning naming it, its
+    units and its calendar; kept only when some date has no datetime64[ns] (a calendar
+    other than the standard ones, or outside 1677-09-21..2262-04-11).
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = HDF5Dataset(path, progress=False)
+    named = [str(w.message) for w in caught]
+    coder = xr.coders.CFDatetimeCoder(use_cftime=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = xr.open_dataset(path, engine="netcdf4", decode_times=coder)
+        raw = xr.open_dataset(path, engine="netcdf4", decode_times=False)
+    batch = ds[list(range(len(ds)))]
+    rows = []
+    for c, calendar in enumerate(CALENDARS):
+        for u, unit in enumerate(UNITS):
+            for r, since in enumerate(RANGES):
+                name = f"v{c}_{u}_{r}"
+                dates = ref[name].values
+                instants = [_instant_ns(d) for d in dates]
+                fits = calendar in ("standard", "gregorian", "proleptic_gregorian") and all(
+                    np.iinfo(np.int64).min < i <= np.iinfo(np.int64).max for i in instants
+                )
+                got = batch[name].numpy()
+                where = f"{name}: {unit} since {since}, {calendar}"
+                if fits:
+                    assert ds.attrs[name]["units"] == "nanoseconds since 1970-01-01", where
+                    assert got.tolist() == instants, where
+                    labels = np.array([np.datetime64(d.isoformat(), "ns") for d in dates])
+                    np.testing.assert_array_equal(got.view(labels.dtype), labels, err_msg=where)
+                    result = f"equal: {dates[0].isoformat()[:10]} .. {dates[-1].isoformat()[:10]}"
+                else:
+                    assert ds.attrs[name]["units"] == f"{unit} since {since}", where
+                    assert ds.attrs[name]["calendar"] == calendar, where
+                    np.testing.assert_array_equal(got, raw[name].values, err_msg=where)
+                    message = [m for m in named if f"{name!r}" in m]
+                    assert len(message) == 1, (where, named)
+                    assert f"{unit} since {since}" in message[0] and repr(calendar) in message[0]
+                    result = "numbers, named in a warning"
+                rows.append((calendar, unit, since, result))
+    return rows
+
+
+def test_cf_times_equal_cftime_on_every_calendar_or_stay_numbers(tmp_path):
+    path = tmp_path / "calendars.nc"
+    _cf_times_file(path)
+    rows = cf_table(path)
+    assert len(rows) == len(CALENDARS) * len(UNITS) * len(RANGES)
+    decoded = {(row[0], row[2]) for row in rows if row[3].startswith("equal")}
+    # only the standard calendars within datetime64[ns] (1677-09-21..2262-04-11) decode
+    standard = ("standard", "gregorian", "proleptic_gregorian")
+    within = ("0001-01-01 00:00:00", "1677-09-22", "1970-01-01")
+    assert decoded == {(c, r) for c in standard for r in within}
+
+
+def test_cf_times_without_cftime_are_a_named_error(files, monkeypatch):
+    path = _file(files, "xarray-netcdf4.nc")
+    monkeypatch.setitem(sys.modules, "cftime", None)  # import cftime: ImportError
+    with pytest.raises(sd.MissingDependencyError, match=r"'time'.*torch-shareddata\[netcdf\]"):
+        HDF5Dataset(path, progress=False)
+    codes = HDF5Dataset(path, decode_cf=False, progress=False)  # as stored: no cftime needed
+    assert codes.attrs["time"]["units"].startswith("hours since 2020-01-01")
+    durations = HDF5Dataset(path, ["lead"], progress=False)  # durations need no cftime
+    assert durations.attrs["lead"]["units"] == "nanoseconds"
+
+
 @pytest.mark.parametrize("keep", [0.3, 0.6, 0.9])
 def test_a_truncated_netcdf_file_is_a_named_error(files, tmp_path, keep):
     data = _file(files, "xarray-netcdf4.nc").read_bytes()
@@ -250,4 +366,9 @@ if __name__ == "__main__":  # the table for the docs / a report
         for engine in ENGINES:
             for row in compare(file, engine):
                 print("| " + " | ".join(row) + " |")
+    calendars = next(iter(made)).parent / "calendars.nc"
+    _cf_times_file(calendars)
+    print("\n| calendar | units | since | result |\n|---|---|---|---|")
+    for row in cf_table(calendars):
+        print("| " + " | ".join(row) + " |")
     sys.exit(0)

@@ -68,16 +68,6 @@ ABLATIONS = [  # (format, what is switched off, the patch that does it)
         "from shareddata.storage import _pages\n_pages._POPULATE_MAX_THREADS = 1",
     ),
     (
-        "hdf5 contiguous",
-        "read_direct instead of preadv from the dataset's offset",
-        "from shareddata.sources import hdf5\nhdf5.HDF5Source._raw_offset = lambda *a: None",
-    ),
-    (
-        "hdf5 chunked",
-        "read_direct instead of each chunk of whole rows preadv-ed by threads",
-        "from shareddata.sources import hdf5\nhdf5.HDF5Source._inflatable = lambda *a: None",
-    ),
-    (
         "hdf5 gzip",
         "read_direct (HDF5 inflates chunks in one thread) instead of threads",
         "from shareddata.sources import hdf5\nhdf5.HDF5Source._inflatable = lambda *a: None",
@@ -89,10 +79,8 @@ ABLATIONS = [  # (format, what is switched off, the patch that does it)
     ),
     ("parquet", "whole row groups decoded ahead by 2 threads while copying (not kept)", ""),
 ]
-RECORDS = {
-    "HDF5Dataset (raw records)": "",
-    "HDF5Dataset (HDF5 converts fields)": "from shareddata.sources.hdf5 import HDF5Source\n"
-    "HDF5Source._record_runs = lambda *a: None",
+RECORDS = {  # HDF5 converts each field into its column (bench_hdf5_readers.py)
+    "HDF5Dataset": "",
     "h5py ds[()] (baseline)": "",
 }
 
