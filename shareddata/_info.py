@@ -183,7 +183,7 @@ def info(args: argparse.Namespace) -> int:
             continue
         print(
             f"fits: NO, {format_bytes(needed - ram)} short. Load fewer columns (--keys/--columns "
-            "here, columns=[...] or keys=[...] in Python), or pass storage_dir='/a/local/disk'."
+            "here, columns=[...] in Python), or pass storage_dir='/a/local/disk'."
         )
         code = 1
     return code

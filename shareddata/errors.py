@@ -9,7 +9,7 @@ working::
     ├── MissingColumnError      (+ KeyError)           a key/column is not in the source
     ├── ColumnLengthError       (+ ValueError)         columns have different lengths
     ├── NullValuesError         (+ ValueError)         a column holds nulls, no fill given
-    ├── EmptySelectionError     (+ ValueError)         columns=[] / keys=[]: nothing selected
+    ├── EmptySelectionError     (+ ValueError)         columns=[]: nothing selected
     ├── UnsupportedDtypeError   (+ TypeError)          object / nested / compound data
     │   └── UnpicklableItemError                       an item that cannot be pickled
     ├── SourceReadError         (+ OSError)            corrupt or truncated file
@@ -94,7 +94,7 @@ class NullValuesError(SharedDataError, ValueError):
 
 
 class EmptySelectionError(SharedDataError, ValueError):
-    """A selection (``columns=[]``, ``keys=[]``, an empty mapping) names no data at all.
+    """A selection (``columns=[]``, an empty mapping) names no data at all.
 
     A dataset of no columns would have no rows, and a training loop over it would
     run no batches without a word; the message lists what the source has instead.

@@ -423,7 +423,7 @@ def test_empty_selection_is_a_value_error(kind, tmp_path):
         make(kind, tmp_path, rows=ROWS)
         path = tmp_path / ("data.h5" if kind == "hdf5" else "data.parquet")
         build = (
-            (lambda: sd.HDF5Dataset(path, keys=[]))
+            (lambda: sd.HDF5Dataset(path, columns=[]))
             if kind == "hdf5"
             else (lambda: sd.ParquetDataset(path, columns=[]))
         )

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from ..errors import ArgumentTypeError
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..sources.hdf5 import HDF5Source
 from ._dataset import ColumnDataset, Output
 from ._load import LoadOptions
@@ -52,7 +53,7 @@ class HDF5Dataset(ColumnDataset):
 
     Args:
         path: the HDF5 file.
-        keys: what to load, in sample order: dataset paths (``"images"``,
+        columns: what to load, in sample order: dataset paths (``"images"``,
             ``"grp/labels"``; a leading ``/`` is accepted), a field of a compound
             (``"table/x"``), a pandas frame's key (``"df"``) or one of its columns
             (``"df/price"``); a column is named by the path as given. ``None``:
@@ -60,7 +61,8 @@ class HDF5Dataset(ColumnDataset):
             ones, in visit order. The default selection leaves out scalars, shorter
             datasets, PyTables' and pandas' own index arrays, and, with a warning,
             datasets whose type cannot be stored (times, quad floats, references);
-            ``keys`` naming such a dataset raises instead.
+            ``columns`` naming such a dataset raises instead.
+        keys: the old name of ``columns`` (a ``FutureWarning``).
         transform: applied to each sample in the worker, after indexing.
         output: ``"dict"`` (``{key: value}``) or ``"tuple"`` (in key order).
         storage_dir: ``None`` keeps the data in RAM; a directory puts it in an
@@ -92,7 +94,7 @@ class HDF5Dataset(ColumnDataset):
     Raises:
         FileNotFoundError: ``path`` does not exist.
         KeyError: a key is not a dataset of the file (the message lists those that are).
-        ValueError: the datasets have different lengths; ``keys=[]``.
+        ValueError: the datasets have different lengths; ``columns=[]``.
         TypeError: a selected dataset's type cannot be stored (references, times).
         OSError: the file cannot be read: locked by a writer, not permitted, truncated
             or corrupt (``SourceReadError``, naming the cause and the fix).
@@ -132,8 +134,9 @@ class HDF5Dataset(ColumnDataset):
     def __init__(
         self,
         path: PathLike,
-        keys: str | Sequence[str] | None = None,
+        columns: str | Sequence[str] | None = None,
         *,
+        keys: str | Sequence[str] | None = None,
         transform: Callable[[Any], Any] | None = None,
         output: Output = "dict",
         storage_dir: str | os.PathLike[str] | None = None,
@@ -147,7 +150,20 @@ class HDF5Dataset(ColumnDataset):
     ) -> None:
         if not isinstance(decode_cf, bool):
             raise ArgumentTypeError(f"decode_cf must be True or False, got {decode_cf!r}")
-        source = HDF5Source(path, keys, sparse, decode_cf)
+        if keys is not None:
+            if columns is not None:
+                raise InvalidArgumentError(
+                    f"HDF5Dataset({os.fspath(path)!r}) got both columns= and keys=; pass "
+                    "columns= alone (keys= is its old name)."
+                )
+            warnings.warn(
+                "HDF5Dataset(keys=...) is now HDF5Dataset(columns=...), the name every "
+                "dataset class uses; keys= still works for now.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            columns = keys
+        source = HDF5Source(path, columns, sparse, decode_cf)
         self.labels = {p.name: dict(p.labels) for p in source.plans if p.labels is not None}
         self.coords = {n: _coord(v) for n, v in source.coords.items()}
         self.attrs = source.attrs

@@ -117,7 +117,7 @@ class Encoded:
             raise SourceReadError(
                 f"{self.label}: {name!r} (anndata {encoding(obj) or 'element'}) cannot be "
                 f"read ({error}); it is incomplete or corrupt. Re-write it, or pass "
-                "keys=[...] without it."
+                "columns=[...] without it."
             ) from error
 
     def _plans(self, obj: Any, name: str, skipped: dict[str, str] | None) -> list[Plan]:
@@ -175,7 +175,7 @@ class Encoded:
             raise NullValuesError(
                 f"{name!r} of {self.label} has {missing} missing value(s) (pandas <NA>); a "
                 "column needs a value in every row. Fix: fill them before writing (e.g. "
-                f"adata.obs[col] = adata.obs[col].fillna(0)), or pass keys=[...] without it."
+                f"adata.obs[col] = adata.obs[col].fillna(0)), or pass columns=[...] without it."
             )
         array = np.asarray(values)
         if array.dtype.kind in "OUS":  # strings: stored as UTF-8 bytes
@@ -207,7 +207,7 @@ def _read_elem(label: str, name: str) -> Callable[[Any], Any]:
             f"{label}: {name!r} is an anndata element (data frame, categorical or nullable "
             "array), which anndata's own reader reads, and anndata is not installed. "
             "Install it with: pip install 'torch-shareddata[anndata]' (or pass "
-            "keys=['X', ...] without it: matrices and plain arrays need no anndata)."
+            "columns=['X', ...] without it: matrices and plain arrays need no anndata)."
         ) from error
     io = getattr(anndata, "io", None)
     return io.read_elem if hasattr(io, "read_elem") else anndata.experimental.read_elem

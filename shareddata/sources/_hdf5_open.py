@@ -186,7 +186,7 @@ def read_errors(label: str, path: str, conversion: str) -> Iterator[None]:
             raise UnsupportedDtypeError(
                 f"{label}: dataset {path!r} cannot be converted from {conversion} by HDF5 "
                 f"({error}). Fix: store the column as a plain numeric dataset, or pass "
-                "keys=[...] without it."
+                "columns=[...] without it."
             ) from error
         if "not registered" in text or "can't open directory" in text:  # a filter
             raise MissingDependencyError(

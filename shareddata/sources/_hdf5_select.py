@@ -1,6 +1,6 @@
 """Which datasets of an HDF5 file become columns: ``keys`` resolved, or the default selection.
 
-The default selection (``keys=None``) takes every dataset and pandas frame whose
+The default selection (``columns=None``) takes every dataset and pandas frame whose
 rows equal the longest ones, leaving out scalars, PyTables' and pandas' own
 index arrays, and (with a warning) datasets whose type cannot be stored. Keys
 name datasets, fields of compound datasets, pandas frames or their columns.
@@ -96,12 +96,12 @@ class Selection:
                 raise MissingFileError(
                     f"{self.label}: {name!r} is an external link to {where}, and that file "
                     f"does not exist (HDF5 looks for it next to the linking file: {target}). "
-                    f"Fix: put {link.filename!r} there, or pass keys=[...] without {name!r}."
+                    f"Fix: put {link.filename!r} there, or pass columns=[...] without {name!r}."
                 ) from error
             raise MissingColumnError(
                 f"{self.label}: {name!r} is an external link to {where}, which cannot be "
                 f"opened ({error}). Fix: check that {link.path!r} exists in {target}, or "
-                f"pass keys=[...] without {name!r}."
+                f"pass columns=[...] without {name!r}."
             ) from error
 
     def _dataset_names(self, group: Any = None) -> list[str]:
@@ -297,15 +297,15 @@ class Selection:
             keys = [keys]
         elif not isinstance(keys, Iterable):
             raise ArgumentTypeError(
-                f"keys={reprlib.repr(keys)} (type {type(keys).__name__}) for {self.label} is not "
-                "a dataset path or a list of them; pass one of those, or keys=None for the "
+                f"columns={reprlib.repr(keys)} (type {type(keys).__name__}) for {self.label} is not "
+                "a dataset path or a list of them; pass one of those, or columns=None for the "
                 "default selection."
             )
         keys = list(keys)
         if not keys:
             raise EmptySelectionError(
-                f"keys=[] selects no dataset of {self.label}; pass the datasets to load, or "
-                f"keys=None for the default selection. Its datasets are: {self._choices()}."
+                f"columns=[] selects no dataset of {self.label}; pass the datasets to load, or "
+                f"columns=None for the default selection. Its datasets are: {self._choices()}."
             )
         plans: list[Plan] = []
         for key in keys:
@@ -337,7 +337,7 @@ class Selection:
             inside = self._dataset_names(obj)
             raise MissingColumnError(
                 f"key {key!r} of {self.label} is a group, not a dataset; pass the datasets "
-                f"you want from it (keys=[...]). It holds: {_listing(inside)}."
+                f"you want from it (columns=[...]). It holds: {_listing(inside)}."
             )
         if obj is not None:
             raise MissingColumnError(
@@ -406,7 +406,7 @@ class Selection:
                 )
                 raise InvalidArgumentError(
                     f"column {plan.name!r} of {self.label} is selected twice ({where}); every "
-                    "column needs its own name. Pass keys=[...] naming each column once."
+                    "column needs its own name. Pass columns=[...] naming each column once."
                 )
             seen[plan.name] = plan
         return plans

@@ -131,7 +131,7 @@ class SparseRead:
             raise SourceReadError(
                 f"{self.label}: group {self.group!r} is marked as a {self.layout.upper()} "
                 f"sparse matrix of shape {self.shape}, but {problem}; it is corrupt. "
-                "Re-write it (e.g. with anndata or scipy), or pass keys=[...] without it."
+                "Re-write it (e.g. with anndata or scipy), or pass columns=[...] without it."
             )
         dtype = np.dtype(data.dtype.str).newbyteorder("=")
         return Plan(name, self.group, self.shape[0], "sparse", dtype, (self.shape[1],),
@@ -178,7 +178,7 @@ class SparseRead:
             raise SourceReadError(
                 f"{self.label}: sparse matrix {self.group!r} of shape {self.shape} has a "
                 f"{what} index outside [0, {limit}) ({int(indices.min())}..{int(indices.max())}); "
-                "it is corrupt. Re-write it, or pass keys=[...] without it."
+                "it is corrupt. Re-write it, or pass columns=[...] without it."
             )
 
     def read(
@@ -201,7 +201,7 @@ class SparseRead:
         if np.any(np.diff(indptr) < 0):
             raise SourceReadError(
                 f"{self.label}: sparse matrix {self.group!r} has an 'indptr' that decreases; "
-                "it is corrupt. Re-write it, or pass keys=[...] without it."
+                "it is corrupt. Re-write it, or pass columns=[...] without it."
             )
         progress(indptr.nbytes)
         if nnz:

@@ -67,7 +67,7 @@ class HDF5Source:
 
     Attributes:
         plans: how each column is read, in column order.
-        skipped: with ``keys=None``, datasets and frame columns left out because
+        skipped: with ``columns=None``, datasets and frame columns left out because
             their type cannot be stored (name: the reason).
         coords: a netCDF file's variables along other dimensions, decoded (numpy).
         attrs: a netCDF file's variable attributes, by column and coordinate.
@@ -142,7 +142,7 @@ class HDF5Source:
             listing = ", ".join(f"{p.name!r}: {p.rows} rows" for p in self.plans)
             raise ColumnLengthError(
                 f"datasets of {self.label} have different lengths ({listing}); every column "
-                "needs one value per row. Pass keys=[...] of equal length, or trim them."
+                "needs one value per row. Pass columns=[...] of equal length, or trim them."
             )
         self._total = lengths.pop() if lengths else 0
 

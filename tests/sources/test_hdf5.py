@@ -428,9 +428,19 @@ def test_path_and_keys_of_a_wrong_type_are_argument_type_errors(h5path):
     with pytest.raises(TypeError, match=r"path=5 \(type int\) is not a path") as info:
         HDF5Dataset(5)
     assert isinstance(info.value, sd.ArgumentTypeError)
-    with pytest.raises(TypeError, match=r"keys=5 \(type int\) for .*every\.h5") as info:
-        HDF5Dataset(h5path, keys=5)
-    assert isinstance(info.value, sd.ArgumentTypeError) and "keys=None" in str(info.value)
+    with pytest.raises(TypeError, match=r"columns=5 \(type int\) for .*every\.h5") as info:
+        HDF5Dataset(h5path, columns=5)
+    assert isinstance(info.value, sd.ArgumentTypeError) and "columns=None" in str(info.value)
+
+
+def test_the_selection_is_columns_and_keys_is_its_old_name_with_a_warning(h5path):
+    with pytest.warns(FutureWarning, match=r"HDF5Dataset\(keys=\.\.\.\) is now .*columns="):
+        old = HDF5Dataset(h5path, keys=["arr"])
+    assert old.columns == ["arr"] == HDF5Dataset(h5path, columns=["arr"]).columns
+    assert HDF5Dataset(h5path, ["arr"]).columns == ["arr"]  # positional, as before
+    with pytest.raises(ValueError, match="both columns= and keys=") as info:
+        HDF5Dataset(h5path, columns=["arr"], keys=["arr"])
+    assert isinstance(info.value, sd.InvalidArgumentError)
 
 
 def _typed(name, htype):
@@ -494,7 +504,7 @@ def test_default_keys_skip_what_cannot_be_stored_with_a_warning(tmp_path):
 
 
 def test_empty_keys_list_what_exists(h5path):
-    with pytest.raises(ValueError, match=r"keys=\[\] selects no dataset.*'arr', 'ascii'") as info:
+    with pytest.raises(ValueError, match=r"columns=\[\] selects no dataset.*'arr', 'ascii'") as info:
         HDF5Dataset(h5path, [])
     assert isinstance(info.value, sd.EmptySelectionError)
 
