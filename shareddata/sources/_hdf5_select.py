@@ -297,8 +297,8 @@ class Selection:
             keys = [keys]
         elif not isinstance(keys, Iterable):
             raise ArgumentTypeError(
-                f"columns={reprlib.repr(keys)} (type {type(keys).__name__}) for {self.label} is not "
-                "a dataset path or a list of them; pass one of those, or columns=None for the "
+                f"columns={reprlib.repr(keys)} (type {type(keys).__name__}) for {self.label} "
+                "is not a dataset path or a list of them; pass one of those, or columns=None for the "
                 "default selection."
             )
         keys = list(keys)

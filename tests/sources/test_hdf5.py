@@ -504,9 +504,9 @@ def test_default_keys_skip_what_cannot_be_stored_with_a_warning(tmp_path):
 
 
 def test_empty_keys_list_what_exists(h5path):
-    with pytest.raises(ValueError, match=r"columns=\[\] selects no dataset.*'arr', 'ascii'") as info:
+    with pytest.raises(ValueError, match=r"columns=\[\] selects no dataset.*'arr', 'ascii'") as e:
         HDF5Dataset(h5path, [])
-    assert isinstance(info.value, sd.EmptySelectionError)
+    assert isinstance(e.value, sd.EmptySelectionError)
 
 
 def test_invalid_utf8_text_is_refused_when_loading(tmp_path):
