@@ -298,8 +298,8 @@ class Selection:
         elif not isinstance(keys, Iterable):
             raise ArgumentTypeError(
                 f"columns={reprlib.repr(keys)} (type {type(keys).__name__}) for {self.label} "
-                "is not a dataset path or a list of them; pass one of those, or columns=None for the "
-                "default selection."
+                "is not a dataset path or a list of them; pass one of those, or columns=None "
+                "for the default selection."
             )
         keys = list(keys)
         if not keys:
