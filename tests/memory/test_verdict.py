@@ -19,14 +19,14 @@ from kinds import KINDS, AllKinds, make, to_plain
 from torch.utils.data import DataLoader, Dataset
 
 import shareddata as sd
-from shareddata.memory import MemoryReport, ProcessMemory, _account, _buffers, verify
+from shareddata.memory import MemoryReport, ProcessMemory, _account, _process, verify
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning"),
 ]
 
 MIB = 1 << 20
-PAGE = _buffers.PAGE
+PAGE = _process.PAGE
 
 
 class ArrayRows(Dataset):
