@@ -81,6 +81,8 @@ class Holdings:
             self.code.setdefault(id(obj), obj)
             return 0.0
         self.code.setdefault(id(type(obj)), type(obj))
+        if isinstance(obj, Dataset):
+            self.datasets.append(obj)
         shared = shared_nbytes(obj)
         if shared is not None:  # its segments, not the mmap objects over them
             self.segments |= set(obj.segment_identity())
@@ -93,8 +95,6 @@ class Holdings:
             return self._tensor(obj)
         if isinstance(obj, mmap.mmap):
             return 0.0 if obj.closed else float(len(obj))
-        if isinstance(obj, Dataset):
-            self.datasets.append(obj)
         try:
             own = float(sys.getsizeof(obj))
         except TypeError:
@@ -105,7 +105,8 @@ class Holdings:
             return own + self._sample(obj.keys(), depth) + self._sample(obj.values(), depth)
         if isinstance(obj, (list, tuple, set, frozenset)):
             return own + self._sample(obj, depth)
-        return own + sum(self._size(child, depth + 1) for child in _attributes(obj))
+        d = getattr(obj, "__dict__", None)  # not a level of its own
+        return own + sum(self._size(c, depth + (c is not d)) for c in _attributes(obj))
 
     def _sample(self, items: Any, depth: int) -> float:
         n = len(items)
