@@ -1,4 +1,4 @@
-"""From two measurements of a loader's processes to the copies of its dataset, and a verdict.
+"""From two measurements to the copies of the dataset, and whether they decide.
 
 See Note [How duplication is measured] in ``_verify.py``.
 """
@@ -14,32 +14,20 @@ import torch
 
 from ._process import KIB, MIB, ProcessMemory
 
-#: Working memory a process may gain while iterating that is not data (allocator
-#: arenas, interpreter caches, the loader's queues and threads).
-WORKING_FLOOR = 4 * MIB
-#: Batches a worker may hold at once (its items, the collated batch, the previous one).
-BATCHES_PER_WORKER = 3
-#: Copies counted exactly decide only above this many bytes per process measured:
-#: below it a "copy" is a dataset object's few attributes, not data.
-EXACT_FLOOR = 64 * KIB
-#: The limit :func:`judge` decides against when ``verify`` is given none.
-DEFAULT_LIMIT = 1.10
+WORKING_FLOOR = 4 * MIB  # what a process's working memory may gain: arenas, caches, queues
+BATCHES_PER_WORKER = 3  # its items, the collated batch, the previous one
+EXACT_FLOOR = 64 * KIB  # exact counts decide above this a process: less is a few attributes
+DEFAULT_LIMIT = 1.10  # what judge() decides against when verify() is given no limit
 
 
 @dataclass(frozen=True)
 class Account:
     """Where the memory beyond one copy of the dataset went, in bytes.
 
-    Attributes:
-        copies: private copies of the pages of shareddata's segments (exact).
-        excess: growth of working memory beyond the workers' baselines.
-        resolution: the growth the estimate cannot tell from working memory.
-        attributed: ``copies + counted + estimated``: bytes counted as copies.
-        counted: copies outside the segments counted exactly (what ``spawn``
-            workers received by value, pages ``fork`` workers copied of arrays);
-            part of ``excess``.
-        estimated: the rest of ``excess``, when it exceeds ``resolution``, up to
-            one copy per process of the part of the dataset not counted exactly.
+    ``copies`` of the segments' pages (exact); ``excess``, the growth of working
+    memory beyond the baselines, which holds ``counted`` (copies outside the segments
+    counted exactly) and ``estimated`` (the rest, above ``resolution``, at most one
+    copy a process of what is not counted exactly); ``attributed``, their sum.
     """
 
     copies: int
@@ -70,16 +58,10 @@ def account(
     plain_bytes: int,
     counted: int = 0,
 ) -> Account:
-    """The copies of the dataset between two measurements of the same processes.
+    """The copies of the dataset between ``before`` (main process) and ``after`` (all).
 
-    Args:
-        before: the main process (and forkserver) before the workers started.
-        after: every process of the loader after its last batch.
-        baselines: the summed baselines of the workers in ``after``.
-        tolerance: the estimate's :func:`resolution`.
-        plain_bytes: the part of the dataset whose copies are not counted exactly:
-            working memory holds at most one copy of it per process.
-        counted: copies outside the segments counted exactly.
+    ``baselines``: the workers' summed baselines; ``tolerance``: the estimate's
+    resolution; ``plain_bytes``: the part of the dataset not counted exactly.
 
     Example:
         >>> row = ProcessMemory(pid=1, role="main", rss=0, uss=0, pss=10, shared=0)
@@ -100,19 +82,7 @@ def account(
 
 @dataclass(frozen=True)
 class Judgement:
-    """Whether a measurement decides, and if not, what would.
-
-    Attributes:
-        conclusive: the copies measured exceed the limit, each above its
-            resolution; or none could have escaped (the part not counted exactly
-            is larger than the resolution, so a copy of it would show, or so small
-            that a copy in every process stays within the limit). Never when the
-            loader has workers and none was measured, or when the duplication
-            exceeds the limit only by copies within their resolution.
-        unresolved: bytes of the dataset whose copies are not counted exactly.
-        needed: the dataset size from which the estimate would resolve a copy (0
-            when conclusive, or when no size would do).
-    """
+    """Whether a measurement decides, the bytes not counted exactly, the size that would."""
 
     conclusive: bool
     unresolved: int
@@ -130,18 +100,13 @@ def judge(
     workers_missing: bool = False,
     found: Account | None = None,
 ) -> Judgement:
-    """Decide whether ``duplication`` answers the question, or the answer is "cannot tell".
+    """Whether ``duplication`` answers the question against ``limit``, or "cannot tell".
 
-    Args:
-        dataset_bytes: the dataset's size.
-        exact_bytes: the part of it whose copies are counted exactly.
-        resolution: the estimate's resolution.
-        processes: how many processes were measured.
-        duplication: the duplication measured.
-        limit: ``max_duplication``; ``None`` decides against :data:`DEFAULT_LIMIT`.
-        workers_missing: the loader has workers but none was measured.
-        found: the account; a copy decides only above its resolution (the
-            estimate's, or :data:`EXACT_FLOOR` per process for exact counts).
+    Over the limit, it decides when the copies ``found`` are above their resolution
+    (:data:`EXACT_FLOOR` a process for exact counts, ``resolution`` for the estimate).
+    Within it, when no copy could have escaped: the part not counted exactly is above
+    the resolution (a copy would show) or so small that a copy in every process stays
+    within the limit; never when ``workers_missing``.
 
     Example:
         >>> MIB = 1 << 20
@@ -155,12 +120,13 @@ def judge(
     bound = DEFAULT_LIMIT if limit is None else limit
     unresolved = max(dataset_bytes - exact_bytes, 0)
     if duplication > bound:
-        decided = (duplication - 1.0) * dataset_bytes
+        within = 0  # copies within their resolution do not decide (copies of ranks do)
         if found is not None:
             exact = found.copies + found.counted
-            decided = exact if exact > EXACT_FLOOR * processes else 0
-            decided += found.estimated if found.estimated > found.resolution else 0
-        return Judgement(bound < 1.0 or 1.0 + decided / dataset_bytes > bound, unresolved)
+            within = exact if exact <= EXACT_FLOOR * processes else 0
+            within += found.estimated if found.estimated <= found.resolution else 0
+        decided = duplication - within / dataset_bytes > bound
+        return Judgement(bound < 1.0 or decided, unresolved)
     if workers_missing:
         return Judgement(False, unresolved)
     if unresolved > resolution or unresolved * processes <= (bound - 1.0) * dataset_bytes:

@@ -49,17 +49,12 @@ def shared_nbytes(obj: Any) -> int | None:
 
 
 class Holdings:
-    """What a walk of an object graph found (:func:`holdings`).
+    """What a walk found (:func:`holdings`).
 
-    Attributes:
-        nbytes: the estimated bytes held.
-        shared_bytes: bytes of the shareddata datasets found (each counted once).
-        segments: ``(st_dev, st_ino)`` of every segment they map.
-        count: how many shareddata datasets were found.
-        buffers: ``(address, nbytes)`` of the numpy and CPU torch buffers found
-            outside them (object arrays hold pointers, not data, and are left out).
-        code: classes and functions met, which a worker imports to use the dataset.
-        datasets: the torch ``Dataset`` objects met, outermost first.
+    ``nbytes`` (the estimate); the shareddata datasets' bytes (``shared_bytes``),
+    ``segments`` and ``count``; the ``(address, nbytes)`` of the
+    other numpy and CPU torch ``buffers``; the classes and functions met (``code``,
+    what a worker imports); the torch ``datasets`` met, outermost first.
     """
 
     def __init__(self) -> None:
@@ -193,10 +188,7 @@ def estimate_nbytes(obj: Any) -> int:
 
 def dataset_nbytes(dataset: Any) -> int:
     """The dataset's ``nbytes`` when it is an integer, else :func:`estimate_nbytes`."""
-    try:
-        nbytes = getattr(dataset, "nbytes", None)
-    except Exception:
-        nbytes = None
+    nbytes = getattr(dataset, "nbytes", None)
     if isinstance(nbytes, (int, np.integer)) and not isinstance(nbytes, bool):
         return int(nbytes)
     return estimate_nbytes(dataset)
@@ -239,9 +231,8 @@ class _Counter:
 
     nbytes = 0
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Any) -> None:
         self.nbytes += memoryview(data).nbytes
-        return memoryview(data).nbytes
 
 
 def _elsewhere() -> None:

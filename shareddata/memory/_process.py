@@ -37,11 +37,8 @@ class ProcessMemory:
         shared: resident pages another process maps too (``Shared_*``).
         pss_file: the part of ``pss`` backed by files; 0 where not reported.
         data_rss: resident pages of the dataset's segments this process maps.
-        data_pss: its share of them (part of ``pss``).
-        data_copied: private copies of them made in this process by writes
-            (``Anonymous`` pages of the segments' mappings; part of ``data_pss``).
-        data_file: the part of ``data_pss`` counted in ``pss_file`` (a ``storage_dir``
-            on disk).
+        data_pss: its share of them; ``data_copied`` the private copies writes made
+            of them (``Anonymous``); ``data_file`` the part on disk (in ``pss_file``).
         transport: PSS of batches in flight (``shareddata-batch`` memfds).
     """
 
@@ -60,11 +57,7 @@ class ProcessMemory:
 
     @property
     def working(self) -> int:
-        """PSS outside file pages, the dataset's segments and batches in flight.
-
-        Where a copy of a dataset that is not in shareddata's segments lives, and the
-        process's own working memory.
-        """
+        """PSS outside file pages, the dataset's segments and batches in flight."""
         return self.pss - self.pss_file - (self.data_pss - self.data_file) - self.transport
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,13 +66,7 @@ class ProcessMemory:
 
 
 def measure(pid: int | None = None, role: str = "", segments: Segments = ()) -> ProcessMemory:
-    """Measure one process from ``/proc/<pid>/smaps_rollup``, or psutil where absent.
-
-    Args:
-        pid: the process; ``None`` is the calling process.
-        role: a label kept in the row.
-        segments: ``(st_dev, st_ino)`` of the dataset's segments, whose pages are
-            reported apart (``data_*``).
+    """Measure process ``pid`` (``None``: this one); ``segments``' pages go to ``data_*``.
 
     Raises:
         ProcessLookupError: the process does not exist (any more).
@@ -158,23 +145,9 @@ def segment_pages(pid: int, segments: Segments = ()) -> tuple[int, int, int, int
     """``(rss, pss, copied, file, transport)`` of ``pid``'s mappings of ``segments``.
 
     A mapping's header in ``/proc/<pid>/smaps`` carries the device (hex
-    ``major:minor``) and inode of the mapped file: a segment's memfd shows as
-    ``/memfd:shareddata (deleted)``, a ``storage_dir`` segment as its file, both with
-    the inode ``os.fstat`` gives. ``copied`` is their ``Anonymous`` pages (copies
-    made by writes); ``file`` the part of ``pss`` on a disk file system;
-    ``transport`` the PSS of batches in flight (``/memfd:shareddata-batch``).
-
-    Example:
-        >>> import mmap
-        >>> fd = os.memfd_create("shareddata")
-        >>> os.ftruncate(fd, 1 << 20)
-        >>> m = mmap.mmap(fd, 1 << 20)
-        >>> m.write(b"x" * (1 << 20))
-        1048576
-        >>> st = os.fstat(fd)
-        >>> segment_pages(os.getpid(), {(st.st_dev, st.st_ino)})[:3]
-        (1048576, 1048576, 0)
-        >>> m.close(); os.close(fd)
+    ``major:minor``) and inode of the file mapped (a segment's memfd, or its file in
+    ``storage_dir``). ``copied``: their ``Anonymous`` pages (copies writes made);
+    ``file``: the part of ``pss`` on disk; ``transport``: the PSS of batches in flight.
     """
     wanted = {(f"{os.major(d):02x}:{os.minor(d):02x}", str(i)) for d, i in segments}
     totals = {"data": [0, 0, 0, 0], "transport": [0, 0, 0, 0]}  # rss, pss, copied, file
@@ -220,9 +193,7 @@ def _is_shmem(device: str) -> bool:
 
 
 def private_pages(buffers: Iterable[tuple[int, int]]) -> Pages:
-    """The whole pages of ``(address, nbytes)`` buffers in this process's private anonymous memory.
-
-    Buffers in shared memory or mapped files are left out: a write cannot copy them.
+    """The whole pages of ``(address, nbytes)`` buffers in private anonymous mappings.
 
     Example:
         >>> a = np.ones(1 << 20)  # 8 MiB: its own mapping
@@ -250,12 +221,10 @@ def private_pages(buffers: Iterable[tuple[int, int]]) -> Pages:
 
 
 def copied_pages(pid: int, pages: Pages) -> int | None:
-    """Bytes of ``pages`` that process ``pid`` holds alone: its private copies of them.
+    """Bytes of this process's ``pages`` that fork child ``pid`` holds alone (copied).
 
-    ``/proc/<pid>/pagemap`` has one 64-bit entry per page: bit 63 "present", bit 56
-    "exclusively mapped" (Linux >= 4.2, readable without privileges). A fork worker
-    has its parent's addresses, so the parent's pages of an array are its pages.
-    ``None`` where pagemap cannot be read.
+    ``/proc/<pid>/pagemap``: bit 63 of a page's entry is "present", bit 56
+    "exclusively mapped" (Linux >= 4.2). ``None`` where it cannot be read.
     """
     mask = np.uint64((1 << 63) | (1 << 56))
     total = 0

@@ -17,39 +17,35 @@ _SHARED = "sd.NumpyDataset, sd.HDF5Dataset, sd.ParquetDataset, sd.ArrowDataset"
 
 @dataclass
 class MemoryReport:
-    """What :func:`verify` measured (see Note [How duplication is measured]).
+    """What :func:`verify` measured (see Note [How duplication is measured]), in bytes.
 
     Attributes:
-        dataset_bytes: size of the dataset the ratio is relative to.
-        total_pss: sum of PSS over :attr:`processes`, after the last batch.
+        dataset_bytes: the dataset's size, which the ratio is relative to.
+        total_pss: PSS summed over :attr:`processes` after the last batch.
         duplication: how many times the dataset is held, as far as measured.
         processes: one :class:`ProcessMemory` per process, main process first.
-        baseline_bytes: private memory of one worker holding no data (a probe).
+        baseline_bytes: private memory of one worker holding no data (a probe's).
         start_method: ``"fork"``, ``"spawn"``, ``"forkserver"``; ``None`` without workers.
         num_workers: the loader's workers (for another loader: the workers found).
         pss_before: PSS of the main process (and forkserver) before the workers started.
-        extra_bytes: bytes counted as copies beyond one copy of the dataset.
-        batches: batches iterated before measuring.
-        max_duplication: the limit checked against, ``None`` for no check.
-        local_ranks: local ranks measured together (1: this process alone).
-        rank_copies: copies held by those ranks' main processes.
-        shared_bytes: the part of the dataset in shareddata's segments.
-        copied_bytes: private copies of their pages (exact).
-        working_bytes: growth of working memory beyond the workers' baselines.
-        resolution: the growth the estimate cannot tell from working memory.
-        batch_bytes: bytes of the largest batch.
-        received_bytes: bytes of the dataset each ``spawn``/``forkserver`` worker
-            received by value; ``None`` when not counted.
-        buffer_bytes: under ``fork``, bytes of the dataset's arrays whose pages were
-            checked in every worker.
-        counted_bytes: copies outside the segments counted exactly (received by
-            value, or array pages copied).
-        conclusive: whether the measurement decides (see :attr:`status`).
-        unresolved_bytes: the part of the dataset whose copies are only estimated.
-        needed_bytes: when inconclusive, the dataset size from which the estimate
-            would see a copy (0 when no size would do).
-        array_bytes: bytes of the numpy/torch arrays and shareddata datasets found
-            in the dataset: 0 for one that makes its items on the fly.
+        extra_bytes: bytes counted as copies beyond one copy.
+        batches: batches iterated; ``max_duplication``: the limit (``None``: none).
+        local_ranks: local ranks measured together; ``rank_copies``: copies their
+            main processes hold.
+        shared_bytes: the part of the dataset in shareddata's segments;
+            ``copied_bytes``: private copies of their pages (exact).
+        working_bytes: growth of working memory beyond the baselines (the estimate);
+            ``resolution``: the growth it cannot tell from a copy.
+        batch_bytes: the largest batch.
+        received_bytes: what each ``spawn``/``forkserver`` worker received by value
+            (``None``: not counted); ``buffer_bytes``: under ``fork``, the arrays whose
+            pages were checked in every worker; ``counted_bytes``: the copies these
+            two counted exactly.
+        conclusive: whether it decides (:attr:`status`); ``unresolved_bytes``: the
+            part only estimated; ``needed_bytes``: the dataset size from which the
+            estimate would see a copy of it.
+        array_bytes: arrays and shareddata datasets found in the dataset (0 for one
+            that makes its items on the fly).
     """
 
     dataset_bytes: int
@@ -227,31 +223,18 @@ class MemoryReport:
         return json.dumps(self.to_dict(), **kwargs)
 
     def plot(self, path: str | os.PathLike[str], *, title: str = "") -> pathlib.Path:
-        """Write a PNG bar chart of private (USS) vs shared memory per process.
+        """Write a PNG bar chart of private (USS) and shared memory per process to ``path``.
 
-        A dashed line marks the dataset's size: a copy of the data in a worker shows
-        as a private bar that high. Drawn on matplotlib's Agg canvas (no display,
-        pyplot's state left alone).
-
-        Args:
-            path: the PNG file to write.
-            title: a title above the chart (default: the verdict only).
-
-        Returns:
-            ``path``, as a ``pathlib.Path``.
-
-        Raises:
-            MissingDependencyError: matplotlib is not installed.
+        A dashed line marks the dataset's size: a copy in a worker is a private bar
+        that high. Needs matplotlib (``MissingDependencyError`` without it).
 
         Example:
             >>> import os, tempfile, torch
             >>> from torch.utils.data import DataLoader, TensorDataset
             >>> from shareddata import verify
-            >>> loader = DataLoader(TensorDataset(torch.zeros(64, 4)), batch_size=16)
-            >>> report = verify(loader, max_duplication=None)
+            >>> report = verify(DataLoader(TensorDataset(torch.zeros(64, 4))), max_duplication=None)
             >>> with tempfile.TemporaryDirectory() as tmp:
-            ...     png = report.plot(os.path.join(tmp, "memory.png"))
-            ...     png.read_bytes()[1:4]
+            ...     report.plot(os.path.join(tmp, "memory.png")).read_bytes()[1:4]
             b'PNG'
         """
         from ._plot import save

@@ -32,6 +32,7 @@ ranks, local rank 0 measures every process of the node at the same two moments
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import multiprocessing
 import os
@@ -53,7 +54,7 @@ from ._account import account, batch_nbytes, judge, resolution
 from ._baseline import probe_baseline, probe_references
 from ._dataset import dataset_nbytes, holdings, pickled_nbytes
 from ._node import node_verifier
-from ._process import ProcessMemory, copied_pages, measure_all, private_pages
+from ._process import Pages, ProcessMemory, copied_pages, measure_all, private_pages
 from ._report import MemoryReport, duplication_message
 
 
@@ -67,32 +68,20 @@ def verify(
 ) -> MemoryReport:
     """Run ``loader``, measure all its processes, and check the dataset is held once.
 
-    Works on a ``DataLoader`` (any dataset, with or without workers, persistent or
-    not, every start method) and on any other iterable loader whose workers are
-    child processes of this one (a ``torchdata.nodes.Loader``, a
-    ``StatefulDataLoader``, Lightning's loaders): its workers are the processes
-    that appear while it iterates, its dataset the first ``Dataset`` it holds. The
-    loader is left usable. See Note [How duplication is measured].
-
-    Args:
-        loader: the loader to check, as the training code builds it.
-        batches: how many batches to iterate before measuring; ``None`` is one full
-            epoch; capped at one epoch.
-        max_duplication: the largest acceptable :attr:`MemoryReport.duplication`;
-            ``None`` only measures.
-        dataset_bytes: the dataset's size; by default its ``nbytes`` or an estimate.
-        across_ranks: measure every process of the node and return the node's
-            report on every rank (call ``verify`` on every local rank); the default
-            does so under ``torchrun`` with several local ranks.
-
-    Returns:
-        The :class:`MemoryReport`.
+    ``loader``: a ``DataLoader`` (any dataset, workers or not, persistent or not, every
+    start method), or any other iterable loader whose workers are child processes of
+    this one (``torchdata.nodes.Loader``, ``StatefulDataLoader``, Lightning's): its
+    workers are the processes that appear while it iterates, its dataset the first
+    ``Dataset`` it holds. The loader is left usable. ``batches``: batches before
+    measuring (``None``: one epoch, the cap). ``max_duplication``: the limit (``None``
+    only measures). ``dataset_bytes``: the dataset's size, by default its ``nbytes``
+    or an estimate. ``across_ranks``: measure every process of the node, on every
+    local rank (the default under ``torchrun`` with several local ranks). See Note
+    [How duplication is measured].
 
     Raises:
-        DuplicationError: ``duplication`` exceeds ``max_duplication``, by copies
-            measured above their resolution; ``.report`` holds the report.
-        InconclusiveError: cannot tell (not a pass); the message says what would
-            decide; ``.report`` holds the report.
+        DuplicationError: copies measured above their resolution exceed the limit.
+        InconclusiveError: cannot tell (not a pass); the message says what would decide.
         ValueError: ``batches`` is not positive, or the loader yields no batch.
         TypeError: ``loader`` is a ``Dataset`` or not iterable.
 
@@ -121,13 +110,15 @@ def verify(
     if nbytes < 0:
         raise InvalidArgumentError(f"dataset_bytes must be >= 0, got {dataset_bytes!r}")
     plain = max(nbytes - found.shared_bytes, 0)
-    refs = probe_references(list(found.code.values())[:200], *_callables(loader))
+    callables = (getattr(loader, "collate_fn", None), getattr(loader, "worker_init_fn", None))
+    refs = probe_references(list(found.code.values())[:200], *callables)
     method = _start_method(loader) if torch_loader else None
     if torch_loader:
         _stop_persistent_workers(loader)
     node = node_verifier(across_ranks, found.segments)
-    measure_before = node.measurer("before") if node else _measurer(found.segments)
-    measure_after = node.measurer("after") if node else _measurer(found.segments)
+    alone = functools.partial(measure_all, segments=found.segments)
+    measure_before = node.measurer("before") if node else alone
+    measure_after = node.measurer("after") if node else alone
     pages = private_pages(found.buffers) if plain and method in ("fork", None) else ()
     with _frozen_heap(method == "fork" or not torch_loader):
         has_workers = torch_loader and loader.num_workers > 0
@@ -197,8 +188,11 @@ def verify(
     return report
 
 
+_END = object()
+
+
 class _Run:
-    """One pass over a loader, measured right after its last batch."""
+    """One pass over a loader, measured after its last batch (every batch if not known)."""
 
     def __init__(self, loader: Any, batches: int | None, server: int | None, measurer: Any):
         self.loader, self.server, self.measurer = loader, server, measurer
@@ -212,34 +206,27 @@ class _Run:
         self.copies: int | None = None
         self.method: str | None = None
 
-    def iterate(self, pages: tuple[tuple[int, int], ...], node_wide: bool) -> None:
-        """Iterate to the target (one epoch at most), measuring at the last batch."""
-        loader = self.loader
-        # An unknown or unreliable length gives no last batch to wait for: measure
-        # after every batch and keep the latest figures.
+    def iterate(self, pages: Pages, node_wide: bool) -> None:
+        loader, torch_loader = self.loader, isinstance(self.loader, DataLoader)
         every = self.target is None or isinstance(getattr(loader, "dataset", None), IterableDataset)
-        if node_wide:  # one meeting, at a last batch known ahead
-            if self.target is None:
-                raise InvalidArgumentError(
-                    "verify() across local ranks needs batches= for a loader without len()"
-                )
-            every = False
-        self.before = _children()
+        if node_wide and self.target is None:  # one meeting, at a last batch known ahead
+            raise InvalidArgumentError(
+                "verify() across local ranks needs batches= for a loader without len()"
+            )
+        self.before = {p.pid for p in _children()}
         iterator = iter(loader)
         try:
             while self.target is None or self.received < self.target:
-                try:
-                    batch = next(iterator)
-                except StopIteration:
+                batch = next(iterator, _END)
+                if batch is _END:
                     break
                 self.received += 1
                 self.batch_bytes = max(self.batch_bytes, batch_nbytes(batch))
-                if every or self.received == self.target:
-                    self._measure(iterator, pages)
+                if (every and not node_wide) or self.received == self.target:
+                    self._measure(iterator, pages, torch_loader)
                 del batch
         finally:
-            persistent = getattr(loader, "persistent_workers", False)
-            if isinstance(loader, DataLoader) and not (persistent and loader.num_workers):
+            if torch_loader and not (loader.persistent_workers and loader.num_workers):
                 shutdown_dataloader_iterator(iterator)
             del iterator
         if not self.rows:
@@ -249,49 +236,34 @@ class _Run:
                 "one batch"
             )
 
-    def _measure(self, iterator: Any, pages: tuple[tuple[int, int], ...]) -> None:
-        generic = not isinstance(self.loader, DataLoader)
-        server = self.server or (_forkserver_pid() if generic else None)
-        procs: list[tuple[int | None, str]] = [(os.getpid(), "main"), (server, "forkserver")]
+    def _measure(self, iterator: Any, pages: Pages, torch_loader: bool) -> None:
+        server = self.server or (None if torch_loader else _forkserver_pid())
         pids = dataloader_worker_pids(iterator)
-        new = [p for p in _child_processes() if p.pid not in self.before and p.pid != server]
         if pids is None:  # a loader that does not expose its workers: the new children
+            new = [p for p in _children() if p.pid not in self.before and p.pid != server]
             pids = sorted(p.pid for p in new)
-            self.method = _method_of(new, server)
-        procs += [(pid, f"worker {i}") for i, pid in enumerate(pids)]
-        self.rows = self.measurer(procs)
+            with contextlib.suppress(psutil.Error, IndexError):
+                spawned = "spawn_main" in " ".join(new[0].cmdline())
+                forked = "forkserver" if server and new[0].ppid() == server else "fork"
+                self.method = "spawn" if spawned else forked
+        procs = [(os.getpid(), "main"), (server, "forkserver")]
+        self.rows = self.measurer(procs + [(pid, f"worker {i}") for i, pid in enumerate(pids)])
         workers = [p.pid for p in self.rows if p.role.startswith("worker")]
         if pages and workers and self.method in ("fork", None):
             counts = [copied_pages(pid, pages) for pid in workers]
             self.copies = None if None in counts else sum(c or 0 for c in counts)
 
 
-def _child_processes() -> list[psutil.Process]:
+def _children() -> list[psutil.Process]:
     """This process's descendants but the resource tracker and torch's shm manager."""
     found = []
-    try:
+    with contextlib.suppress(psutil.Error):
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 cmd = " ".join(child.cmdline())
                 if "resource_tracker" not in cmd and "torch_shm_manager" not in cmd:
                     found.append(child)
-    except psutil.Error:
-        pass
     return found
-
-
-def _children() -> set[int]:
-    return {p.pid for p in _child_processes()}
-
-
-def _method_of(workers: list[psutil.Process], server: int | None) -> str | None:
-    """The start method of ``workers``, from how they were started."""
-    with contextlib.suppress(psutil.Error):
-        for worker in workers:
-            if "spawn_main" in " ".join(worker.cmdline()):
-                return "spawn"
-            return "forkserver" if server is not None and worker.ppid() == server else "fork"
-    return None
 
 
 def _dataset_of(loader: Any) -> Any:
@@ -301,10 +273,6 @@ def _dataset_of(loader: Any) -> Any:
         datasets = holdings(loader).datasets
         dataset = datasets[0] if datasets else loader
     return dataset
-
-
-def _callables(loader: Any) -> list[Any]:
-    return [getattr(loader, "collate_fn", None), getattr(loader, "worker_init_fn", None)]
 
 
 @contextlib.contextmanager
@@ -319,10 +287,6 @@ def _frozen_heap(freeze: bool) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def _measurer(segments: Any) -> Any:
-    return lambda procs: measure_all(procs, segments)
 
 
 def _start_method(loader: DataLoader) -> str | None:

@@ -335,9 +335,12 @@ def test_a_torchdata_nodes_loader_is_measured():
     print(f"\nfork, torchdata.nodes over sd.NumpyDataset: {report.verdict_line()}\n{report}")
     assert report.status == "ok" and report.duplication <= 1.10
     assert (report.num_workers, report.start_method, report.batches) == (2, "fork", 32)
-    assert [p.role for p in report.processes] == ["main", "worker 0", "worker 1"]
+    workers = [p for p in report.processes if p.role.startswith("worker")]
+    # (a forkserver an earlier loader started is measured too, as its own row)
+    assert [p.role for p in report.processes if p.role != "forkserver"][0] == "main"
+    assert [p.role for p in workers] == ["worker 0", "worker 1"]
     assert report.shared_bytes == report.dataset_bytes == data.nbytes
-    assert all(p.data_rss > 0 for p in report.processes[1:])  # the workers read its pages
+    assert all(p.data_rss > 0 for p in workers)  # the workers read its pages
     assert sum(len(batch["data"]) for batch in shared) == len(data)  # still usable
 
 
