@@ -116,6 +116,14 @@ def judge(
         >>> judge(dataset_bytes=4 * MIB, exact_bytes=4 * MIB, resolution=15 * MIB,
         ...       processes=3, duplication=1.0, limit=1.1).conclusive
         True
+        >>> pickles = Account(copies=0, excess=0, resolution=MIB, attributed=2048, counted=2048)
+        >>> judge(dataset_bytes=4096, exact_bytes=4096, resolution=MIB, processes=3,
+        ...       duplication=1.5, limit=1.1, found=pickles).conclusive  # 2 KiB: cannot tell
+        False
+        >>> none = Account(copies=0, excess=0, resolution=MIB, attributed=0)
+        >>> judge(dataset_bytes=MIB, exact_bytes=MIB, resolution=MIB, processes=6,
+        ...       duplication=2.0, limit=1.1, found=none).conclusive  # two ranks' copies
+        True
     """
     bound = DEFAULT_LIMIT if limit is None else limit
     unresolved = max(dataset_bytes - exact_bytes, 0)
