@@ -56,10 +56,12 @@ def assert_shared(
     pages ``fork`` workers copy of a plain dataset's arrays. Other copies are
     estimated from the processes' growth, and growth within ``report.resolution``
     (the working memory iterating adds: a few MiB per process and the batches in
-    flight) is not counted, so a correct loader never fails on noise. Where a copy
-    could hide within that resolution, the check cannot tell and fails with
-    :class:`shareddata.InconclusiveError` (an ``AssertionError`` too), saying what
-    would decide: never a pass.
+    flight) is not counted, so a correct loader never fails on noise; nor do copies
+    counted exactly of 64 KiB a process or less (a dataset that makes its items on
+    the fly). Where a copy could hide within a resolution, the check cannot tell and
+    fails with :class:`shareddata.InconclusiveError` (an ``AssertionError`` too),
+    saying what would decide: never a pass. ``loader`` may be any iterable loader
+    whose workers are child processes (see :func:`shareddata.verify`).
 
     Args:
         loader: the DataLoader your training code builds (with its workers).

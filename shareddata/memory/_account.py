@@ -1,11 +1,6 @@
-"""From two measurements of a loader's processes to the copies of its dataset, and a verdict.
+"""From two measurements to the copies of the dataset, and whether they decide.
 
-The copies of the dataset's pages in shareddata's segments are counted exactly, and
-so are the copies ``spawn`` workers receive and the pages ``fork`` workers copy of
-its arrays; the rest is estimated from the growth of the processes' working memory,
-with a stated resolution below which the estimate cannot tell data from working
-memory. :func:`judge` says whether the measurement decides at all (Note [How
-duplication is measured] in ``_verify.py``).
+See Note [How duplication is measured] in ``_verify.py``.
 """
 
 from __future__ import annotations
@@ -17,38 +12,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._process import MIB, ProcessMemory
+from ._process import KIB, MIB, ProcessMemory
 
-#: Working memory a process may gain while iterating that is not data: allocator
-#: arenas, interpreter caches, the DataLoader's own queues and threads.
-WORKING_FLOOR = 4 * MIB
-#: Batches a worker may hold resident at once (the items, the collated batch, the
-#: freed memory of the previous batch kept by the allocator).
-BATCHES_PER_WORKER = 3
-#: The limit :func:`judge` decides against when ``verify`` is given none.
-DEFAULT_LIMIT = 1.10
+WORKING_FLOOR = 4 * MIB  # what a process's working memory may gain: arenas, caches, queues
+BATCHES_PER_WORKER = 3  # its items, the collated batch, the previous one
+EXACT_FLOOR = 64 * KIB  # exact counts decide above this a process: less is a few attributes
+DEFAULT_LIMIT = 1.10  # what judge() decides against when verify() is given no limit
 
 
 @dataclass(frozen=True)
 class Account:
-    """Where the memory beyond one copy of the dataset went.
+    """Where the memory beyond one copy of the dataset went, in bytes.
 
-    Attributes:
-        copies: private copies of the dataset's pages in shareddata's segments
-            (copy-on-write), counted exactly from ``/proc/<pid>/smaps``.
-        excess: growth of the processes' working memory (outside the dataset's
-            segments, file pages and batches in flight) beyond each worker's
-            baseline: an estimate.
-        resolution: the working memory the estimate cannot tell from a copy of the
-            data; an ``excess`` within it is not counted as duplication.
-        attributed: bytes counted as copies of the dataset: ``copies`` and
-            ``counted``, plus the rest of ``excess`` when that exceeds ``resolution``
-            (up to one copy per process of the part of the dataset outside
-            shareddata's segments).
-        counted: copies outside shareddata's segments counted exactly: what
-            ``spawn``/``forkserver`` workers received by value, or the pages of the
-            dataset's arrays ``fork`` workers copied. They live in working memory,
-            so ``excess`` includes them.
+    ``copies`` of the segments' pages (exact); ``excess``, the growth of working
+    memory beyond the baselines, which holds ``counted`` (copies outside the segments
+    counted exactly) and ``estimated`` (the rest, above ``resolution``, at most one
+    copy a process of what is not counted exactly); ``attributed``, their sum.
     """
 
     copies: int
@@ -56,20 +35,17 @@ class Account:
     resolution: int
     attributed: int
     counted: int = 0
+    estimated: int = 0
 
 
 def resolution(n_workers: int, batch_bytes: int, prefetch_factor: int | None) -> int:
     """Working memory that iterating may add without any copy of the data.
 
-    Each worker: :data:`WORKING_FLOOR` plus :data:`BATCHES_PER_WORKER` batches; the
-    main process: :data:`WORKING_FLOOR` plus the batches that may wait for it
-    (``prefetch_factor`` per worker) and the one it holds.
-
     Example:
         >>> resolution(2, 1 << 20, 2) // (1 << 20)
         23
     """
-    waiting = (prefetch_factor or 0) * n_workers + 1
+    waiting = (prefetch_factor or 0) * n_workers + 1  # batches waiting for the main process
     workers = n_workers * (WORKING_FLOOR + BATCHES_PER_WORKER * batch_bytes)
     return WORKING_FLOOR + waiting * batch_bytes + workers
 
@@ -82,58 +58,31 @@ def account(
     plain_bytes: int,
     counted: int = 0,
 ) -> Account:
-    """The copies of the dataset between two measurements of the same processes.
+    """The copies of the dataset between ``before`` (main process) and ``after`` (all).
 
-    Args:
-        before: the main process (and forkserver) before the workers started.
-        after: every process of the loader after its last batch.
-        baselines: the summed baselines of the workers in ``after``.
-        tolerance: the :func:`resolution` of the estimate, in bytes.
-        plain_bytes: the part of the dataset outside shareddata's segments: working
-            memory can hold at most one copy of it per process (0 for a dataset that
-            is all in segments, whose copies are all counted exactly).
-        counted: copies outside the segments counted exactly (:attr:`Account.counted`).
+    ``baselines``: the workers' summed baselines; ``tolerance``: the estimate's
+    resolution; ``plain_bytes``: the part of the dataset not counted exactly.
 
     Example:
         >>> row = ProcessMemory(pid=1, role="main", rss=0, uss=0, pss=10, shared=0)
         >>> grown = ProcessMemory(pid=2, role="worker 0", rss=0, uss=0, pss=100, shared=0)
-        >>> account([row], [row, grown], baselines=10, tolerance=50, plain_bytes=1000)
-        Account(copies=0, excess=90, resolution=50, attributed=90, counted=0)
-        >>> account([row], [row, grown], baselines=10, tolerance=50, plain_bytes=0).attributed
-        0
-        >>> account([row], [row, grown], baselines=10, tolerance=100, plain_bytes=99,
-        ...         counted=80).attributed
-        80
-        >>> account([row], [row, grown], baselines=10, tolerance=5, plain_bytes=99,
-        ...         counted=80).attributed  # 10 more than counted, beyond the resolution
+        >>> account([row], [row, grown], 10, 50, plain_bytes=1000).attributed
         90
+        >>> account([row], [row, grown], 10, 50, plain_bytes=20).attributed  # 1 copy/process
+        40
+        >>> account([row], [row, grown], 10, 100, plain_bytes=99, counted=80).attributed
+        80
     """
     copies = max(sum(p.data_copied for p in after) - sum(p.data_copied for p in before), 0)
     excess = sum(p.working for p in after) - sum(p.working for p in before) - baselines
-    # the counted copies explain part of the growth: only the rest is an estimate
-    rest = excess - counted
-    estimated = min(rest, plain_bytes * len(after) - counted) if rest > tolerance else 0
-    attributed = copies + counted + max(estimated, 0)
-    return Account(
-        copies=copies, excess=excess, resolution=tolerance, attributed=attributed, counted=counted
-    )
+    rest = excess - counted  # the counted copies are part of the growth
+    estimated = max(min(rest, plain_bytes * len(after)), 0) if rest > tolerance else 0
+    return Account(copies, excess, tolerance, copies + counted + estimated, counted, estimated)
 
 
 @dataclass(frozen=True)
 class Judgement:
-    """Whether a measurement decides, and if not, what would.
-
-    Attributes:
-        conclusive: the duplication is above the limit (counted or estimated), or
-            no copy of the dataset could have escaped the count: the part of the
-            dataset not counted exactly (``unresolved``) is larger than the
-            estimate's resolution, so a copy of it would show, or so small that a
-            copy of it in every process would stay within the limit. Never
-            conclusive when the loader has workers and none was measured.
-        unresolved: bytes of the dataset whose copies are not counted exactly.
-        needed: the dataset size from which the estimate would resolve a copy (0
-            when conclusive, or when no size would do).
-    """
+    """Whether a measurement decides, the bytes not counted exactly, the size that would."""
 
     conclusive: bool
     unresolved: int
@@ -149,19 +98,15 @@ def judge(
     duplication: float,
     limit: float | None,
     workers_missing: bool = False,
+    found: Account | None = None,
 ) -> Judgement:
-    """Decide whether ``duplication`` answers the question, or the answer is "cannot tell".
+    """Whether ``duplication`` answers the question against ``limit``, or "cannot tell".
 
-    Args:
-        dataset_bytes: the dataset's size.
-        exact_bytes: the part of it whose copies are counted exactly (in shareddata's
-            segments, received by value by ``spawn`` workers, or in arrays whose
-            pages ``fork`` workers were checked for copies).
-        resolution: the estimate's resolution (:func:`resolution`).
-        processes: how many processes were measured.
-        duplication: the duplication measured.
-        limit: ``max_duplication``; ``None`` decides against :data:`DEFAULT_LIMIT`.
-        workers_missing: the loader has workers but none was measured.
+    Over the limit, it decides when the copies ``found`` are above their resolution
+    (:data:`EXACT_FLOOR` a process for exact counts, ``resolution`` for the estimate).
+    Within it, when no copy could have escaped: the part not counted exactly is above
+    the resolution (a copy would show) or so small that a copy in every process stays
+    within the limit; never when ``workers_missing``.
 
     Example:
         >>> MIB = 1 << 20
@@ -171,15 +116,28 @@ def judge(
         >>> judge(dataset_bytes=4 * MIB, exact_bytes=4 * MIB, resolution=15 * MIB,
         ...       processes=3, duplication=1.0, limit=1.1).conclusive
         True
+        >>> pickles = Account(copies=0, excess=0, resolution=MIB, attributed=2048, counted=2048)
+        >>> judge(dataset_bytes=4096, exact_bytes=4096, resolution=MIB, processes=3,
+        ...       duplication=1.5, limit=1.1, found=pickles).conclusive  # 2 KiB: cannot tell
+        False
+        >>> none = Account(copies=0, excess=0, resolution=MIB, attributed=0)
+        >>> judge(dataset_bytes=MIB, exact_bytes=MIB, resolution=MIB, processes=6,
+        ...       duplication=2.0, limit=1.1, found=none).conclusive  # two ranks' copies
+        True
     """
     bound = DEFAULT_LIMIT if limit is None else limit
     unresolved = max(dataset_bytes - exact_bytes, 0)
-    if limit is not None and duplication > limit:
-        return Judgement(True, unresolved)
+    if duplication > bound:
+        within = 0  # copies within their resolution do not decide (copies of ranks do)
+        if found is not None:
+            exact = found.copies + found.counted
+            within = exact if exact <= EXACT_FLOOR * processes else 0
+            within += found.estimated if found.estimated <= found.resolution else 0
+        decided = duplication - within / dataset_bytes > bound
+        return Judgement(bound < 1.0 or decided, unresolved)
     if workers_missing:
         return Judgement(False, unresolved)
-    within = unresolved * processes <= max(bound - 1.0, 0.0) * dataset_bytes
-    if unresolved > resolution or within:
+    if unresolved > resolution or unresolved * processes <= (bound - 1.0) * dataset_bytes:
         return Judgement(True, unresolved)
     # The unresolved part grows with the dataset; the resolution does not.
     needed = dataset_bytes * resolution // unresolved + 1 if unresolved else 0
@@ -199,10 +157,8 @@ def batch_nbytes(batch: Any, depth: int = 4) -> int:
         return int(batch.nbytes)
     if isinstance(batch, (bytes, bytearray, str)):
         return len(batch)
-    if depth <= 0:
-        return 0
-    if isinstance(batch, dict):
+    if isinstance(batch, dict) and depth > 0:
         return sum(batch_nbytes(v, depth - 1) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple)) and depth > 0:
         return sum(batch_nbytes(v, depth - 1) for v in batch[:4096])
     return 0

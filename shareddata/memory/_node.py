@@ -14,9 +14,9 @@ from typing import Any
 
 from ..distributed import NodeContext, exchange, node_context, resolve_timeout, socket_name
 from ._account import account, judge
+from ._dataset import dataset_identity
 from ._process import ProcessMemory, Segments, measure_all
 from ._report import MemoryReport
-from ._shared import dataset_identity
 
 _ROUNDS = itertools.count()
 
@@ -116,6 +116,7 @@ class NodeVerify:
                 duplication=duplication,
                 limit=report.max_duplication,
                 workers_missing=any(i["num_workers"] and not i["workers"] for i in infos),
+                found=found,
             )
             node = MemoryReport(
                 dataset_bytes=nbytes,

@@ -32,18 +32,11 @@ def figure_class() -> Any:
 
 
 def figure(panels: Sequence[tuple[str, Any]]) -> Any:
-    """Draw one panel per report: a stacked bar per process, private below, shared above.
+    """A ``matplotlib.figure.Figure`` with one panel per ``(title, report)``, left to right.
 
-    A bar's private part is the process's USS (pages only it maps: a copy of the data
-    shows up here); the shared part is the rest of its RSS (pages other processes
-    map too: the one shared copy, libraries). All panels share the y axis; a dashed
-    line marks the dataset's size.
-
-    Args:
-        panels: ``(title, report)`` pairs, drawn left to right.
-
-    Returns:
-        The ``matplotlib.figure.Figure``.
+    A stacked bar per process: its USS (pages only it maps: a copy of the data shows
+    here) below, the rest of its RSS (shared pages) above; the panels share the y
+    axis; a dashed line marks the dataset's size.
     """
     if not panels:
         raise ValueError("figure() needs at least one (title, report) pair")

@@ -1,50 +1,45 @@
-"""Measuring one process: :class:`ProcessMemory` and :func:`measure`.
+"""What the kernel says about one process: :class:`ProcessMemory`, :func:`measure`.
 
-Each process is read from ``/proc/<pid>/smaps_rollup`` (``psutil`` as a fallback);
-the pages of a shareddata dataset are found in ``/proc/<pid>/smaps`` by the device
-and inode of its segments. What each field means is in Note [How duplication is
-measured] in ``_verify.py``.
+``/proc/<pid>/smaps_rollup`` gives a process's totals (psutil where it is absent),
+``/proc/<pid>/smaps`` its pages of the dataset's segments, mapping by mapping, and
+``/proc/<pid>/pagemap`` which pages of a plain array it holds alone (Note [How
+duplication is measured] in ``_verify.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import psutil
 
-MIB = 1024 * 1024
-KIB = 1024
-
-#: A segment as ``/proc/<pid>/smaps`` names it: ``(device, inode)`` from ``os.stat``.
+KIB, MIB = 1024, 1024 * 1024
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: A segment as ``/proc/<pid>/smaps`` names it: ``(st_dev, st_ino)``.
 Segments = Collection[tuple[int, int]]
+Pages = tuple[tuple[int, int], ...]  # (first, end) page numbers, sorted and disjoint
 
 
 @dataclass(frozen=True)
 class ProcessMemory:
-    """Memory of one process, in bytes (see Note [How duplication is measured]).
+    """Memory of one process, in bytes.
 
     Attributes:
         pid: process id.
-        role: ``"main"``, ``"worker 0"``, ``"worker 1"``, ...
-        rss: resident set size (shared pages counted in full).
-        uss: unique set size (pages no other process maps).
-        pss: proportional set size (shared pages divided among their users).
-        shared: resident pages that another process maps too.
-        pss_file: the part of ``pss`` backed by files (code, libraries, mapped
-            files); 0 where the kernel does not report it.
-        data_rss: resident pages of the dataset's shared segments this process maps
-            (0 when the dataset is not a shareddata dataset).
-        data_pss: this process's share of those pages (part of ``pss``).
-        data_copied: private copies of the dataset's pages made in this process
-            (a write to a copy-on-write mapping of a segment; part of ``data_pss``).
-        data_file: the part of ``data_pss`` already counted in ``pss_file`` (segments
-            in a ``storage_dir`` on disk).
-        transport: PSS of batches in flight between workers and the main process
-            (shared memory the DataLoader moves batches in; not the dataset).
+        role: ``"main"``, ``"forkserver"``, ``"worker 0"``, ...
+        rss: resident pages (shared ones counted in full).
+        uss: pages no other process maps (``Private_*``).
+        pss: each resident page divided by the number of processes mapping it.
+        shared: resident pages another process maps too (``Shared_*``).
+        pss_file: the part of ``pss`` backed by files; 0 where not reported.
+        data_rss: resident pages of the dataset's segments this process maps.
+        data_pss: its share of them; ``data_copied`` the private copies writes made
+            of them (``Anonymous``); ``data_file`` the part on disk (in ``pss_file``).
+        transport: PSS of batches in flight (``shareddata-batch`` memfds).
     """
 
     pid: int
@@ -62,13 +57,7 @@ class ProcessMemory:
 
     @property
     def working(self) -> int:
-        """Anonymous and shared memory outside the dataset's segments (file pages left out).
-
-        Batches in flight (:attr:`transport`) are left out too. This is where a copy
-        of a dataset that is *not* in shareddata's segments lives (an unpickled
-        array, Python objects copied on write) -- and the process's own working
-        memory.
-        """
+        """PSS outside file pages, the dataset's segments and batches in flight."""
         return self.pss - self.pss_file - (self.data_pss - self.data_file) - self.transport
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,16 +66,7 @@ class ProcessMemory:
 
 
 def measure(pid: int | None = None, role: str = "", segments: Segments = ()) -> ProcessMemory:
-    """Measure one process from ``/proc/<pid>/smaps_rollup``, or psutil where absent.
-
-    Args:
-        pid: the process to measure; ``None`` is the calling process.
-        role: a label kept in the row (``"main"``, ``"worker 0"``, ...).
-        segments: ``(st_dev, st_ino)`` of the dataset's shared segments, whose pages
-            are reported apart (``data_*`` fields) from ``/proc/<pid>/smaps``.
-
-    Returns:
-        The process's RSS, USS, PSS and shared bytes.
+    """Measure process ``pid`` (``None``: this one); ``segments``' pages go to ``data_*``.
 
     Raises:
         ProcessLookupError: the process does not exist (any more).
@@ -100,7 +80,7 @@ def measure(pid: int | None = None, role: str = "", segments: Segments = ()) -> 
     pid = os.getpid() if pid is None else int(pid)
     fields = read_smaps_rollup(pid)
     if fields is not None and "Pss" in fields:
-        pages = segment_pages(pid, segments)
+        rss, pss, copied, file, transport = segment_pages(pid, segments)
         return ProcessMemory(
             pid=pid,
             role=role,
@@ -109,16 +89,36 @@ def measure(pid: int | None = None, role: str = "", segments: Segments = ()) -> 
             pss=fields["Pss"],
             shared=fields.get("Shared_Clean", 0) + fields.get("Shared_Dirty", 0),
             pss_file=fields.get("Pss_File", 0),
-            data_rss=pages.rss,
-            data_pss=pages.pss,
-            data_copied=pages.copied,
-            data_file=pages.file if "Pss_File" in fields else 0,
-            transport=pages.transport,
+            data_rss=rss,
+            data_pss=pss,
+            data_copied=copied,
+            data_file=file if "Pss_File" in fields else 0,
+            transport=transport,
         )
-    if fields is not None and not os.path.exists(f"/proc/{pid}/exe"):
-        # A zombie: smaps_rollup reads empty, the process holds no memory any more.
+    if fields is not None and not os.path.exists(f"/proc/{pid}/exe"):  # a zombie holds nothing
         return ProcessMemory(pid=pid, role=role, rss=0, uss=0, pss=0, shared=0)
-    return _measure_psutil(pid, role)
+    try:
+        info = psutil.Process(pid).memory_full_info()
+    except psutil.NoSuchProcess as err:
+        raise ProcessLookupError(f"process {pid} does not exist") from err
+    except psutil.AccessDenied as err:
+        raise PermissionError(f"cannot read the memory of process {pid}: {err}") from err
+    uss = int(getattr(info, "uss", info.rss))
+    pss = int(getattr(info, "pss", uss))
+    return ProcessMemory(pid, role, int(info.rss), uss, pss, max(int(info.rss) - uss, 0))
+
+
+def measure_all(
+    procs: Iterable[tuple[int | None, str]], segments: Segments = ()
+) -> list[ProcessMemory]:
+    """Measure each ``(pid, role)``; processes that are gone are left out."""
+    rows = []
+    for pid, role in procs:
+        try:
+            rows += [measure(pid, role, segments)] if pid is not None else []
+        except ProcessLookupError:
+            continue
+    return rows
 
 
 def read_smaps_rollup(pid: int) -> dict[str, int] | None:
@@ -141,89 +141,38 @@ def parse_smaps(text: str) -> dict[str, int]:
     return fields
 
 
-@dataclass(frozen=True)
-class SegmentPages:
-    """What one process maps of the dataset's segments and of the batch transport, in bytes."""
+def segment_pages(pid: int, segments: Segments = ()) -> tuple[int, int, int, int, int]:
+    """``(rss, pss, copied, file, transport)`` of ``pid``'s mappings of ``segments``.
 
-    rss: int = 0
-    pss: int = 0
-    copied: int = 0  # anonymous pages: private copies made by writes (copy-on-write)
-    file: int = 0  # the part of pss the kernel counts as file pages (not shmem)
-    transport: int = 0  # PSS of batches in flight (shareddata-batch memfds, torch's shm)
-
-
-def is_transport(path: str) -> bool:
-    """Whether a mapping's path is a batch in flight between a worker and the main process.
-
-    shareddata's batches travel in memfds named ``shareddata-batch``. torch's own
-    shared memory (``/dev/shm/torch_*``) is not told apart: a tensor a dataset put in
-    shared memory looks the same as a batch, so it stays in the working memory.
-
-    Example:
-        >>> is_transport("/memfd:shareddata-batch (deleted)")
-        True
-        >>> is_transport("/memfd:shareddata (deleted)")
-        False
+    A mapping's header in ``/proc/<pid>/smaps`` carries the device (hex
+    ``major:minor``) and inode of the file mapped (a segment's memfd, or its file in
+    ``storage_dir``). ``copied``: their ``Anonymous`` pages (copies writes made);
+    ``file``: the part of ``pss`` on disk; ``transport``: the PSS of batches in flight.
     """
-    return path.startswith("/memfd:shareddata-batch")
-
-
-def segment_pages(pid: int, segments: Segments = ()) -> SegmentPages:
-    """Sum the ``/proc/<pid>/smaps`` entries of the mappings of ``segments`` and of batches.
-
-    A mapping's header line carries the device (``major:minor`` in hex) and inode
-    of the mapped file: a memfd shows as ``/memfd:shareddata (deleted)``, a segment
-    in ``storage_dir`` as the ``O_TMPFILE`` file's path, both with the inode
-    ``os.fstat`` gives for the segment's descriptor. Batches in flight are found by
-    name (:func:`is_transport`).
-
-    Example:
-        >>> import mmap, os
-        >>> fd = os.memfd_create("shareddata")
-        >>> os.ftruncate(fd, 1 << 20)
-        >>> m = mmap.mmap(fd, 1 << 20)
-        >>> m.write(b"x" * (1 << 20))
-        1048576
-        >>> st = os.fstat(fd)
-        >>> segment_pages(os.getpid(), {(st.st_dev, st.st_ino)}).rss
-        1048576
-        >>> m.close(); os.close(fd)
-    """
-    wanted = {(f"{os.major(dev):02x}:{os.minor(dev):02x}", str(ino)) for dev, ino in segments}
-    rss = pss = copied = file = transport = 0
-    kind = ""  # "data", "transport" or "" for the current mapping
-    on_file = False
+    wanted = {(f"{os.major(d):02x}:{os.minor(d):02x}", str(i)) for d, i in segments}
+    totals = {"data": [0, 0, 0, 0], "transport": [0, 0, 0, 0]}  # rss, pss, copied, file
+    kind, on_file = "", False
     try:
         with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as f:
             for line in f:
                 head = line.split(None, 5)
                 if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
                     path = head[5].rstrip("\n") if len(head) > 5 else ""
-                    if (head[3], head[4]) in wanted:
-                        kind = "data"
-                        on_file = not path.startswith("/memfd:") and not _is_shmem(head[3])
-                    else:
-                        kind = "transport" if path and is_transport(path) else ""
+                    kind = "data" if (head[3], head[4]) in wanted else ""
+                    if not kind and path.startswith("/memfd:shareddata-batch"):
+                        kind = "transport"
+                    on_file = kind == "data" and not path.startswith("/memfd:")
+                    on_file = on_file and not _is_shmem(head[3])
                     continue
-                if not kind or len(head) < 2:
-                    continue
-                if kind == "transport":
-                    if head[0] == "Pss:":
-                        transport += int(head[1]) * KIB
-                elif head[0] == "Rss:":
-                    rss += int(head[1]) * KIB
-                elif head[0] == "Pss:":
+                field = {"Rss:": 0, "Pss:": 1, "Anonymous:": 2}.get(head[0]) if kind else None
+                if field is not None:
                     value = int(head[1]) * KIB
-                    pss += value
-                    file += value if on_file else 0
-                elif head[0] == "Anonymous:":
-                    copied += int(head[1]) * KIB
+                    totals[kind][field] += value
+                    totals[kind][3] += value if field == 1 and on_file else 0
     except (OSError, ValueError):
-        return SegmentPages()
-    # Anonymous pages of a file mapping are never file pages.
-    return SegmentPages(
-        rss=rss, pss=pss, copied=copied, file=max(file - copied, 0), transport=transport
-    )
+        return 0, 0, 0, 0, 0
+    rss, pss, copied, file = totals["data"]
+    return rss, pss, copied, max(file - copied, 0), totals["transport"][1]
 
 
 @functools.lru_cache(maxsize=64)
@@ -243,44 +192,49 @@ def _is_shmem(device: str) -> bool:
     return False
 
 
-def _measure_psutil(pid: int, role: str) -> ProcessMemory:
+def private_pages(buffers: Iterable[tuple[int, int]]) -> Pages:
+    """The whole pages of ``(address, nbytes)`` buffers in private anonymous mappings.
+
+    Example:
+        >>> a = np.ones(1 << 20)  # 8 MiB: its own mapping
+        >>> sum(e - f for f, e in private_pages([(a.ctypes.data, a.nbytes)])) >= 2046
+        True
+    """
+    anonymous: list[tuple[int, int]] = []
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if len(fields) >= 5 and fields[1][3:4] == "p" and fields[4] == "0":
+                lo, _, hi = fields[0].partition("-")
+                anonymous.append((int(lo, 16) // PAGE, int(hi, 16) // PAGE))
+    found = []
+    for address, nbytes in buffers:
+        first, end = -(-address // PAGE), (address + nbytes) // PAGE
+        found += [(max(first, lo), min(end, hi)) for lo, hi in anonymous if lo < end and hi > first]
+    merged: list[tuple[int, int]] = []
+    for first, end in sorted(found):
+        if merged and first <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((first, end))
+    return tuple(merged)
+
+
+def copied_pages(pid: int, pages: Pages) -> int | None:
+    """Bytes of this process's ``pages`` that fork child ``pid`` holds alone (copied).
+
+    ``/proc/<pid>/pagemap``: bit 63 of a page's entry is "present", bit 56
+    "exclusively mapped" (Linux >= 4.2). ``None`` where it cannot be read.
+    """
+    mask = np.uint64((1 << 63) | (1 << 56))
+    total = 0
     try:
-        info = psutil.Process(pid).memory_full_info()
-    except psutil.NoSuchProcess as err:
-        raise ProcessLookupError(f"process {pid} does not exist") from err
-    except psutil.AccessDenied as err:
-        raise PermissionError(f"cannot read the memory of process {pid}: {err}") from err
-    uss = int(getattr(info, "uss", info.rss))
-    return ProcessMemory(
-        pid=pid,
-        role=role,
-        rss=int(info.rss),
-        uss=uss,
-        pss=int(getattr(info, "pss", uss)),
-        shared=max(int(info.rss) - uss, 0),
-    )
-
-
-def measure_all(
-    procs: list[tuple[int | None, str]], segments: Segments = ()
-) -> list[ProcessMemory]:
-    """Measure each ``(pid, role)``; rows of processes that are gone are left out."""
-    rows = []
-    for pid, role in procs:
-        if pid is None:
-            continue
-        try:
-            rows.append(measure(pid, role, segments))
-        except ProcessLookupError:  # gone: it holds nothing any more
-            continue
-    return rows
-
-
-def working(rows: list[ProcessMemory]) -> int:
-    """Sum of :attr:`ProcessMemory.working`: where copies of plain datasets live."""
-    return sum(p.working for p in rows)
-
-
-def data_copied(rows: list[ProcessMemory]) -> int:
-    """Private copies of the dataset's segment pages, summed over ``rows``."""
-    return sum(p.data_copied for p in rows)
+        with open(f"/proc/{pid}/pagemap", "rb") as f:
+            for first, end in pages:
+                for start in range(first, end, 1 << 17):  # 1 MiB of entries at a time
+                    f.seek(start * 8)
+                    entries = np.frombuffer(f.read(min(1 << 17, end - start) * 8), np.uint64)
+                    total += int(np.count_nonzero((entries & mask) == mask))
+    except (OSError, ValueError):
+        return None
+    return total * PAGE

@@ -1,161 +1,47 @@
-"""`verify`: run a ``DataLoader``, measure all its processes, say how often the dataset is held.
-
-:func:`verify` runs a ``DataLoader`` for (part of) an epoch and measures every
-process of it with the kernel's own accounting, then says how many times the
-dataset is held in RAM. It works on any ``torch.utils.data.DataLoader``, not only on
-shareddata's datasets, so users can check their own loaders.
+"""`verify`: run a loader, measure all its processes, say how often the dataset is held.
 
 Note [How duplication is measured]
 ----------------------------------
-Each process is read from ``/proc/<pid>/smaps_rollup`` (``psutil`` as a fallback):
+Every process of the loader (the main process, its workers, the forkserver) is
+measured from the kernel (``_process``) before the workers start and after the last
+batch. PSS is the one figure that sums over processes: a page mapped by five
+processes counts 1/5 in each. File pages are left out (a copy of data is never
+file-backed; libraries are). The copies beyond one copy of the dataset are:
 
-- ``rss``: resident pages, each counted in full in every process that maps it;
-- ``uss``: ``Private_Clean + Private_Dirty``, pages only this process maps;
-- ``pss``: ``Pss``, each resident page divided by the number of processes mapping it;
-- ``shared``: ``Shared_Clean + Shared_Dirty``, pages some other process maps too;
-- ``pss_file``: ``Pss_File``, the part of ``pss`` backed by files (code, libraries,
-  memory-mapped files), as opposed to anonymous memory and shared memory.
+- **exact**, for a shareddata dataset: its segments are found in each process's
+  ``/proc/<pid>/smaps`` by device and inode; the ``Anonymous`` pages of those
+  mappings are private copies made by writes (``data_copied``);
+- **exact**, for a plain dataset's arrays: what ``spawn``/``forkserver`` workers
+  receive by value (its pickle, counted without keeping it), and under ``fork`` the
+  pages of its numpy/torch buffers a worker holds alone (``/proc/<pid>/pagemap``);
+- **estimated** for the rest (Python objects, anything found by no walk): the growth
+  of the processes' working memory beyond one worker baseline each (a probe worker
+  with no data), counted when it exceeds the resolution (4 MiB per process and the
+  batches in flight), and at most one copy per process of that rest.
 
-PSS is the only figure that can be summed over processes: a page mapped by the
-parent and four workers counts 1/5 in each, so it counts once in the sum, while a
-page copied into every worker counts once per copy. Summing RSS would count one
-shared copy five times; summing USS would not count it at all.
-
-The pages of a shareddata dataset are told apart: its segments are memfds named
-``shareddata`` (``/memfd:shareddata (deleted)`` in ``/proc/<pid>/smaps``) or
-``O_TMPFILE`` files in ``storage_dir``, and ``verify`` finds every mapping of them
-by the device and inode ``segment_identity()`` gives (``_shared.shared_parts`` looks
-into ``Subset``, ``ConcatDataset`` and wrappers). Per process and mapping:
-
-- ``data_pss``: the process's share of the segments' pages; summed over the
-  processes it is at most one copy, however many map them;
-- ``data_copied``: the ``Anonymous`` pages of those mappings: private copies made by
-  writing to a copy-on-write mapping, each one a copy of a page of the dataset.
-  These are counted exactly.
-
-Batches in flight in shareddata's transport (memfds named ``shareddata-batch``) are
-neither data nor working memory and are left out. Everything else outside file pages
-is the process's *working* memory (``ProcessMemory.working``), where a copy of a
-dataset that is not in shareddata's segments lives (an unpickled array, Python
-objects copied on write). Two mechanisms of copying it are counted exactly:
-
-- ``spawn``/``forkserver``: each worker unpickles the dataset when it starts and
-  holds what the pickle carried by value (``_received``: numpy arrays by value,
-  tensors and shareddata datasets by handle); ``counted = workers * min(received,
-  plain_bytes)``;
-- ``fork``: a worker's page of the parent's numpy or torch buffer that is present
-  and *exclusively mapped* in ``/proc/<pid>/pagemap`` is a private copy of it
-  (``_buffers``); ``counted`` is the sum over the workers.
-
-The rest of working memory can only be estimated, from its growth::
-
-    excess = working_after - working_before - n_workers * baseline
-    duplication = 1 + (copied + counted + estimated) / dataset_bytes
-    estimated = min(rest, plain_bytes * processes - counted) if rest > resolution else 0
-    rest = excess - counted  # the counted copies are part of the growth
-
-- ``working_after``: summed over the main process and every worker, measured right
-  after the last batch arrives (workers of a non-persistent loader exit at
-  ``StopIteration``, so this is the last moment they all exist);
-- ``working_before``: the same for the main process before the workers start; it
-  holds the one copy of the dataset that is not duplication;
-- ``baseline``: the private dirty memory of a worker that holds no data, measured
-  on a probe ``DataLoader`` with the same start method, one worker and a two-item
-  dataset whose pickle carries (by reference) the classes and functions the real
-  workers import, once that worker has served its batches and is idle, as the real
-  ones are when they are measured. A ``spawn`` worker holds the interpreter and
-  ``torch`` with no data at all, often more than the dataset: without this
-  subtraction a perfectly shared dataset would read as several copies;
-- ``resolution`` (``_account.resolution``): what iterating adds to working memory
-  without copying any data: 4 MiB per process (allocator arenas, caches, the
-  loader's queues and threads), 3 batches per worker (items, the collated batch,
-  the previous one kept by the allocator) and the batches that may wait for the
-  main process (``prefetch_factor`` per worker). An excess within it cannot be told
-  from working memory and is not counted; the report states it
-  (``report.resolution``, ``report.resolution_fraction``);
-- ``plain_bytes``: the part of the dataset outside shareddata's segments
-  (``dataset_bytes`` less the ``nbytes`` of the shareddata datasets found in it).
-  Working memory can hold at most one copy of it per process, so no more of the
-  excess is counted; a dataset all in segments is judged exactly, at any size, and
-  the growth of working memory is reported (``report.working_bytes``) but is not
-  the dataset.
-
-Three answers (``_account.judge``, ``report.status``): ``"duplicated"`` when the
-duplication exceeds the limit; ``"ok"`` when it does not and no copy could have
-escaped: the part of the dataset not counted exactly (``unresolved``: outside the
-segments, not received by value, not in checked buffers) is larger than the
-resolution, so a copy of it in any process would show, or so small that a copy of
-it in every process would stay within the limit; otherwise ``"inconclusive"``
-(``InconclusiveError``: cannot tell, never a pass), as also when the loader has
-workers and none could be measured. A plain 4 MiB array under ``spawn`` is counted
-(3x with 2 workers), under ``fork`` checked page by page (1x); a 4 MiB Python list
-under ``fork`` or with ``num_workers=0`` cannot be told from working memory.
-
-Under ``fork`` the parent's heap is frozen (``gc.freeze()``) while the probe and the
-workers run, and unfrozen afterwards. A worker inherits every Python object of the
-parent, and its first full garbage collection writes to the header of each container
-among them, copying their pages, which a probe that never collects does not see
-(figures in ``docs/internals.md#smaps``). It is the worker's working memory, not
-the dataset (the copies of a Python-object
-dataset that reading it makes, by writing reference counts, are still made and
-counted); ``gc.freeze()`` before starting fork workers avoids it in training too.
-
-File-backed pages are left out because a copy of the data is never file-backed: a
-worker's private copy (an unpickled array, a copied-on-write page, a Python object)
-is anonymous memory, a shared tensor is shared memory, and a memory-mapped data file
-is one copy in the page cache however many processes map it. File pages are mostly
-``libtorch`` and friends, also mapped by processes outside the loader (the
-forkserver, other ranks, other jobs), whose share of each page moves into the sum as
-workers map it, and would read as duplication. Where
-the kernel does not report ``Pss_File`` (older kernels, or the ``psutil`` fallback),
-``pss_file`` is 0 and the full PSS is used.
-
-Under ``forkserver`` the server process is measured too (a ``"forkserver"`` row,
-before and after): workers are forked from it and share its pages (``torch``, when
-preloaded), which would otherwise move from the uncounted server into the sum and
-read as a copy of a dataset that is not there.
-
-A dataset shared by every worker therefore reads as 1.0; one that is pickled into
-each of four ``spawn`` workers reads as ~5 (measured cases:
-``docs/internals.md#smaps``). Torch's own shared
-memory (``share_memory_()`` tensors, ``/dev/shm/torch_*``) is not told apart from
-working memory: a dataset of shared tensors is judged by the estimate. Processes
-outside the loader that map the same shared data (other ``torchrun`` ranks) are not
-measured: their share of it moves into the sum as well.
-
-Across the local ranks of a node (``verify`` called on every local rank, under
-``torchrun``), local rank 0 measures every process of the node at the same two
-moments (all main processes before any worker starts; every process after each
-rank's last batch; ``distributed.NodeVerify``), and the node's figure is::
-
-    duplication = copies + (copied + (excess if excess > resolution else 0))
-                           / dataset_bytes
-
-with ``copied``, ``excess`` and ``resolution`` summed over the node's processes and
-ranks, and the segments of every rank's dataset told apart.
-
-``copies`` is the number of distinct copies the ranks' main processes hold: ranks
-whose shareddata datasets map the same segments (compared by device and inode)
-hold one; any other dataset counts as its own copy in every rank (the delta above
-cannot see what the main processes held before ``verify`` was called).
-
-``dataset_bytes`` is, in order: the argument; ``loader.dataset.nbytes`` when it is
-an integer (every shareddata dataset); an estimate that walks the dataset's object
-graph (numpy ``nbytes``, torch storage bytes, ``sys.getsizeof`` for the rest; depth
-and object count are bounded, large containers are sampled and extrapolated).
+A copy decides only above its resolution: ``EXACT_FLOOR`` per process for exact
+counts, the estimate's resolution for the estimate. Three answers: ``"duplicated"``
+(copies so measured exceed the limit); ``"ok"`` (within it, and no copy could have
+escaped); otherwise ``"inconclusive"``, never a pass. The parent's heap is frozen
+(``gc.freeze()``) while fork workers run: their first full collection would otherwise
+copy every container page they inherit, which is not the dataset. Across local
+ranks, local rank 0 measures every process of the node at the same two moments
+(``_node``). Measured cases and the mechanisms' details: ``docs/internals.md#smaps``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import multiprocessing
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import psutil
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .._compat import (
     dataloader_progress,
@@ -163,25 +49,17 @@ from .._compat import (
     shutdown_dataloader_iterator,
     stop_dataloader_workers,
 )
-from ..errors import (
-    ArgumentTypeError,
-    DuplicationError,
-    InconclusiveError,
-    InvalidArgumentError,
-)
+from ..errors import ArgumentTypeError, DuplicationError, InconclusiveError, InvalidArgumentError
 from ._account import account, batch_nbytes, judge, resolution
-from ._baseline import probe_baseline
-from ._buffers import Buffers, copied_bytes, private_buffers
+from ._baseline import probe_baseline, probe_references
+from ._dataset import dataset_nbytes, holdings, pickled_nbytes
 from ._node import node_verifier
-from ._process import ProcessMemory, Segments, measure_all
-from ._received import pickled_nbytes
+from ._process import Pages, ProcessMemory, copied_pages, measure_all, private_pages
 from ._report import MemoryReport, duplication_message
-from ._shared import shared_parts
-from ._size import array_buffers, dataset_nbytes
 
 
 def verify(
-    loader: DataLoader,
+    loader: Any,
     *,
     batches: int | None = None,
     max_duplication: float | None = 1.10,
@@ -190,39 +68,22 @@ def verify(
 ) -> MemoryReport:
     """Run ``loader``, measure all its processes, and check the dataset is held once.
 
-    Works on any ``DataLoader`` (any map-style or iterable dataset), with or without
-    workers, persistent or not, under every start method. The loader is left usable:
-    a non-persistent loader's workers are shut down; a persistent loader keeps the
-    workers started here (workers it already had are restarted first, so that the
-    main process can be measured alone). See Note [How duplication is measured].
-
-    Args:
-        loader: the DataLoader to check, as the training code builds it.
-        batches: how many batches to iterate before measuring; ``None`` is one full
-            epoch (``len(loader)``); capped at one epoch.
-        max_duplication: the largest acceptable :attr:`MemoryReport.duplication`;
-            ``None`` only measures.
-        dataset_bytes: the dataset's size; by default ``loader.dataset.nbytes`` or an
-            estimate from the dataset's object graph.
-        across_ranks: measure every process of the node (each local rank and its
-            workers) and return the node's report on every rank; then ``verify``
-            must be called on every local rank. The default does so under
-            ``torchrun`` with several local ranks; ``False`` measures this process
-            and its workers alone.
-
-    Returns:
-        The :class:`MemoryReport`; its :attr:`~MemoryReport.status` is ``"ok"``
-        unless ``max_duplication`` is ``None``.
+    ``loader``: a ``DataLoader`` (any dataset, workers or not, persistent or not, every
+    start method), or any other iterable loader whose workers are child processes of
+    this one (``torchdata.nodes.Loader``, ``StatefulDataLoader``, Lightning's): its
+    workers are the processes that appear while it iterates, its dataset the first
+    ``Dataset`` it holds. The loader is left usable. ``batches``: batches before
+    measuring (``None``: one epoch, the cap). ``max_duplication``: the limit (``None``
+    only measures). ``dataset_bytes``: the dataset's size, by default its ``nbytes``
+    or an estimate. ``across_ranks``: measure every process of the node, on every
+    local rank (the default under ``torchrun`` with several local ranks). See Note
+    [How duplication is measured].
 
     Raises:
-        DuplicationError: ``duplication`` exceeds ``max_duplication``; ``.report``
-            holds the report.
-        InconclusiveError: cannot tell (not a pass): a copy of the part of the
-            dataset that is not counted exactly would be within the estimate's
-            resolution, or no worker could be measured; the message says what would
-            decide (a larger dataset, workers, a shareddata dataset); ``.report``
-            holds the report.
+        DuplicationError: copies measured above their resolution exceed the limit.
+        InconclusiveError: cannot tell (not a pass); the message says what would decide.
         ValueError: ``batches`` is not positive, or the loader yields no batch.
+        TypeError: ``loader`` is a ``Dataset`` or not iterable.
 
     Example:
         >>> import torch
@@ -232,63 +93,66 @@ def verify(
         >>> report.num_workers, [p.role for p in report.processes]
         (0, ['main'])
     """
-    if not isinstance(loader, DataLoader):
+    if isinstance(loader, Dataset) or not hasattr(loader, "__iter__"):
         raise ArgumentTypeError(
-            f"verify() takes a torch.utils.data.DataLoader, got {type(loader)!r}"
+            f"verify() takes a torch.utils.data.DataLoader or another iterable loader, got "
+            f"{type(loader)!r}: pass the DataLoader you train with, e.g. DataLoader(dataset, "
+            "num_workers=4)"
         )
     if batches is not None and int(batches) < 1:
         raise InvalidArgumentError(
             f"batches must be a positive number of batches or None, got {batches!r}"
         )
-    nbytes = dataset_nbytes(loader.dataset) if dataset_bytes is None else int(dataset_bytes)
+    torch_loader = isinstance(loader, DataLoader)
+    dataset = loader.dataset if torch_loader else _dataset_of(loader)
+    found = holdings(dataset)
+    nbytes = dataset_nbytes(dataset) if dataset_bytes is None else int(dataset_bytes)
     if nbytes < 0:
         raise InvalidArgumentError(f"dataset_bytes must be >= 0, got {dataset_bytes!r}")
-    num_workers = int(loader.num_workers)
-
-    start_method = _start_method(loader)
-
-    _stop_persistent_workers(loader)
-    parts = shared_parts(loader.dataset)
-    plain = max(nbytes - parts.nbytes, 0)
-    node = node_verifier(across_ranks, parts.segments)
-    measure_before = _measurer(parts.segments) if node is None else node.measurer("before")
-    measure_after = _measurer(parts.segments) if node is None else node.measurer("after")
-    forked = start_method == "fork" and plain > 0
-    buffers = private_buffers(array_buffers(loader.dataset)) if forked else Buffers()
-    with _frozen_heap(start_method == "fork"):
-        baseline = probe_baseline(loader, start_method) if num_workers > 0 else 0
-        # The forkserver (started by the probe at the latest) is the workers' template.
-        server = _forkserver_pid() if start_method == "forkserver" else None
+    plain = max(nbytes - found.shared_bytes, 0)
+    callables = (getattr(loader, "collate_fn", None), getattr(loader, "worker_init_fn", None))
+    refs = probe_references(list(found.code.values())[:200], *callables)
+    method = _start_method(loader) if torch_loader else None
+    if torch_loader:
+        _stop_persistent_workers(loader)
+    node = node_verifier(across_ranks, found.segments)
+    alone = functools.partial(measure_all, segments=found.segments)
+    measure_before = node.measurer("before") if node else alone
+    measure_after = node.measurer("after") if node else alone
+    pages = private_pages(found.buffers) if plain and method in ("fork", None) else ()
+    with _frozen_heap(method == "fork" or not torch_loader):
+        has_workers = torch_loader and loader.num_workers > 0
+        baseline = probe_baseline(loader.multiprocessing_context, refs) if has_workers else 0
+        server = _forkserver_pid() if method == "forkserver" else None
         gc.collect()
         before = measure_before([(os.getpid(), "main"), (server, "forkserver")])
-        rows, batches_seen, batch_bytes, page_copies = _run_and_measure(
-            loader, None if batches is None else int(batches), server, measure_after, buffers
-        )
-
-    n_workers = sum(1 for p in rows if p.role.startswith("worker"))
-    # Exact counts outside the segments: what spawn workers received, pages fork workers copied.
-    received = pickled_nbytes(loader.dataset) if start_method in _PICKLED and plain else None
-    buffer_bytes = min(buffers.nbytes, plain) if page_copies is not None else 0
+        run = _Run(loader, None if batches is None else int(batches), server, measure_after)
+        run.iterate(pages, getattr(measure_after, "node_wide", False))
+        rows, n_workers = run.rows, sum(1 for p in run.rows if p.role.startswith("worker"))
+        if not torch_loader:  # what its workers showed; a forkserver it started is no copy
+            method = run.method
+            baseline = probe_baseline(method, refs) if n_workers else 0
+            before += [p for p in rows if p.role == "forkserver" and p.pid != server]
+    num_workers = loader.num_workers if torch_loader else n_workers
+    received = pickled_nbytes(dataset) if method in ("spawn", "forkserver") and plain else None
+    buffer_bytes = min(sum(e - f for f, e in pages) * os.sysconf("SC_PAGE_SIZE"), plain)
+    buffer_bytes = buffer_bytes if run.copies is not None and method == "fork" else 0
     by_value = min(received or 0, plain)
-    counted = n_workers * by_value + (page_copies or 0)
-    prefetch = loader.prefetch_factor if num_workers > 0 else None
-    found = account(
-        before,
-        rows,
-        n_workers * baseline,
-        resolution(n_workers, batch_bytes, prefetch),
-        plain,
-        counted,
-    )
-    duplication = 1.0 + found.attributed / nbytes if nbytes > 0 else 1.0
+    counted = n_workers * by_value + (run.copies or 0 if buffer_bytes else 0)
+    exact = min(found.shared_bytes + by_value + buffer_bytes, nbytes)
+    prefetch = getattr(loader, "prefetch_factor", None) or 2 if num_workers else None
+    tolerance = resolution(n_workers, run.batch_bytes, prefetch)
+    got = account(before, rows, n_workers * baseline, tolerance, nbytes - exact, counted)
+    duplication = 1.0 + got.attributed / nbytes if nbytes > 0 else 1.0
     verdict = judge(
         dataset_bytes=nbytes,
-        exact_bytes=min(parts.nbytes + by_value + buffer_bytes, nbytes),
-        resolution=found.resolution,
+        exact_bytes=exact,
+        resolution=tolerance,
         processes=len(rows),
         duplication=duplication,
         limit=max_duplication,
         workers_missing=num_workers > 0 and n_workers == 0,
+        found=got,
     )
     report = MemoryReport(
         dataset_bytes=nbytes,
@@ -296,26 +160,27 @@ def verify(
         duplication=duplication,
         processes=rows,
         baseline_bytes=baseline,
-        start_method=start_method,
+        start_method=method if num_workers else None,
         num_workers=num_workers,
         pss_before=sum(p.pss for p in before),
-        extra_bytes=found.attributed,
-        batches=batches_seen,
+        extra_bytes=got.attributed,
+        batches=run.received,
         max_duplication=max_duplication,
-        shared_bytes=min(parts.nbytes, nbytes),
-        copied_bytes=found.copies,
-        working_bytes=found.excess,
-        resolution=found.resolution,
-        batch_bytes=batch_bytes,
+        shared_bytes=min(found.shared_bytes, nbytes),
+        copied_bytes=got.copies,
+        working_bytes=got.excess,
+        resolution=tolerance,
+        batch_bytes=run.batch_bytes,
         received_bytes=received,
         buffer_bytes=buffer_bytes,
         counted_bytes=counted,
         conclusive=verdict.conclusive,
         unresolved_bytes=verdict.unresolved,
         needed_bytes=verdict.needed,
+        array_bytes=sum(n for _, n in found.buffers) + found.shared_bytes,
     )
     if node is not None:
-        report = node.combine(report, loader.dataset)
+        report = node.combine(report, dataset)
     if report.status == "duplicated":
         raise DuplicationError(duplication_message(report), report)
     if report.status == "inconclusive" and max_duplication is not None:
@@ -323,15 +188,96 @@ def verify(
     return report
 
 
-_PICKLED = ("spawn", "forkserver")  # start methods that pickle the dataset into each worker
+_END = object()
+
+
+class _Run:
+    """One pass over a loader, measured after its last batch (every batch if not known)."""
+
+    def __init__(self, loader: Any, batches: int | None, server: int | None, measurer: Any):
+        self.loader, self.server, self.measurer = loader, server, measurer
+        try:
+            length: int | None = len(loader)
+        except TypeError:
+            length = None
+        self.target = batches if length is None else min(batches or length, length)
+        self.rows: list[ProcessMemory] = []
+        self.received = self.batch_bytes = 0
+        self.copies: int | None = None
+        self.method: str | None = None
+
+    def iterate(self, pages: Pages, node_wide: bool) -> None:
+        loader, torch_loader = self.loader, isinstance(self.loader, DataLoader)
+        every = self.target is None or isinstance(getattr(loader, "dataset", None), IterableDataset)
+        if node_wide and self.target is None:  # one meeting, at a last batch known ahead
+            raise InvalidArgumentError(
+                "verify() across local ranks needs batches= for a loader without len()"
+            )
+        self.before = {p.pid for p in _children()}
+        iterator = iter(loader)
+        try:
+            while self.target is None or self.received < self.target:
+                batch = next(iterator, _END)
+                if batch is _END:
+                    break
+                self.received += 1
+                self.batch_bytes = max(self.batch_bytes, batch_nbytes(batch))
+                if (every and not node_wide) or self.received == self.target:
+                    self._measure(iterator, pages, torch_loader)
+                del batch
+        finally:
+            if torch_loader and not (loader.persistent_workers and loader.num_workers):
+                shutdown_dataloader_iterator(iterator)
+            del iterator
+        if not self.rows:
+            raise InvalidArgumentError(
+                "the DataLoader yielded no batch: there is nothing to measure (an empty "
+                "dataset, or a sampler with no indices); verify a loader that yields at least "
+                "one batch"
+            )
+
+    def _measure(self, iterator: Any, pages: Pages, torch_loader: bool) -> None:
+        server = self.server or (None if torch_loader else _forkserver_pid())
+        pids = dataloader_worker_pids(iterator)
+        if pids is None:  # a loader that does not expose its workers: the new children
+            new = [p for p in _children() if p.pid not in self.before and p.pid != server]
+            pids = sorted(p.pid for p in new)
+            with contextlib.suppress(psutil.Error, IndexError):
+                spawned = "spawn_main" in " ".join(new[0].cmdline())
+                forked = "forkserver" if server and new[0].ppid() == server else "fork"
+                self.method = "spawn" if spawned else forked
+        procs = [(os.getpid(), "main"), (server, "forkserver")]
+        self.rows = self.measurer(procs + [(pid, f"worker {i}") for i, pid in enumerate(pids)])
+        workers = [p.pid for p in self.rows if p.role.startswith("worker")]
+        if pages and workers and self.method in ("fork", None):
+            counts = [copied_pages(pid, pages) for pid in workers]
+            self.copies = None if None in counts else sum(c or 0 for c in counts)
+
+
+def _children() -> list[psutil.Process]:
+    """This process's descendants but the resource tracker and torch's shm manager."""
+    found = []
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                cmd = " ".join(child.cmdline())
+                if "resource_tracker" not in cmd and "torch_shm_manager" not in cmd:
+                    found.append(child)
+    return found
+
+
+def _dataset_of(loader: Any) -> Any:
+    """A loader's dataset: its ``dataset`` attribute, or the first ``Dataset`` it holds."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        datasets = holdings(loader).datasets
+        dataset = datasets[0] if datasets else loader
+    return dataset
 
 
 @contextlib.contextmanager
 def _frozen_heap(freeze: bool) -> Iterator[None]:
-    """``gc.freeze()`` the parent's heap while fork workers run (Note [How duplication ...]).
-
-    Left as it was when the caller froze it already.
-    """
+    """``gc.freeze()`` the parent's heap while fork workers run; as it was if frozen already."""
     if not freeze or gc.get_freeze_count() > 0:
         yield
         return
@@ -343,19 +289,11 @@ def _frozen_heap(freeze: bool) -> Iterator[None]:
         gc.unfreeze()
 
 
-def _measurer(segments: Segments) -> Any:
-    def measure(procs: list[tuple[int | None, str]]) -> list[ProcessMemory]:
-        return measure_all(procs, segments)
-
-    return measure
-
-
 def _start_method(loader: DataLoader) -> str | None:
     if loader.num_workers == 0:
         return None
-    ctx = loader.multiprocessing_context
-    if ctx is not None:
-        return str(ctx.get_start_method())
+    if loader.multiprocessing_context is not None:
+        return str(loader.multiprocessing_context.get_start_method())
     # get_start_method(allow_none=False) would fix the global default: ask without it.
     return (
         multiprocessing.get_start_method(allow_none=True)
@@ -366,101 +304,19 @@ def _start_method(loader: DataLoader) -> str | None:
 def _stop_persistent_workers(loader: DataLoader) -> None:
     """Shut down workers a persistent loader kept, so the main process is measured alone."""
     progress = dataloader_progress(loader)
-    if progress is not None:
-        done, epoch = progress
-        if 0 < done < epoch:
-            import warnings
-
-            warnings.warn(
-                f"verify() restarts the workers of this persistent DataLoader, which is "
-                f"{done} batches into an epoch of {epoch}: a loop still iterating it "
-                "(e.g. a Lightning fit loop) ends without an error. Call verify() between "
-                "epochs, or on a separate DataLoader built the same way.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        stop_dataloader_workers(loader)
-
-
-def _run_and_measure(
-    loader: DataLoader, batches: int | None, server: int | None, measurer: Any, buffers: Buffers
-) -> tuple[list[ProcessMemory], int, int, int | None]:
-    """Iterate ``loader`` and measure its processes right after the last batch.
-
-    Returns the rows, the number of batches received, the bytes of the largest, and
-    the bytes of ``buffers``' pages the workers copied (``None`` when not checked).
-    """
-    try:
-        length: int | None = len(loader)
-    except TypeError:
-        length = None
-    target = batches if length is None else length if batches is None else min(batches, length)
-    # An iterable dataset's len() may be wrong, and an unknown length gives no "last
-    # batch" to wait for: measure after every batch and keep the latest figures.
-    every = target is None or isinstance(loader.dataset, IterableDataset)
-    if getattr(measurer, "node_wide", False):  # one meeting, at a last batch known ahead
-        if target is None:
-            raise InvalidArgumentError(
-                "verify() across local ranks needs batches= for a loader without len()"
-            )
-        every = False
-    before = _children() if loader.num_workers > 0 else set()
-    rows: list[ProcessMemory] = []
-    received = batch_bytes = 0
-    copies: int | None = None
-    iterator = iter(loader)
-    try:
-        while target is None or received < target:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            received += 1
-            batch_bytes = max(batch_bytes, batch_nbytes(batch))
-            if every or received == target:
-                rows = _measure_loader(iterator, loader.num_workers, before, server, measurer)
-                copies = _page_copies(rows, buffers)
-            del batch
-    finally:
-        if not (loader.persistent_workers and loader.num_workers > 0):
-            shutdown_dataloader_iterator(iterator)
-        # A persistent loader keeps its workers; the next iter(loader) resets them.
-        del iterator
-    if not rows:
-        raise InvalidArgumentError(
-            "the DataLoader yielded no batch: there is nothing to measure (an empty dataset, "
-            "or a sampler with no indices); verify a loader that yields at least one batch"
+    if progress is None:
+        return
+    done, epoch = progress
+    if 0 < done < epoch:
+        warnings.warn(
+            f"verify() restarts the workers of this persistent DataLoader, which is {done} "
+            f"batches into an epoch of {epoch}: a loop still iterating it (e.g. a Lightning "
+            "fit loop) ends without an error. Call verify() between epochs, or on a separate "
+            "DataLoader built the same way.",
+            RuntimeWarning,
+            stacklevel=3,
         )
-    return rows, received, batch_bytes, copies
-
-
-def _page_copies(rows: list[ProcessMemory], buffers: Buffers) -> int | None:
-    """Bytes of ``buffers``' pages the workers among ``rows`` copied; ``None`` if unread."""
-    workers = [p.pid for p in rows if p.role.startswith("worker")]
-    if not buffers.pages or not workers:
-        return None
-    counts = [copied_bytes(pid, buffers) for pid in workers]
-    return None if None in counts else sum(c or 0 for c in counts)
-
-
-def _children() -> set[int]:
-    try:
-        return {p.pid for p in psutil.Process().children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-def _measure_loader(
-    iterator: Any, num_workers: int, before: set[int], server: int | None, measurer: Any
-) -> list[ProcessMemory]:
-    procs: list[tuple[int | None, str]] = [(os.getpid(), "main"), (server, "forkserver")]
-    workers = dataloader_worker_pids(iterator)
-    if workers is not None:
-        procs += [(pid, f"worker {i}") for i, pid in enumerate(workers)]
-    elif num_workers > 0:  # an iterator that does not expose its workers
-        new = sorted(_children() - before - {server})
-        procs += [(pid, f"worker {i}") for i, pid in enumerate(new)]
-    return measurer(procs)  # type: ignore[no-any-return]
+    stop_dataloader_workers(loader)
 
 
 def _forkserver_pid() -> int | None:
@@ -468,12 +324,4 @@ def _forkserver_pid() -> int | None:
     from multiprocessing import forkserver
 
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if isinstance(pid, int) and psutil.pid_exists(pid):
-        return pid
-    try:  # the private attribute moved: find the server among our children
-        for child in psutil.Process().children():
-            if "multiprocessing.forkserver" in " ".join(child.cmdline()):
-                return child.pid
-    except psutil.Error:
-        pass
-    return None
+    return pid if isinstance(pid, int) and psutil.pid_exists(pid) else None

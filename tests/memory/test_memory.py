@@ -20,8 +20,8 @@ from shareddata.memory import (
     MemoryReport,
     ProcessMemory,
     _baseline,
+    _dataset,
     _process,
-    _size,
     measure,
     verify,
 )
@@ -132,16 +132,16 @@ def test_dataset_bytes_prefers_nbytes_attribute_then_estimates():
         nbytes = 12345
 
     arr = np.zeros((1000, 64), np.float32)
-    assert _size.dataset_nbytes(WithNbytes(arr)) == 12345
-    assert _size.dataset_nbytes(ArrayRows(arr)) >= arr.nbytes
-    assert _size.dataset_nbytes(ArrayRows(arr)) < arr.nbytes + 4096
+    assert _dataset.dataset_nbytes(WithNbytes(arr)) == 12345
+    assert _dataset.dataset_nbytes(ArrayRows(arr)) >= arr.nbytes
+    assert _dataset.dataset_nbytes(ArrayRows(arr)) < arr.nbytes + 4096
     tensor = torch.zeros(1000, 64)
     # Views of one storage are counted once.
     two_views = ArrayRows([tensor[:500], tensor[500:], tensor])
-    assert tensor.nbytes <= _size.dataset_nbytes(two_views) < tensor.nbytes + 4096
+    assert tensor.nbytes <= _dataset.dataset_nbytes(two_views) < tensor.nbytes + 4096
     # A large list is sampled and extrapolated, not walked element by element.
     strings = ArrayRows([f"sample-{i:08d}" for i in range(200_000)])
-    estimate = _size.dataset_nbytes(strings)
+    estimate = _dataset.dataset_nbytes(strings)
     exact = sum(len(s) + 49 for s in strings.data) + 8 * len(strings.data)
     assert 0.8 * exact < estimate < 1.2 * exact
 
@@ -153,7 +153,7 @@ def test_dataset_bytes_estimate_is_bounded_on_cycles_and_depth():
         node["next"] = {"next": None, "payload": np.zeros(8)}
         node = node["next"]
     node["next"] = head  # a cycle
-    assert _size.estimate_nbytes(head) > 0
+    assert _dataset.estimate_nbytes(head) > 0
 
 
 # -- num_workers=0, report structure, the check itself -------------------------------
@@ -358,7 +358,9 @@ def test_probe_carries_classes_by_reference_never_data(shared_tensor):
         collate_fn=dataset.__getitem__,  # a bound method: its self is the dataset
         worker_init_fn=lambda worker_id: None,  # not picklable: left out
     )
-    refs = _baseline.probe_references(loader)
+    refs = _baseline.probe_references(
+        _dataset.holdings(dataset).code.values(), loader.collate_fn, loader.worker_init_fn
+    )
     assert ArrayRows in refs
     assert ArrayRows.__getitem__ in refs
     assert np.ndarray in refs
