@@ -466,6 +466,51 @@ def _as_it_is(sample):
     return sample
 
 
+def _holders(inodes):
+    """What in this process still maps or holds open a file of ``inodes``."""
+    found = []
+    with open("/proc/self/maps") as f:
+        found += [
+            line.split()[0]
+            for line in f
+            if len(line.split()) > 4 and int(line.split()[4]) in inodes
+        ]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.stat(f"/proc/self/fd/{fd}").st_ino in inodes:
+                found.append(f"fd {fd}")
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_closed_dataset_lets_its_memory_go_and_refuses_use(kind, tmp_path):
+    import gc
+
+    with make(kind, tmp_path, rows=32)[0] as ds:
+        inodes = {inode for _, inode in ds.segment_identity()}
+        sample = ds[3]
+        loader = DataLoader(ds, batch_size=4, num_workers=0)  # keeps a reference to ds
+        first = next(iter(loader))
+        assert _holders(inodes)
+    assert ds.closed and len(ds) == 32 and "closed" in repr(ds)
+    for use in (
+        lambda: ds[0],
+        lambda: ds[[0, 1]],
+        lambda: next(iter(loader)),
+        lambda: pickle.dumps(ds),
+    ):
+        with pytest.raises(ValueError, match="is closed") as info:
+            use()
+        assert isinstance(info.value, sd.SharedDataError)
+    ds.close()  # idempotent
+    assert sample is not None and first is not None  # taken before: still readable
+    del sample, first
+    gc.collect()
+    assert not _holders(inodes), "the closed dataset's memory is still held here"
+
+
 @pytest.mark.parametrize("sampler", ["default collate", "IndexBatchSampler", "transform"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_batch_leaves_a_worker_as_one_memfd(kind, sampler, tmp_path, monkeypatch):

@@ -76,6 +76,34 @@ def is_int(index: Any) -> bool:
     )
 
 
+class Closed:
+    """What a closed dataset holds instead of its columns: every use is refused by name.
+
+    ``len()`` still answers; indexing, batches, pickling (a DataLoader's workers) and
+    sizes raise :class:`~shareddata.InvalidArgumentError` (a ``ValueError``, as a
+    closed file's methods do).
+    """
+
+    def __init__(self, owner: str, length: int) -> None:
+        self._message = (
+            f"{owner} is closed (its close() was called or its `with` block ended), so "
+            "it no longer refers to its shared memory. Make a new dataset to read again."
+        )
+        self._length = length
+
+    def refuse(self, *args: Any, **kwargs: Any) -> Any:
+        """Raise the closed dataset's error."""
+        raise InvalidArgumentError(self._message)
+
+    values = items = keys = get = gather = __getitem__ = __iter__ = __reduce__ = refuse
+
+    def __getattr__(self, name: str) -> Any:  # a column's attributes (nbytes, arrays...)
+        self.refuse()
+
+    def __len__(self) -> int:
+        return self._length
+
+
 class ColumnDataset(Dataset):
     """A map-style Dataset over columns in shared memory.
 
@@ -154,6 +182,38 @@ class ColumnDataset(Dataset):
     def __len__(self) -> int:
         return self._len
 
+    def close(self) -> None:
+        """Let go of the shared memory now; any later use of the dataset is refused.
+
+        The memory is freed once nothing else holds it: samples and batches already
+        taken stay valid, and so do DataLoader workers already started (each holds
+        the memory itself). Idempotent. ``with`` closes the dataset at the block's end.
+
+        Example:
+            >>> import numpy as np, shareddata as sd
+            >>> with sd.NumpyDataset(np.zeros((4, 2), np.float32)) as ds:
+            ...     row = ds[0]
+            >>> ds[0]
+            Traceback (most recent call last):
+            ...
+            shareddata.errors.InvalidArgumentError: NumpyDataset is closed ...
+            >>> row, len(ds)
+            ({'data': tensor([0., 0.])}, 4)
+        """
+        if not isinstance(self._columns, Closed):
+            self._columns = Closed(type(self).__name__, self._len)  # type: ignore[assignment]
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return isinstance(self._columns, Closed)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def segment_identity(self) -> frozenset[tuple[int, int]]:
         """The (device, inode) of every shared segment this dataset maps.
 
@@ -167,6 +227,8 @@ class ColumnDataset(Dataset):
         )
 
     def __repr__(self) -> str:
+        if self.closed:
+            return f"{type(self).__name__}(rows={self._len}, closed)"
         cols = ", ".join(f"{n}: {c.spec.describe()}" for n, c in self._columns.items())
         size = format_bytes(self.nbytes)
         return f"{type(self).__name__}(rows={self._len}, {size}, columns={{{cols}}})"

@@ -39,7 +39,7 @@ from ..errors import (
     UnpicklableItemError,
 )
 from ..storage._writer import VarStore
-from ._dataset import BatchValues, ColumnDataset, is_int
+from ._dataset import BatchValues, Closed, ColumnDataset, is_int
 from ._indexing import index_shape, index_tensor, nest_rows
 from ._itempickle import ItemPickler
 from ._load import Allocator, Part, Shard, Share, build, progress_bar
@@ -345,6 +345,22 @@ class SharedList(Sequence):
     def __len__(self) -> int:
         return len(self._column)
 
+    def close(self) -> None:
+        """Let go of the shared memory now; any later use is refused (as a dataset's)."""
+        if not isinstance(self._column, Closed):
+            self._column = Closed("SharedList", len(self._column))  # type: ignore[assignment]
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return isinstance(self._column, Closed)
+
+    def __enter__(self) -> SharedList:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __getitem__(self, index: Any) -> Any:
         """An item for an int; a list of items for a slice or indices (Note [A batch by index]).
 
@@ -401,6 +417,8 @@ class SharedList(Sequence):
         return (_rebuild_list, (self._column, self.node_shard))
 
     def __repr__(self) -> str:
+        if self.closed:
+            return f"SharedList({len(self)} items, closed)"
         return f"SharedList({len(self)} items, {format_bytes(self.nbytes)})"
 
 
