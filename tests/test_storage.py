@@ -156,13 +156,13 @@ def test_the_memory_cgroup_of_this_process_limits_it_not_only_the_root(tmp_path,
     proc = tmp_path / "cgroup"  # what /proc/self/cgroup says, one level deeper: the job's
     proc.write_text("".join(f"{i}:{c}:{p.rstrip('/')}/job\n" for i, (c, p) in enumerate(mine)))
     monkeypatch.setattr(_capacity, "_PROC_CGROUP", str(proc))
-    assert _capacity._cgroup_available() == (64 << 20) - (10 << 20) + 1000
+    assert _capacity._cgroup_room()[0] == (64 << 20) - (10 << 20) + 1000
     assert available_memory() == (64 << 20) - (10 << 20) + 1000
     # the root's limit counts too, when it is the tighter one
     for controllers, _ in mine:
         version = "v2" if controllers == "" else "v1"
         cgroup(version, "/", 32 << 20, 0)
-    assert _capacity._cgroup_available() == (32 << 20) + 1000
+    assert _capacity._cgroup_room()[0] == (32 << 20) + 1000
 
 
 def test_storage_dir_is_file_backed_and_nameless(tmp_path):
