@@ -488,3 +488,17 @@ def test_descriptor_and_address_space_limits_are_named_errors():
     assert "768.0 MiB" in address["message"], address["message"]
     assert out["fds_after_as"] == 0
     assert out["small"] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")  # torch's
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "complex32"])
+def test_from_array_of_a_dtype_numpy_lacks_is_named_with_the_fix(name):
+    """Issue 29: torch's raw ``TypeError: Got unsupported ScalarType`` was what users saw."""
+    dtype = getattr(torch, name)
+    t = torch.arange(6, dtype=torch.float32).to(dtype)
+    with pytest.raises(sd.UnsupportedDtypeError, match=rf"got a torch\.{name} tensor") as info:
+        sd.SharedArray.from_array(t)
+    assert isinstance(info.value, TypeError) and ".view(t.dtype)" in str(info.value)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]  # the fix given
+    back = sd.SharedArray.from_array(t.view(bits)).torch().view(dtype)
+    assert back.dtype == dtype and torch.equal(back.view(bits), t.view(bits))

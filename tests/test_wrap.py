@@ -944,3 +944,22 @@ def test_items_that_are_a_tensor_alone_leave_a_worker_as_one_memfd(monkeypatch):
             )
             crossing._assert_one_memfd(batch, "a tensor alone")
         assert crossing.RECEIVED == {"receive": 4}
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")  # torch's
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "complex32"])
+def test_shared_list_reads_back_tensors_of_dtypes_numpy_lacks(name):
+    """Issue 29: float8 and complex32 items were stored, then raised AttributeError when read.
+
+    (torch's own pickle of them cannot be loaded; they go as their bytes now.)
+    """
+    dtype = getattr(torch, name)
+    t = (torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7).to(dtype)
+    items = [{"t": t, "row": t[1], "n": i} for i in range(3)]
+    ds = sd.SharedList(items, progress=False)
+    again = pickle.loads(pickle.dumps(ds))  # what a spawned worker reads
+    for got in (ds[2], again[2], ds[:3][2]):
+        assert got["n"] == 2
+        for key, want in (("t", t), ("row", t[1])):
+            assert got[key].dtype == dtype and got[key].shape == want.shape
+            assert torch.equal(got[key].view(torch.uint8), want.contiguous().view(torch.uint8))
