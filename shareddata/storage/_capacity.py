@@ -374,7 +374,7 @@ def check_capacity(
 
     In RAM they fit when ``nbytes``, the :func:`private_peak` of the load under way and
     the :func:`margin` are free; in ``storage_dir`` when ``nbytes`` are free there and
-    the private peak and margin in RAM (Note [A load is refused, never killed]).
+    the private peak and 16 MiB in RAM (Note [A load is refused, never killed]).
 
     Args:
         nbytes: bytes about to be allocated.
@@ -395,15 +395,16 @@ def check_capacity(
         shareddata.errors.SharedMemoryFullError: this allocation needs ... is free in ...
     """
     directory = None if storage_dir is None else str(storage_dir)
-    private, spare = _private(), margin(nbytes)
+    private = _private()
     if directory is not None:
         free = available_memory(directory)
         if nbytes > free:
             raise full_error(nbytes, free, directory, what)
-        ram = available_memory(None)
+        ram, spare = available_memory(None), margin(0)
         if private + spare > ram:
             raise full_error(0, ram, None, f"{what} (in storage_dir={directory!r})", private, spare)
         return free - nbytes
+    spare = margin(nbytes)
     free = available_memory(None)
     if nbytes + private + spare > free:
         raise full_error(nbytes, free, None, what, private, spare)
