@@ -355,6 +355,32 @@ def test_one_descriptor_per_dataset_and_a_named_error_past_the_limit(kind, tmp_p
     assert out["left_open"] == 0, out
 
 
+_WARNINGS_SCRIPT = r"""
+import sys, warnings
+sys.path.insert(0, sys.argv[3])
+warnings.simplefilter("error")  # and in the fork workers, which inherit it
+import torch
+torch.set_warn_always(True)  # torch warns once per process, maybe before (suppressed)
+from torch.utils.data import DataLoader
+from kinds import make
+kind, path = sys.argv[1], sys.argv[2]
+ds, expected = make(kind, path, rows=16, ragged=kind != "numpy", progress=False)
+loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="fork",
+                    collate_fn=list)
+print(sum(len(batch) for batch in loader))
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_warning_reaches_users_from_a_worker(kind, tmp_path):
+    """Issue 29: torch's "The given NumPy array is not writable" warning came from a ragged
+    column's batch in a worker (where no column had made torch warn once already)."""
+    command = [sys.executable, "-c", _WARNINGS_SCRIPT, kind, str(tmp_path), TESTS]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "16", run.stdout
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_out_of_range_is_an_index_error(kind, tmp_path):
     ds, _ = make(kind, tmp_path, rows=ROWS)

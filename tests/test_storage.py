@@ -156,13 +156,13 @@ def test_the_memory_cgroup_of_this_process_limits_it_not_only_the_root(tmp_path,
     proc = tmp_path / "cgroup"  # what /proc/self/cgroup says, one level deeper: the job's
     proc.write_text("".join(f"{i}:{c}:{p.rstrip('/')}/job\n" for i, (c, p) in enumerate(mine)))
     monkeypatch.setattr(_capacity, "_PROC_CGROUP", str(proc))
-    assert _capacity._cgroup_available() == (64 << 20) - (10 << 20) + 1000
+    assert _capacity._cgroup_room()[0] == (64 << 20) - (10 << 20) + 1000
     assert available_memory() == (64 << 20) - (10 << 20) + 1000
     # the root's limit counts too, when it is the tighter one
     for controllers, _ in mine:
         version = "v2" if controllers == "" else "v1"
         cgroup(version, "/", 32 << 20, 0)
-    assert _capacity._cgroup_available() == (32 << 20) + 1000
+    assert _capacity._cgroup_room()[0] == (32 << 20) + 1000
 
 
 def test_storage_dir_is_file_backed_and_nameless(tmp_path):
@@ -488,3 +488,17 @@ def test_descriptor_and_address_space_limits_are_named_errors():
     assert "768.0 MiB" in address["message"], address["message"]
     assert out["fds_after_as"] == 0
     assert out["small"] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")  # torch's
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "complex32"])
+def test_from_array_of_a_dtype_numpy_lacks_is_named_with_the_fix(name):
+    """Issue 29: torch's raw ``TypeError: Got unsupported ScalarType`` was what users saw."""
+    dtype = getattr(torch, name)
+    t = torch.arange(6, dtype=torch.float32).to(dtype)
+    with pytest.raises(sd.UnsupportedDtypeError, match=rf"got a torch\.{name} tensor") as info:
+        sd.SharedArray.from_array(t)
+    assert isinstance(info.value, TypeError) and ".view(t.dtype)" in str(info.value)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]  # the fix given
+    back = sd.SharedArray.from_array(t.view(bits)).torch().view(dtype)
+    assert back.dtype == dtype and torch.equal(back.view(bits), t.view(bits))

@@ -359,7 +359,7 @@ class RaggedColumn(_VarColumn):
         """One buffer: the rows' values side by side."""
         idx = indices.numpy()
         total = int((self._offsets[idx + 1] - self._offsets[idx]).sum())
-        return [((total,), torch.from_numpy(self._values[:0]).dtype)]
+        return [((total,), _readonly_tensor(self._values[:0]).dtype)]  # no warning: read-only
 
     def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The rows ``indices``, copied side by side into ``outs[0]``: views of it."""

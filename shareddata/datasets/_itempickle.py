@@ -11,9 +11,11 @@ only, never ``copyreg``'s or ``ForkingPickler``'s) sends a plain CPU tensor as a
 array of its values, rebuilt with ``torch.from_numpy``: ~10 us, and only the view's
 bytes. What comes back is a ``torch.Tensor`` of the same dtype, shape and values,
 contiguous, with a storage of its own (two tensors of one item that shared a
-storage no longer do). Any other tensor (a subclass, ``requires_grad``, attributes
-set on it, a dtype numpy lacks such as ``bfloat16``, conjugate or negative views,
-another device) is pickled by torch, as before.
+storage no longer do). A dtype numpy lacks (``bfloat16``, float8, ``complex32``)
+goes as its bytes, viewed back as that dtype: torch's own pickle of float8 and
+``complex32`` tensors cannot be loaded. Any other tensor (a subclass,
+``requires_grad``, attributes set on it, conjugate or negative views, another
+device) is pickled by torch, as before.
 """
 
 from __future__ import annotations
@@ -68,8 +70,13 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     ):
         try:
             array = tensor.numpy()
-        except (TypeError, RuntimeError):  # bfloat16, quantized...: torch's own pickle
-            pass
+        except (TypeError, RuntimeError):  # a dtype numpy lacks: bfloat16, float8, complex32
+            try:
+                bits = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+            except (TypeError, RuntimeError):  # quantized...: torch's own pickle
+                pass
+            else:
+                return tensor_from_bytes, (bits, tensor.dtype, tuple(tensor.shape))
         else:
             return tensor_from_array, (array,)
     return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
@@ -78,3 +85,8 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
 def tensor_from_array(array: np.ndarray) -> torch.Tensor:
     """A tensor of ``array``'s values (pickled in-band, a read-only array: copied)."""
     return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def tensor_from_bytes(bits: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of a dtype numpy lacks, from its bytes (torch's own pickle of one fails to load)."""
+    return tensor_from_array(bits).view(dtype).reshape(shape)

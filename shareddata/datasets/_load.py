@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -30,16 +31,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import numpy as np
+
 from .._text import format_bytes
 from ..columns._columns import COLUMN_KINDS, Column, ColumnSpec
 from ..distributed import NodeShard, load_on_node, node_rows, resolve_timeout
 from ..errors import ColumnLengthError, ShardingNotSupportedError
 from ..sources._source import Source, as_buffer
 from ..storage import SharedArray, allocate, seal
-from ..storage._capacity import resolve_storage_dir
+from ..storage._capacity import private_peak, resolve_storage_dir
 from ..storage._sweep import auto_sweep
 
 __all__ = [
+    "READ_CHUNK_BYTES",
     "Allocator",
     "Columns",
     "LoadOptions",
@@ -56,6 +60,14 @@ Share = Literal["node", "process"]
 Shard = Literal["node"]
 Part = tuple[type[Column], ColumnSpec, dict[str, SharedArray]]
 """One column as a producer made it: its class, spec and filled arrays."""
+
+READ_CHUNK_BYTES = 64 << 20
+"""Private memory a :class:`Source` reads into at most at once, besides its columns.
+
+The ``preadv`` steps of ``sources/_io.py``, the blocks of ``npy.py`` and ``hdf5.py``
+(64 MiB each), a Parquet batch and its row group's pages: counted by the capacity
+check of every file load.
+"""
 
 
 class Columns(dict):  # type: ignore[type-arg]
@@ -319,16 +331,20 @@ def _fill(source: Source, alloc: Allocator, progress: bool) -> list[Part]:
     check_lengths(specs, source.label)
     layouts = [(spec, COLUMN_KINDS[spec.kind].layout(spec)) for spec in specs]
     flat = [shape_dtype for _, layout in layouts for shape_dtype in layout.values()]
-    # pages are allocated while the source fills the first ones: Note [Filling
-    # while the pages are allocated] in storage/_pages.py
-    arrays = iter(alloc(flat, source.label, ahead=True))
-    parts: list[Part] = [
-        (COLUMN_KINDS[spec.kind], spec, {k: next(arrays) for k in layout})
-        for spec, layout in layouts
-    ]
-    total = sum(a.nbytes for _, _, group in parts for a in group.values())
-    desc = f"loading {os.path.basename(source.label) or source.label} ({format_bytes(total)})"
-    with progress_bar(total, desc, progress) as update:
-        for _, spec, group in parts:
-            source.read(spec, {k: as_buffer(a.numpy()) for k, a in group.items()}, update)
+    size = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in flat)
+    # a source reads into private memory at most a chunk at a time (Note [A load is
+    # refused, never killed] in storage/_capacity.py)
+    with private_peak(min(size, READ_CHUNK_BYTES)):
+        # pages are allocated while the source fills the first ones: Note [Filling
+        # while the pages are allocated] in storage/_pages.py
+        arrays = iter(alloc(flat, source.label, ahead=True))
+        parts: list[Part] = [
+            (COLUMN_KINDS[spec.kind], spec, {k: next(arrays) for k in layout})
+            for spec, layout in layouts
+        ]
+        total = sum(a.nbytes for _, _, group in parts for a in group.values())
+        desc = f"loading {os.path.basename(source.label) or source.label} ({format_bytes(total)})"
+        with progress_bar(total, desc, progress) as update:
+            for _, spec, group in parts:
+                source.read(spec, {k: as_buffer(a.numpy()) for k, a in group.items()}, update)
     return parts

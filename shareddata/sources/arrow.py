@@ -147,5 +147,16 @@ def table_key(source: ArrowSource, fill_value: FillValue) -> tuple[Any, ...]:
     table = source.table.select(list(dict.fromkeys(c.path[0] for c in source.columns)))
     n = table.num_rows
     rows = sorted({round(i * (n - 1) / 63) for i in range(64)}) if n else []
-    sample = [table.slice(i, 1).to_pylist() for i in rows]  # slices: any type, no copy
+    sample = [_row(table.slice(i, 1)) for i in rows]  # slices: any type, no copy
     return ("ArrowDataset", table.schema.to_string(), n, repr(fill_value), sample)
+
+
+def _row(row: Any) -> Any:
+    """One row's values; pyarrow's text of them where Python has no type for one.
+
+    (``timestamp[ns]`` values with nanoseconds fit no ``datetime`` without pandas.)
+    """
+    try:
+        return row.to_pylist()
+    except ValueError:
+        return [column.to_string() for column in row.columns]

@@ -200,7 +200,15 @@ class SharedArray:
             (dtype('int32'), [0, 1, 2])
         """
         if isinstance(array, torch.Tensor):
-            array = array.detach().cpu().numpy()
+            try:
+                array = array.detach().cpu().numpy()
+            except TypeError as e:  # a dtype numpy lacks: bfloat16, float8, complex32
+                raise UnsupportedDtypeError(
+                    f"SharedArray.from_array got a {array.dtype} tensor, which numpy (what a "
+                    f"SharedArray holds) has no dtype for ({e}). Store its bits and view them "
+                    "back: SharedArray.from_array(t.view(torch.int16)).torch().view(t.dtype) "
+                    "(int8 for float8, int32 for complex32), or convert it (t.float())."
+                ) from e
         array = np.asarray(array)
         if array.dtype.hasobject:
             raise UnsupportedDtypeError(

@@ -5,14 +5,29 @@ size of the ``/dev/shm`` mount; a segment in ``storage_dir`` by that file system
 free space (``docs/internals.md#memfd``). Capacity is checked before allocating and
 every page is reserved up front, so a full memory is :class:`SharedMemoryFullError`
 at once, never a SIGBUS later (``docs/internals.md#sigbus``).
+
+Note [A load is refused, never killed]
+======================================
+Under a memory cgroup (a Kubernetes pod, a Slurm job, ``docker --memory``) a page
+that does not fit is not an error: the kernel's OOM killer SIGKILLs the process,
+whether the page is faulted, ``pwrite``-n or ``fallocate``-d into a memfd. So the
+check must count all a load will take before it takes it: its segments, what the
+load needs privately on top (the materialisation's blocks and offsets, a source's
+read chunks: :func:`private_peak`, which the loader holds for the whole load) and a
+:func:`margin` for what nobody counts (page tables, the kernel's own memory, the
+interpreter's growth, usage figures that lag). A load whose size grows as it reads
+(``SharedDataset``'s variable-length fields, ``SharedList``) checks every growth step
+the same way. The message names the bound that binds: the cgroup's limit file and
+its usage, or ``MemAvailable``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .._text import format_bytes
 from ..errors import (
@@ -32,7 +47,9 @@ __all__ = [
     "fallocate",
     "full_error",
     "mapping_error",
+    "margin",
     "named_os_errors",
+    "private_peak",
     "resolve_storage_dir",
 ]
 
@@ -57,21 +74,21 @@ _CGROUP_FILES = {  # controllers field of /proc/self/cgroup -> (mount, limit fil
 }
 
 
-def _cgroup_available() -> int | None:
-    """Bytes the memory cgroup of this process can still take, or None if unlimited.
+def _cgroup_room() -> tuple[int, str] | None:
+    """Bytes the memory cgroup of this process can still take, and its description.
 
     The process's own cgroup and every cgroup above it count (cgroup v2, and v1 as
     on a host, under Slurm or systemd, where the limit is on the job's cgroup, not
     the root); the tightest one wins. Inside a container the mount's root is the
     container's own cgroup and the path does not exist under it: the walk up finds
-    the root.
+    the root. ``None``: no limit.
     """
     try:
         with open(_PROC_CGROUP) as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    best: int | None = None
+    best: tuple[int, str] | None = None
     for line in lines:
         _, controllers, path = line.split(":", 2)
         version = "v2" if controllers == "" else "v1"
@@ -84,8 +101,14 @@ def _cgroup_available() -> int | None:
             limit = _read_int(os.path.join(base, limit_file))
             used = _read_int(os.path.join(base, usage_file))
             if limit is not None and used is not None and limit < (1 << 60):
-                free = limit - used + _reclaimable(os.path.join(base, "memory.stat"))
-                best = free if best is None else min(best, free)
+                cache = _reclaimable(os.path.join(base, "memory.stat"))
+                if best is None or limit - used + cache < best[0]:
+                    text = (
+                        f"the memory cgroup {'/' + '/'.join(parts[:depth])} ({limit_file} "
+                        f"{format_bytes(limit)}, {format_bytes(used)} in use"
+                        + (f", {format_bytes(cache)} of it reclaimable cache)" if cache else ")")
+                    )
+                    best = (limit - used + cache, text)
     return best
 
 
@@ -119,6 +142,11 @@ def available_memory(storage_dir: str | os.PathLike[str] | None = None) -> int:
     if storage_dir is not None:
         st = os.statvfs(storage_dir)
         return st.f_bavail * st.f_frsize
+    return _memory_room()[0]
+
+
+def _memory_room() -> tuple[int, str]:
+    """Bytes free in RAM for a new segment, and which bound that is (for messages)."""
     avail = None
     try:
         with open("/proc/meminfo") as f:
@@ -132,29 +160,93 @@ def available_memory(storage_dir: str | os.PathLike[str] | None = None) -> int:
         import psutil
 
         avail = psutil.virtual_memory().available
-    cgroup = _cgroup_available()
-    return avail if cgroup is None else min(avail, cgroup)
+    cgroup = _cgroup_room()
+    if cgroup is not None and cgroup[0] < avail:
+        return cgroup
+    return avail, "RAM (MemAvailable)"
 
 
-def full_error(needed: int, free: int, storage_dir: str | None, what: str) -> SharedMemoryFullError:
+_MARGIN_BYTES = 16 << 20
+_MARGIN_FRACTION = 64
+_PRIVATE: contextvars.ContextVar[tuple[int | Callable[[], int], ...]] = contextvars.ContextVar(
+    "shareddata_private", default=()
+)
+
+
+def margin(nbytes: int) -> int:
+    """Room left free besides ``nbytes`` of a load: 16 MiB + 1/64 of them.
+
+    Note [A load is refused, never killed]: page tables (~1/512 of what each process
+    maps), the kernel's own allocations and the interpreter's growth are charged to
+    the cgroup too, and its usage figure is batched per CPU.
+
+    Example:
+        >>> margin(64 << 20) >> 20
+        17
+    """
+    return _MARGIN_BYTES + nbytes // _MARGIN_FRACTION
+
+
+@contextlib.contextmanager
+def private_peak(nbytes: int | Callable[[], int]) -> Iterator[None]:
+    """Count ``nbytes`` in every RAM capacity check made inside (in this thread or task).
+
+    What a load will still take on top of the segments already in use: its blocks,
+    offsets and read chunks, and pages of its segments not yet written (a callable is
+    asked at each check). Nested calls add up. Note [A load is refused, never killed].
+
+    Example:
+        >>> with private_peak(1 << 62):
+        ...     check_capacity(1024)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        shareddata.errors.SharedMemoryFullError: this allocation needs 1.0 KiB ... privately...
+    """
+    token = _PRIVATE.set((*_PRIVATE.get(), nbytes))
+    try:
+        yield
+    finally:
+        _PRIVATE.reset(token)
+
+
+def _private() -> int:
+    return sum(max(0, int(n() if callable(n) else n)) for n in _PRIVATE.get())
+
+
+def full_error(
+    needed: int, free: int, storage_dir: str | None, what: str, private: int = 0, spare: int = 0
+) -> SharedMemoryFullError:
     """The error for ``needed`` bytes that do not fit in ``free``: sizes, place and fixes.
+
+    ``private`` and ``spare`` (the load's private peak and :func:`margin`) are named
+    with it when the check counted them.
 
     Example:
         >>> print(full_error(3 << 30, 1 << 30, "/scratch", "x.npy"))  # doctest: +ELLIPSIS
         x.npy needs 3.0 GiB ... free in the file system of storage_dir='/scratch'...
     """
-    where = f"the file system of storage_dir={storage_dir!r}" if storage_dir else "RAM"
+    where = f"the file system of storage_dir={storage_dir!r}" if storage_dir else None
+    where = where or _memory_room()[1]
     fixes = (
         "free disk space or choose another storage_dir"
         if storage_dir
         else "load fewer columns; raise the container's memory limit (Docker `--memory`, "
-        "Kubernetes `resources.limits.memory`; a memory-backed `emptyDir` counts against "
-        "it too); or put the data in files on a local disk with storage_dir='/path' "
-        f"(or the {STORAGE_ENV} environment variable)"
+        "Kubernetes `resources.limits.memory`, Slurm `--mem`; a memory-backed `emptyDir` "
+        "counts against it too); or put the data in files on a local disk with "
+        f"storage_dir='/path' (or the {STORAGE_ENV} environment variable)"
     )
+    extra = ""
+    if private or spare:
+        total = needed + private + spare
+        extra = (
+            f", plus {format_bytes(private)} privately while it loads and a margin of "
+            f"{format_bytes(spare)} (page tables, the kernel, the interpreter), "
+            f"{format_bytes(total)} ({total} bytes) in all,"
+        )
     return SharedMemoryFullError(
-        f"{what} needs {format_bytes(needed)} ({needed} bytes) of shared memory but only "
-        f"{format_bytes(free)} ({free} bytes) is free in {where}. Nothing was loaded. Fix: {fixes}."
+        f"{what} needs {format_bytes(needed)} ({needed} bytes) of shared memory{extra} but "
+        f"only {format_bytes(free)} ({free} bytes) is free in {where}. Nothing was loaded. "
+        f"Fix: {fixes}."
     )
 
 
@@ -277,27 +369,46 @@ def _mapped_bytes() -> int | None:
 
 def check_capacity(
     nbytes: int, storage_dir: str | os.PathLike[str] | None = None, what: str = "this allocation"
-) -> None:
+) -> int:
     """Raise :class:`~shareddata.SharedMemoryFullError` if ``nbytes`` do not fit.
+
+    In RAM they fit when ``nbytes``, the :func:`private_peak` of the load under way and
+    the :func:`margin` are free; in ``storage_dir`` when ``nbytes`` are free there and
+    the private peak and 16 MiB in RAM (Note [A load is refused, never killed]).
 
     Args:
         nbytes: bytes about to be allocated.
         storage_dir: where they would go (``None``: RAM).
         what: how to name the allocation in the message (e.g. a file name).
 
+    Returns:
+        The bytes still free where they go once they are taken (margin kept).
+
     Raises:
         SharedMemoryFullError: with the bytes needed and free, and the fixes.
 
     Example:
-        >>> check_capacity(1024)
+        >>> left = check_capacity(1024)
         >>> check_capacity(1 << 62)
         Traceback (most recent call last):
         ...
-        shareddata.errors.SharedMemoryFullError: this allocation needs ... is free in RAM...
+        shareddata.errors.SharedMemoryFullError: this allocation needs ... is free in ...
     """
-    free = available_memory(storage_dir)
-    if nbytes > free:
-        raise full_error(nbytes, free, None if storage_dir is None else str(storage_dir), what)
+    directory = None if storage_dir is None else str(storage_dir)
+    private = _private()
+    if directory is not None:
+        free = available_memory(directory)
+        if nbytes > free:
+            raise full_error(nbytes, free, directory, what)
+        ram, spare = available_memory(None), margin(0)
+        if private + spare > ram:
+            raise full_error(0, ram, None, f"{what} (in storage_dir={directory!r})", private, spare)
+        return free - nbytes
+    spare = margin(nbytes)
+    free = available_memory(None)
+    if nbytes + private + spare > free:
+        raise full_error(nbytes, free, None, what, private, spare)
+    return free - nbytes - private - spare
 
 
 def resolve_storage_dir(storage_dir: str | os.PathLike[str] | None) -> str | None:

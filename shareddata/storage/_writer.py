@@ -22,7 +22,7 @@ from ..errors import (
     SharedMemoryFullError,
 )
 from ._array import SharedArray, aligned
-from ._capacity import available_memory, full_error, named_os_errors, resolve_storage_dir
+from ._capacity import available_memory, check_capacity, named_os_errors, resolve_storage_dir
 from ._linux import MADV_POPULATE_READ, anonymous_file, madvise
 from ._segment import Segment
 
@@ -43,8 +43,9 @@ __all__ = ["FULL_ERRNOS", "VarStore", "map_written", "pwrite_all"]
 # not copies). So private memory stays bounded whatever the dataset's size:
 #
 # * Room is checked as the file grows, up to ``_VAR_STEP_BYTES`` (64 MiB) at a time:
-#   when the values about to be written do not fit in what ``available_memory`` says
-#   is free (RAM and the memory cgroup, or the file system of ``storage_dir``),
+#   when the values about to be written do not fit in what ``check_capacity`` says
+#   is free (RAM and the memory cgroup with the load's private peak and a margin, or
+#   the file system of ``storage_dir``: Note [A load is refused, never killed]),
 #   SharedMemoryFullError names the field, the bytes already stored, the bytes to
 #   write and what is free, and the fix, before they are written (a few KiB of
 #   strings fit in a few KiB of room: the step is only how far one check reaches).
@@ -158,14 +159,12 @@ class VarStore:
         and where more is free the check covers a whole step ahead.
         """
         need = end - self.checked
-        free = available_memory(self.directory)
-        if need > free:
-            what = (
-                f"{self.what} (after {len(self.offsets) - 1} items, "
-                f"{format_bytes(self.written)} stored so far; the values that follow)"
-            )
-            raise full_error(need, free, self.directory, what)
-        self.checked += min(max(_VAR_STEP_BYTES, need), free)
+        what = (
+            f"{self.what} (after {len(self.offsets) - 1} items, "
+            f"{format_bytes(self.written)} stored so far; the values that follow)"
+        )
+        left = check_capacity(need, self.directory, what)  # Note [A load is refused, ...]
+        self.checked += need + min(max(_VAR_STEP_BYTES - need, 0), left)
 
     def finish(self) -> tuple[Segment, int]:
         """Hand the file over as a segment (no copy): ``(segment, elements)``.

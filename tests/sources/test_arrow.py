@@ -355,3 +355,37 @@ def test_globs_recursive_folders_hive_partitions_and_promoted_types(tmp_path):
     ):
         ParquetDataset(root, progress=False)
     assert os.path.exists(root / "_SUCCESS")
+
+
+_NANOSECONDS = r"""
+import sys
+
+
+class NoPandas:  # pandas is optional: without it pyarrow has no type for nanoseconds
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "pandas":
+            raise ModuleNotFoundError("No module named 'pandas'")
+
+
+sys.meta_path.insert(0, NoPandas())
+import pyarrow as pa, pyarrow.parquet as pq
+from shareddata import ArrowDataset, ParquetDataset
+
+table = pa.table({"at": pa.array([1, 1_000_000_001, 7], pa.timestamp("ns")), "i": [0, 1, 2]})
+pq.write_table(table, sys.argv[1])
+arrow, parquet = ArrowDataset(table, progress=False), ParquetDataset(sys.argv[1], progress=False)
+print([[int(v) for v in ds[i].values()] for ds in (arrow, parquet) for i in range(3)])
+"""
+
+
+def test_nanosecond_timestamps_load_as_from_parquet(tmp_path):
+    """Issue 29: sub-microsecond timestamp[ns] values made ArrowDataset raise pyarrow's raw
+    ValueError (in the key that tells tables apart), where pandas is not installed."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", _NANOSECONDS, str(tmp_path / "t.parquet")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [[1, 0], [1_000_000_001, 1], [7, 2]]
+    assert run.stdout.strip() == repr(rows + rows)

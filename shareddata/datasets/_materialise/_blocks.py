@@ -16,7 +16,7 @@ import torch
 from ...columns._items import Leaf, compile_fast_path
 from ...errors import SharedDataError
 from ...storage import SharedArray
-from ._writer import BlockWriter
+from ._writer import BlockWriter, HeapTrim
 
 __all__ = ["Block", "BlockReader", "box", "fetch", "identity", "unbox"]
 
@@ -138,12 +138,13 @@ class BlockReader:
         self._fast: Callable[[Any], bool] | None = None
         self._sinks: list[list[Any]] = []
         self._writer: BlockWriter | None = None
+        self._trim = HeapTrim()  # Note [Items freed back to the system] in _writer.py
 
     def __len__(self) -> int:
         return -(-self.rows // self.chunk)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_fast": None, "_sinks": [], "_writer": None}
+        return {**self.__dict__, "_fast": None, "_sinks": [], "_writer": None, "_trim": HeapTrim()}
 
     def __getitem__(self, block: int) -> Block:
         start = block * self.chunk
@@ -163,6 +164,7 @@ class BlockReader:
                     segment, chunk = target.segment, self.chunk
                     self._writer = BlockWriter(segment, chunk, self.storage_dir, self.what)
                 self._writer.write(start, stop - start, target, self.leaves[n], self._sinks[n])
+                self._trim(target.nbytes // self.rows * (stop - start))
         var = {n: self._sinks[n].copy() for n in range(len(self.leaves)) if n not in self.fixed}
         for sink in self._sinks:
             sink.clear()

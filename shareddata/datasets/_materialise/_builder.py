@@ -41,17 +41,24 @@ from ...storage import SharedArray
 from ...storage._writer import VarStore
 from .._load import Allocator, Part
 from ._blocks import Block, BlockReader, identity, unbox
-from ._writer import Writer, chunk_rows
+from ._writer import TRIM_BYTES, HeapTrim, Writer, chunk_rows
 
 __all__ = ["Builder"]
 
 _VAR_CHUNK_BYTES = 16 << 20  # variable-length bytes of the items held until a flush
+_WORKER_BYTES = 32 << 20  # a forked worker's own pages (copied on write, its interpreter's)
 
 
 class Builder:
-    """Collects the items of a dataset into shared columns, in index order."""
+    """Collects the items of a dataset into shared columns, in index order.
 
-    def __init__(self, first: Any, rows: int, alloc: Allocator) -> None:
+    Made from item 0, then :meth:`allocate` (inside ``private_peak(builder.outstanding)``),
+    :meth:`run` or :meth:`run_workers`, and :meth:`finish`.
+    """
+
+    what = "SharedDataset's fixed-size fields"
+
+    def __init__(self, first: Any, rows: int, alloc: Allocator, workers: int = 0) -> None:
         self.leaves: list[Leaf] = []
         self.schema = infer_schema(first, "", self.leaves)
         self.rows = rows
@@ -62,25 +69,67 @@ class Builder:
                 leaf.kind, leaf.dtype = "intlist", np.dtype(np.int64)
             elif leaf.kind == "floatlist":
                 leaf.dtype = np.dtype(np.float64)
-        fixed = [n for n, leaf in enumerate(self.leaves) if leaf.kind in FIXED]
-        self.what = "SharedDataset's fixed-size fields"
-        arrays = alloc(
-            [((rows, *self.leaves[n].shape), self.leaves[n].dtype) for n in fixed],
-            self.what,
-            reserve=False,  # filled by pwrite: Note [Writing rows in the background]
+        self.fixed: dict[int, SharedArray] = {}
+        self.segment: Any = None
+        self._fixed = [n for n, leaf in enumerate(self.leaves) if leaf.kind in FIXED]
+        self.fixed_row_bytes = sum(
+            math.prod(self.leaves[n].shape) * self.leaves[n].dtype.itemsize for n in self._fixed
         )
-        self.fixed: dict[int, SharedArray] = dict(zip(fixed, arrays))
-        self.segment = arrays[0].segment if arrays else None
-        self.var = {n: self._store(n, leaf.dtype) for n, leaf in enumerate(self.leaves)}
-        for n in fixed:
-            del self.var[n]
+        self.trim = HeapTrim()  # Note [Items freed back to the system] in _writer.py
+        row_bytes = self.fixed_row_bytes + self._var_bytes(first)
+        self.chunk = chunk_rows(rows, row_bytes)
+        self.workers = workers
+        self.private = self._private_peak(row_bytes, workers)
+        self.var: dict[int, VarStore] = {}
         self.sinks: list[list[Any]] = [[] for _ in self.leaves]
         self.start = 0  # the row of the first value in the sinks
-        row_bytes = sum(a.nbytes for a in arrays) // rows + self._var_bytes(first)
-        self.chunk = chunk_rows(rows, row_bytes)
         self.writer: Writer | None = None  # started at the first block (not before a fork)
         self.fast = compile_fast_path(self.schema, self.leaves, self.sinks)
         self.orphans: dict[int, SharedArray] = {}  # fixed leaves made ragged (their old rows)
+
+    def _private_peak(self, row_bytes: int, workers: int) -> int:
+        """The private memory this materialisation needs at most, besides its segments.
+
+        Blocks of ``chunk`` rows: one filling the sinks, two queued for the writer, one
+        being written and its staging copy (Note [Writing rows in the background]), and
+        the item being read; each worker holds its block, its staging copy and the
+        blocks it prefetched, and a process of its own. Each variable-length leaf keeps
+        8 bytes of offsets per row (a ragged one its shapes too) and up to
+        ``_VAR_CHUNK_BYTES`` of values pending. Items freed stay in the heap for up to
+        ``TRIM_BYTES`` (Note [Items freed back to the system] in ``_writer.py``).
+        """
+        block = self.chunk * row_bytes
+        var = [leaf for leaf in self.leaves if leaf.kind not in FIXED]
+        per_row = sum(8 + (80 if leaf.ragged else 0) for leaf in var)
+        per_worker = 4 * block + TRIM_BYTES + _WORKER_BYTES
+        blocks = 6 * block + TRIM_BYTES + len(var) * _VAR_CHUNK_BYTES
+        return blocks + workers * per_worker + self.rows * per_row
+
+    def outstanding(self) -> int:
+        """Bytes this materialisation will still take: :attr:`private` and unwritten rows.
+
+        What every capacity check of the load counts (``private_peak(builder.outstanding)``;
+        Note [A load is refused, never killed] in ``storage/_capacity.py``): the fixed
+        segment is sized, not reserved, so its pages are charged only as rows are
+        written. A leaf made ragged stops taking rows there, unless workers (which
+        keep its old schema) still write them.
+        """
+        arrays = [*self.fixed.values(), *(self.orphans.values() if self.workers else ())]
+        rows = self.rows - self.start
+        return self.private + sum(a.nbytes // self.rows * rows for a in arrays)
+
+    def allocate(self) -> None:
+        """Make the fixed-size segment (the capacity checked) and the variable-length stores."""
+        arrays = self.alloc(
+            [((self.rows, *self.leaves[n].shape), self.leaves[n].dtype) for n in self._fixed],
+            self.what,
+            reserve=False,  # filled by pwrite: Note [Writing rows in the background]
+        )
+        self.fixed = dict(zip(self._fixed, arrays))
+        self.segment = arrays[0].segment if arrays else None
+        self.var = {n: self._store(n, leaf.dtype) for n, leaf in enumerate(self.leaves)}
+        for n in self.fixed:
+            del self.var[n]
 
     def _store(self, n: int, dtype: Any) -> VarStore:
         what = f"SharedDataset's field {field_name(self.leaves[n].path)}"
@@ -297,6 +346,7 @@ class Builder:
         self.start += rows
         if var_bytes > _VAR_CHUNK_BYTES:  # the items held until a flush stay bounded
             self.chunk = max(1, min(self.chunk, rows * _VAR_CHUNK_BYTES // var_bytes))
+        self.trim(var_bytes + rows * self.fixed_row_bytes)
 
     def _put_var(self, n: int, leaf: Leaf, values: list[Any]) -> None:
         buffer = self.var[n]

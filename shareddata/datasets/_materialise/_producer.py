@@ -7,6 +7,7 @@ from typing import Any
 
 from ...columns._restore import LeafType
 from ...errors import InvalidArgumentError
+from ...storage._capacity import private_peak
 from .._load import Allocator, Part, progress_bar
 from ._blocks import fetch
 from ._builder import Builder
@@ -46,13 +47,15 @@ def build_columns(
     """
     builder: Builder | None = None
     try:
-        builder = Builder(fetch(dataset, offset), rows, alloc)
-        if workers > 0:
-            builder.run_workers(dataset, workers, update, offset)
-        else:
-            items = ((i, fetch(dataset, i)) for i in range(offset, offset + rows))
-            builder.run(items, update)
-        parts, kinds = builder.finish()
+        builder = Builder(fetch(dataset, offset), rows, alloc, workers)
+        with private_peak(builder.outstanding):  # Note [A load is refused, never killed]
+            builder.allocate()
+            if workers > 0:
+                builder.run_workers(dataset, workers, update, offset)
+            else:
+                items = ((i, fetch(dataset, i)) for i in range(offset, offset + rows))
+                builder.run(items, update)
+            parts, kinds = builder.finish()
     except BaseException:
         # Free the columns now, although the traceback still refers to them:
         # Note [Freeing a failed load] in storage/_segment.py.

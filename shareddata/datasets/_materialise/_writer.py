@@ -19,10 +19,10 @@ import torch
 from ...columns._items import Leaf, host_numpy
 from ...storage import Segment, SharedArray
 from ...storage._capacity import resolve_storage_dir
-from ...storage._linux import MADV_POPULATE_READ, madvise
+from ...storage._linux import MADV_POPULATE_READ, libc, madvise
 from ...storage._writer import pwrite_all
 
-__all__ = ["BlockWriter", "Writer", "chunk_rows"]
+__all__ = ["TRIM_BYTES", "BlockWriter", "HeapTrim", "Writer", "chunk_rows"]
 
 
 # Note [Writing rows in the background]
@@ -53,15 +53,49 @@ __all__ = ["BlockWriter", "Writer", "chunk_rows"]
 _BLOCK_BYTES = 4 << 20  # fixed-size bytes per block handed to the writer
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
+# Note [Items freed back to the system]
+# =====================================
+# glibc serves an allocation of 128 KiB or more with a mapping of its own, and raises
+# that threshold (up to 32 MiB) to the size of each such block freed: a dataset's
+# items of 1-32 MiB (images, decoded tensors) then come from the heap, and the heap
+# keeps the pages of items already written, which the kernel still charges to the
+# process and its memory cgroup. The builder (and each worker of a parallel
+# materialisation) hands them back with ``malloc_trim`` every ``TRIM_BYTES`` of
+# items, so the private memory of a materialisation stays a few blocks, not a heap of
+# freed items (Note [A load is refused, never killed] in ``storage/_capacity.py``).
+# Where libc has no ``malloc_trim`` (musl), nothing is done.
+TRIM_BYTES = 16 << 20
+_TRIM = getattr(libc(), "malloc_trim", None)
+
+
+class HeapTrim:
+    """Called with the bytes of items done with; trims the heap every ``TRIM_BYTES``."""
+
+    def __init__(self) -> None:
+        self.freed = 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.freed += nbytes
+        if self.freed >= TRIM_BYTES and _TRIM is not None:
+            self.freed = 0
+            _TRIM(0)
+
 
 def chunk_rows(rows: int, row_bytes: int) -> int:
-    """Rows per block: up to ``_BLOCK_BYTES``, and ~1/64 of a small dataset.
+    """Rows per block: up to ``_BLOCK_BYTES`` (one row if it is bigger), ~1/64 of a small dataset.
 
     The main thread waits at the end for the blocks still queued (up to three): small
     blocks keep that tail short for small datasets, 64+ rows keep the cost per block
-    (a few Python calls) negligible per row.
+    (a few Python calls) negligible per row. A block never holds more than
+    ``_BLOCK_BYTES`` of rows beyond one, so the private memory of a materialisation,
+    a few blocks (``Builder._private_peak``), stays small beside its data.
+
+    Example:
+        >>> chunk_rows(1000, 64), chunk_rows(20, 16 << 20)
+        (64, 1)
     """
-    return max(16, min(4096, _BLOCK_BYTES // max(row_bytes, 1), max(64, -(-rows // 64))))
+    by_size = max(1, _BLOCK_BYTES // max(row_bytes, 1))
+    return min(4096, by_size, max(64, -(-rows // 64)))
 
 
 class BlockWriter:
