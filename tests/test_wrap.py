@@ -1085,6 +1085,8 @@ def test_torchvision_image_folder_with_a_random_crop_warns_and_its_bytes_recipe_
     )
     crop, label = recipe[11]
     assert crop.shape == (3, 24, 24) and label == 1
+
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")  # torch's
 @pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "complex32"])
 def test_shared_list_reads_back_tensors_of_dtypes_numpy_lacks(name):
