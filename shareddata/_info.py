@@ -58,9 +58,9 @@ def open_source(path: str, names: Sequence[str] | None = None) -> Any:
 
         return HDF5Source(path, names)
     if lower.endswith(_PARQUET):
-        from .sources.parquet import ParquetSource
+        from .sources.parquet import parquet_source
 
-        return ParquetSource(path, names)
+        return parquet_source(path, names)
     if lower.endswith(_NUMPY):
         from .sources.npy import NumpySource
 

@@ -6,10 +6,14 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch
+
+from ..errors import InvalidArgumentError
 from ..sources._arrow_extensions import UuidAs, check_uuid_as
-from ..sources._arrow_files import ArrowFileSource, is_path
-from ..sources._arrow_select import FillValue
-from ..sources.arrow import ArrowSource, table_key
+from ..sources._arrow_ipc import IpcInput, is_path
+from ..sources._arrow_table import TableInput
+from ..sources._arrow_types import pyarrow_module
+from ..sources.arrow import ArrowSource, FillValue
 from ._dataset import ColumnDataset, Output
 from ._load import LoadOptions
 
@@ -133,24 +137,127 @@ class ArrowDataset(ColumnDataset):
         nested: bool = False,
         uuid_as: UuidAs = "uuid",
     ) -> None:
-        options: dict[str, Any] = {
-            "fill_value": fill_value, "records": records, "uuid_as": check_uuid_as(uuid_as)
-        }  # fmt: skip
-        source: ArrowSource | ArrowFileSource
-        key: tuple[Any, ...]
+        check_uuid_as(uuid_as)
+        types: dict[str, Any] = {}
         if is_path(table):
-            source = ArrowFileSource(table, columns, **options)
+            files = IpcInput(table, columns)
             # what ranks must agree on: every file, the columns in order, the options
-            key = ("ArrowDataset", source.paths, [c.name for c in source.columns])
-            key += (repr(fill_value),)
+            key: tuple[Any, ...] = ("ArrowDataset", files.paths)
+            input: Any = files
         else:
-            source = ArrowSource(table, columns, **options)
-            key = table_key(source, fill_value)
+            columns, types, transform = _hf_format(table, columns, transform, output)
+            input = TableInput(table)
+            key = ()
+        source = ArrowSource(
+            input, columns, fill_value=fill_value, records=records, uuid_as=uuid_as, types=types
+        )
+        names = [c.name for c in source.columns]
+        if not key:
+            key = input.key(list(dict.fromkeys(c.path[0] for c in source.columns)))
+        key += (names, repr(fill_value), records, uuid_as, sorted(map(str, types.items())))
         load = LoadOptions(storage_dir, progress, share, shard, timeout)
         super().__init__(
-            load.loader(source, (*key, records, uuid_as)),
+            load.loader(source, key),
             transform=transform,
             output=output,
             nested=nested,
             paths={c.name: c.path for c in source.columns},
         )
+
+
+# -- an HF datasets.Dataset's format (set_format / with_format / with_transform) --------------
+
+
+def _hf_format(
+    table: Any, columns: Sequence[str] | None, transform: Any, output: str
+) -> tuple[Sequence[str] | None, dict[str, Any], Any]:
+    """The columns, loaded types and transform that keep an HF ``Dataset``'s format.
+
+    ``"torch"`` casts integers to int64 and floats to float32, as its formatter does;
+    ``"numpy"`` and ``"python"`` (no format) keep the stored dtypes; ``"custom"`` (a
+    ``with_transform``) applies its function to each sample in the worker, as a batch of
+    one row of Python values, as ``datasets`` does. Any other format is refused by name.
+    """
+    fmt = getattr(table, "format", None)
+    if not type(table).__module__.startswith("datasets.") or not isinstance(fmt, dict):
+        return columns, {}, transform
+    kind, kwargs = fmt.get("type"), dict(fmt.get("format_kwargs") or {})
+    hf_transform = kwargs.pop("transform", None) if kind == "custom" else None
+    if kind not in (None, "numpy", "torch", "custom") or kwargs:
+        how = f"with_format({kind!r}{''.join(f', {k}=...' for k in kwargs)})"
+        raise InvalidArgumentError(
+            f"ArrowDataset cannot keep the HF dataset's format {how}: it gives torch tensors "
+            "(as the 'torch' format does), str and bytes. Load it without that format "
+            "(hf_dataset.with_format(None) or 'torch'), and convert in transform=."
+        )
+    if hf_transform is not None and output != "dict":
+        raise InvalidArgumentError(
+            f"ArrowDataset(output={output!r}) cannot apply the HF dataset's with_transform "
+            "function, which takes a dict; pass output='dict', or drop the HF transform "
+            "(hf_dataset.with_format(None)) and pass transform= instead."
+        )
+    loaded = fmt.get("columns")
+    keep_all = bool(fmt.get("output_all_columns"))
+    if columns is None and loaded is not None and not keep_all:
+        columns = list(loaded)
+    types = {}
+    if kind == "torch":
+        schema = table.data.table.schema
+        for name in loaded if loaded is not None else schema.names:
+            t = schema.field(name).type
+            if _torch_type(t) != t:
+                types[name] = _torch_type(t)
+    if hf_transform is not None:
+        transform = HFTransform(hf_transform, list(loaded) if keep_all else None, transform)
+    return columns, types, transform
+
+
+def _torch_type(t: Any) -> Any:
+    """What the HF ``"torch"`` format makes of an Arrow type: int64 and float32 numbers."""
+    pa = pyarrow_module()
+    if pa.types.is_integer(t):
+        return pa.int64()
+    if pa.types.is_floating(t):
+        return pa.float32()
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_torch_type(t.value_type), t.list_size)
+    if pa.types.is_list(t):
+        return pa.list_(_torch_type(t.value_type))
+    if pa.types.is_large_list(t):
+        return pa.large_list(_torch_type(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_torch_type(f.type)) for f in t])
+    return t
+
+
+class HFTransform:
+    """An HF ``with_transform`` function applied to one sample, as ``datasets`` applies it.
+
+    The function takes a batch (a dict of lists of Python values) and returns one; a
+    sample is given as a batch of one row, and the first row of what it returns is the
+    sample. ``columns``: the columns it is given (``output_all_columns``: the others are
+    added after); ``then``: the ``transform=`` applied after it.
+    """
+
+    def __init__(self, fn: Callable[[dict[str, Any]], Any], columns: list[str] | None,
+                 then: Callable[[Any], Any] | None) -> None:  # fmt: skip
+        self.fn, self.columns, self.then = fn, columns, then
+
+    def __call__(self, sample: dict[str, Any]) -> Any:
+        given = {k: [_python(v)] for k, v in sample.items()
+                 if self.columns is None or k in self.columns}  # fmt: skip
+        out = {key: values[0] for key, values in self.fn(given).items()}
+        if self.columns is not None:
+            out.update((k, v) for k, v in sample.items() if k not in given)
+        return out if self.then is None else self.then(out)
+
+
+def _python(value: Any) -> Any:
+    """A sample's value as the Python values HF's python extractor gives (lists, ints)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, list):
+        return [_python(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _python(v) for k, v in value.items()}
+    return value

@@ -1,12 +1,9 @@
 """Arrow columns -> shared buffers: a selected column's sizing pass and its copy.
 
-What :class:`~shareddata.ArrowDataset` (in-memory tables) and
-:class:`~shareddata.ParquetDataset` (decoded Parquet batches) share:
-a selected column (:class:`ArrowColumn`: its kind from ``_arrow_types.py``, its fill
+A selected column (:class:`ArrowColumn`: its kind from ``_arrow_types.py``, its fill
 value and null handling), its sizing pass (:class:`Sizer`) and its copy into the
-buffers (:class:`Writer`, only through ``Buffer.rows``); see Note [Reading Parquet
-into shared memory] in ``parquet.py`` for how Parquet batches are cut, and
-``_arrow_select.py`` for which columns are selected.
+buffers (:class:`Writer`, only through ``Buffer.rows``), for every input of the one
+Arrow source (``arrow.py``).
 
 Nulls are refused with :class:`NullValuesError` unless a ``fill_value`` is given:
 never a silent 0.
@@ -426,7 +423,7 @@ class Sizer:
         self.nulls: dict[str, int] = {}
         self.counts: list[list[int]] = []  # nested: [elements, bytes] per level
 
-    def add(self, where: str, _: str, chunk: Any) -> None:
+    def add(self, where: str, chunk: Any) -> None:
         """Account for one normalized chunk from ``where``."""
         column = self.column
         if column.kind.kind == "nested":
