@@ -198,11 +198,12 @@ def _hf_format(
         )
     loaded = fmt.get("columns")
     keep_all = bool(fmt.get("output_all_columns"))
-    if columns is None and loaded is not None and not keep_all:
-        columns = list(loaded)
+    schema = table.data.table.schema
+    if columns is None and loaded is not None:  # in table order; output_all_columns: then the rest
+        columns = [n for n in schema.names if n in loaded]
+        columns += [n for n in schema.names if keep_all and n not in loaded]
     types = {}
     if kind == "torch":
-        schema = table.data.table.schema
         for name in loaded if loaded is not None else schema.names:
             t = schema.field(name).type
             if _torch_type(t) != t:
