@@ -63,8 +63,9 @@ def is_path(obj: Any) -> bool:
     return isinstance(obj, (list, tuple)) and all(isinstance(p, (str, os.PathLike)) for p in obj)
 
 
-def arrow_paths(path: Any) -> tuple[list[str], str]:
-    """The Arrow files a path, list of paths or HF ``save_to_disk`` folder names, and a label."""
+def arrow_paths(path: Any) -> tuple[list[str], str, dict[str, Any] | None]:
+    """The Arrow files a path, list of paths or HF ``save_to_disk`` folder names, a label, and
+    the folder's HF format (as ``Dataset.format`` gives it; None for files)."""
     if isinstance(path, (list, tuple)):
         files = [os.fspath(p) for p in path]
         if not files:
@@ -74,17 +75,19 @@ def arrow_paths(path: Any) -> tuple[list[str], str]:
                 what = "is a folder; list its files" if os.path.isdir(f) else "does not exist"
                 raise MissingFileError(f"{f} {what} (in the list of Arrow files given).")
         label = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more files)"
-        return files, label
+        return files, label, None
     p = os.fspath(path)
     if os.path.isdir(p):
-        return _hf_folder(p), p
+        files, hf_format = _hf_folder(p)
+        return files, p, hf_format
     if os.path.exists(p):
-        return [p], p
+        return [p], p, None
     raise MissingFileError(f"{p} does not exist. ArrowDataset takes {ACCEPTED}, or a table.")
 
 
-def _hf_folder(folder: str) -> list[str]:
-    """The data files of an HF ``save_to_disk`` folder, in the order its state.json lists."""
+def _hf_folder(folder: str) -> tuple[list[str], dict[str, Any]]:
+    """The data files of an HF ``save_to_disk`` folder, in the order its state.json lists,
+    and the format it was saved with."""
     state_path = os.path.join(folder, "state.json")
     if not os.path.isfile(state_path):
         splits_path = os.path.join(folder, "dataset_dict.json")
@@ -125,7 +128,13 @@ def _hf_folder(folder: str) -> list[str]:
                 "the folder is incomplete: copy it again or re-save it with save_to_disk."
             )
         files.append(file)
-    return files
+    saved = {
+        "type": "_format_type",
+        "columns": "_format_columns",
+        "format_kwargs": "_format_kwargs",
+        "output_all_columns": "_output_all_columns",
+    }
+    return files, {k: state.get(key) for k, key in saved.items()}  # fmt: skip
 
 
 def _json(path: str) -> dict[str, Any]:
@@ -192,7 +201,7 @@ class IpcInput:
                 f"ArrowDataset cannot read {reprlib.repr(path)} (type {type(path).__name__}); "
                 f"it takes {ACCEPTED}, or a table."
             )
-        self.paths, self.label = arrow_paths(path)
+        self.paths, self.label, self.hf_format = arrow_paths(path)
         self.files = [self._open(p) for p in self.paths]
         files = [(f.path, f.schema) for f in self.files]
         self.schema, self.file_types = check_files(files, columns, promote=False)

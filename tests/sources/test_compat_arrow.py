@@ -267,7 +267,8 @@ def _same_as_hf(ds, hf):
                 assert plain(got[k]) == v, (k, got[k], v)
 
 
-def test_hf_torch_format_keeps_its_columns_and_dtypes():
+def test_hf_torch_format_keeps_its_columns_and_dtypes(tmp_path):
+    datasets = pytest.importorskip("datasets")
     hf = _hf_tokenized()
     for formatted in (
         hf.with_format("torch", columns=["input_ids", "label"]),
@@ -276,6 +277,10 @@ def test_hf_torch_format_keeps_its_columns_and_dtypes():
         hf.shuffle(seed=3).with_format("torch", columns=["flag", "input_ids"]),
     ):
         _same_as_hf(sd.ArrowDataset(formatted, progress=False), formatted)
+    # a save_to_disk folder keeps the format it was saved with, as load_from_disk does
+    hf.with_format("torch", columns=["input_ids", "score"]).save_to_disk(tmp_path / "saved")
+    saved = datasets.load_from_disk(str(tmp_path / "saved"))
+    _same_as_hf(sd.ArrowDataset(tmp_path / "saved", progress=False), saved)
     explicit = sd.ArrowDataset(hf.with_format("torch"), columns=["label"], progress=False)
     assert list(explicit[0]) == ["label"] and explicit[0]["label"].dtype.is_floating_point is False
     assert explicit[0]["label"].dtype == hf.with_format("torch")[0]["label"].dtype
