@@ -64,8 +64,10 @@ def is_path(obj: Any) -> bool:
 
 
 def arrow_paths(path: Any) -> tuple[list[str], str, dict[str, Any] | None]:
-    """The Arrow files a path, list of paths or HF ``save_to_disk`` folder names, a label, and
-    the folder's HF format (as ``Dataset.format`` gives it; None for files)."""
+    """The files a path, list or HF ``save_to_disk`` folder names, a label, the HF format.
+
+    The format is the folder's, as ``Dataset.format`` gives it (None for files).
+    """
     if isinstance(path, (list, tuple)):
         files = [os.fspath(p) for p in path]
         if not files:
@@ -86,8 +88,7 @@ def arrow_paths(path: Any) -> tuple[list[str], str, dict[str, Any] | None]:
 
 
 def _hf_folder(folder: str) -> tuple[list[str], dict[str, Any]]:
-    """The data files of an HF ``save_to_disk`` folder, in the order its state.json lists,
-    and the format it was saved with."""
+    """An HF ``save_to_disk`` folder's data files (in state.json's order) and saved format."""
     state_path = os.path.join(folder, "state.json")
     if not os.path.isfile(state_path):
         splits_path = os.path.join(folder, "dataset_dict.json")
