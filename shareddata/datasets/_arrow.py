@@ -199,7 +199,8 @@ def _hf_format(
             if _torch_type(t) != t:
                 types[name] = _torch_type(t)
     if hf_transform is not None:
-        transform = HFTransform(hf_transform, list(loaded) if keep_all else None, transform)
+        given = list(loaded) if keep_all and loaded is not None else None
+        transform = HFTransform(hf_transform, given, transform)
     return columns, types, transform
 
 

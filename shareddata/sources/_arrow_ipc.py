@@ -26,6 +26,7 @@ Anything else is refused with what it looks like and what to pass instead.
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -240,9 +241,8 @@ class IpcInput:
         """One piece per file: its rows, and ``column``'s top-level column batch by batch."""
         for info in self.files:
             j = info.schema.get_field_index(column.path[0])
-            yield Piece(
-                info.path, info.path, self._rows(info), lambda i=info, j=j: self._batches(i, j)
-            )
+            read = functools.partial(self._batches, info, j)
+            yield Piece(info.path, info.path, self._rows(info), read)
 
     def _batches(self, info: _ArrowFile, j: int) -> Generator[Any, None, None]:
         """Column ``j`` of each record batch of one file, over a mapping dropped as it goes.

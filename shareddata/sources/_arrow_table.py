@@ -9,6 +9,7 @@ the source writes it.
 
 from __future__ import annotations
 
+import functools
 import reprlib
 from collections.abc import Iterator
 from typing import Any
@@ -73,7 +74,7 @@ class TableInput:
     def pieces(self, column: ArrowColumn) -> Iterator[Piece]:
         """One piece per chunk of ``column``'s top-level column."""
         for chunk in self.table.column(column.path[0]).chunks:
-            yield Piece(self.label, self.label, len(chunk), lambda c=chunk: [c])
+            yield Piece(self.label, self.label, len(chunk), functools.partial(list, [chunk]))
 
     def null_counts(self, column: ArrowColumn, window: bool) -> None:
         """Nulls are counted by the sizing pass (over the table's buffers: no copy)."""

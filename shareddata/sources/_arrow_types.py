@@ -149,10 +149,9 @@ def classify(t: Any, name: str, label: str) -> ArrowKind:
         return inner
     if pa.types.is_run_end_encoded(t):
         return classify(t.value_type, name, label)
-    dtype = _numeric(t)
-    storage = temporal_storage(t)
-    if dtype is not None or storage is not None:
-        return ArrowKind("tensor", dtype if dtype is not None else _numeric(storage))
+    dtype = _numeric(t if temporal_storage(t) is None else temporal_storage(t))
+    if dtype is not None:
+        return ArrowKind("tensor", dtype)
     if is_text(t) or is_binary(t):
         return ArrowKind("str" if is_text(t) else "bytes", np.dtype(np.uint8))
     if pa.types.is_fixed_size_list(t):

@@ -137,7 +137,7 @@ class ArrowSource:
     def _chunks(self, column: ArrowColumn) -> Iterator[tuple[Piece, Any]]:
         """``column``'s normalized chunks with their pieces, in row order, window applied."""
         pa = pyarrow_module()
-        lo, hi = self._window or (0, float("inf"))
+        lo, hi = self._window or (0, 1 << 62)
         step = _NESTED_ROWS if column.kind.kind == "nested" else None
         end = 0
         for piece in self.input.pieces(column):
@@ -329,7 +329,8 @@ def check_files(
         UnsupportedDtypeError: a column's types differ (and cannot be promoted).
     """
     pa = pyarrow_module()
-    (first, schema), promoted = files[0], {}
+    (first, schema) = files[0]
+    promoted: dict[str, dict[Any, str]] = {}
     wanted = [f.name for f in schema]
     if columns is not None:  # the top-level columns of the selected names
         names = _select([f[0] for f in _fields(schema)], columns, first, _groups(_fields(schema)))

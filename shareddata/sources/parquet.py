@@ -151,8 +151,8 @@ class ParquetInput:
                 value = pa.scalar(self.partitions[f].get(column.name), column.arrow_type)
                 runs = [min(_MAX_BATCH_ROWS, info.rows - s)
                         for s in range(0, info.rows, _MAX_BATCH_ROWS)]  # fmt: skip
-                yield Piece(info.path, info.path, info.rows,
-                            lambda v=value, r=runs: (pa.repeat(v, n) for n in r))  # fmt: skip
+                repeats = functools.partial(map, functools.partial(pa.repeat, value), runs)
+                yield Piece(info.path, info.path, info.rows, repeats)
                 continue
             opened: list[Any] = []  # the file, opened once its first row group is read
             try:
