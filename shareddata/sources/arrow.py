@@ -163,7 +163,7 @@ class ArrowSource:
                 if isinstance(e, SharedDataError) or not self.input.format:
                     raise
                 raise SourceReadError(
-                    f"{piece.file} could not be read as {self.input.format} while reading "
+                    f"{piece.where} could not be read as {self.input.format} while reading "
                     f"column {column.name!r} ({type(e).__name__}: {e}). The file may be "
                     "truncated or corrupt; re-create it."
                 ) from e
