@@ -26,13 +26,18 @@ import functools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 from ..errors import SharedDataError
 from ._arrow_columns import ArrowColumn
 from ._arrow_types import is_list, pyarrow_module
-from ._parquet_files import arrow_errors, parquet_files, partition_clash, read_error
+from ._parquet_files import (
+    arrow_errors,
+    parquet_files,
+    parquet_module,
+    partition_clash,
+    read_error,
+)
 from .arrow import ArrowSource, FillValue, Piece, check_files
 
 __all__ = ["ParquetInput", "parquet_source"]
@@ -41,13 +46,6 @@ PathLike = str | os.PathLike
 _BATCH_BYTES = 4 << 20
 """Decoded bytes of one column per batch (from the row group's uncompressed size)."""
 _MAX_BATCH_ROWS = 1 << 20
-
-
-def _parquet() -> ModuleType:
-    pyarrow_module()
-    import pyarrow.parquet
-
-    return pyarrow.parquet
 
 
 def _leaf_count(t: Any) -> int:
@@ -107,7 +105,7 @@ class ParquetInput:
         memory_map: bool = True,
     ) -> None:
         pa = pyarrow_module()
-        self._pq = _parquet()
+        self._pq = parquet_module()
         found = parquet_files(path)
         self.paths, self.label, self.partitions = found.files, found.label, found.partitions
         # UUID and JSON logical types read as arrow.uuid / arrow.json: _arrow_extensions.py
