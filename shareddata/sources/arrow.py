@@ -155,8 +155,9 @@ class ArrowSource:
                     if a < b:
                         part = batch if b - a == n else batch.slice(a - at, b - a)
                         for i in range(0, b - a, step or b - a):
-                            chunk = part if step is None else part.slice(i, step)
-                            yield piece, self._extract(column, chunk, piece.file)
+                            rows = part if step is None else part.slice(i, step)
+                            yield piece, self._extract(column, rows, piece.file)
+                            del rows
                         del part
                     del batch  # nothing of it is referenced when the next is decoded
             except (pa.ArrowException, OSError, ValueError, EOFError) as e:
@@ -215,6 +216,7 @@ class ArrowSource:
             sizer = Sizer(column)  # var-length, or nulls to count: read once
             for piece, chunk in self._chunks(column):
                 sizer.add(piece.file, chunk)
+                del chunk  # not alive while the next batch is decoded
             specs.append(sizer.spec(rows))
         self._specs = specs
         return specs
@@ -226,6 +228,7 @@ class ArrowSource:
         writer = Writer(self._by_name[spec.name], spec, buffers)
         for piece, chunk in self._chunks(writer.column):
             progress(writer.write(chunk, piece.where))
+            del chunk  # not alive while the next batch is decoded
         writer.finish(self.label)
 
     def close(self) -> None:
