@@ -6,7 +6,7 @@ HF ``datasets`` writes its ``.arrow`` files) and a Feather v2 file (lz4, Feather
 default). Each is loaded into shared memory, each way in a fresh interpreter:
 
 * ``sd.ArrowDataset(path)``: the file memory-mapped, read one column at a time
-  (Note [Reading Arrow IPC files one column at a time] in ``_arrow_files.py``);
+  (Note [Reading Arrow IPC files one column at a time] in ``sources/_arrow_ipc.py``);
 * ``read table, then ArrowDataset(table)``: what users had to write before
   (``pa.ipc.open_file(path).read_all()``, a private copy of the whole table);
 * ``mapped table, then ArrowDataset(table)``: ``read_all()`` over ``pa.memory_map``

@@ -65,6 +65,56 @@ CASES: list[tuple[str, str, bool, str]] = [
         """,
     ),
     (
+        "load Parquet strings + token lists (ParquetDataset)",
+        "s",
+        False,
+        """
+        t = time.perf_counter()
+        ds = sd.ParquetDataset(os.path.join(DATA, "text.parquet"), progress=False)
+        print(json.dumps(time.perf_counter() - t))
+        """,
+    ),
+    (
+        "peak private MiB, load Parquet (ParquetDataset)",
+        "MiB",
+        False,
+        """
+        print(json.dumps(anon_peak(lambda: sd.ParquetDataset(os.path.join(DATA, "x.parquet"),
+                                                             progress=False))))
+        """,
+    ),
+    (
+        "load Arrow table (ArrowDataset)",
+        "s",
+        False,
+        """
+        import pyarrow.parquet as pq
+        table = pq.read_table(os.path.join(DATA, "text.parquet"))
+        t = time.perf_counter()
+        ds = sd.ArrowDataset(table, progress=False)
+        print(json.dumps(time.perf_counter() - t))
+        """,
+    ),
+    (
+        "load Arrow IPC file (ArrowDataset)",
+        "s",
+        False,
+        """
+        t = time.perf_counter()
+        ds = sd.ArrowDataset(os.path.join(DATA, "x.arrow"), progress=False)
+        print(json.dumps(time.perf_counter() - t))
+        """,
+    ),
+    (
+        "peak private MiB, load Arrow IPC file (ArrowDataset)",
+        "MiB",
+        False,
+        """
+        print(json.dumps(anon_peak(lambda: sd.ArrowDataset(os.path.join(DATA, "x.arrow"),
+                                                           progress=False))))
+        """,
+    ),
+    (
         "SharedDataset of 16384 items",
         "s",
         False,
@@ -133,11 +183,31 @@ def rate(loader, seconds=1.0):
             continue
         n += len(batch[next(iter(batch))] if isinstance(batch, dict) else batch[0])
     return n / (time.perf_counter() - t)
+
+def anon_peak(load):  # peak growth of private memory (RssAnon, sampled every ~1 ms), MiB
+    import threading
+    def anon():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon"))
+    start, peak, done = anon(), [0], threading.Event()
+    def sample():
+        while not done.wait(0.001):
+            peak[0] = max(peak[0], anon())
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        keep = load()
+    finally:
+        done.set()
+        thread.join()
+    del keep
+    return (max(peak[0], anon()) - start) / 1024
 """
 
 
 def prepare(folder: str, rows: int) -> None:
-    """``x.npy``/``x.h5``/``x.parquet``: ``rows`` rows of 256 float32 (1 KiB)."""
+    """``x.npy``/``x.h5``/``x.parquet``/``x.arrow``: ``rows`` rows of 256 float32 (1 KiB);
+    ``text.parquet``: ``rows`` rows of a string and a list of int32 token ids."""
     import h5py
     import numpy as np
     import pyarrow as pa
@@ -149,6 +219,17 @@ def prepare(folder: str, rows: int) -> None:
         f["x"] = x
     flat = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), 256)
     pq.write_table(pa.table({"x": flat}), os.path.join(folder, "x.parquet"))
+    with pa.ipc.new_file(os.path.join(folder, "x.arrow"), pa.schema([("x", flat.type)])) as w:
+        w.write_table(pa.table({"x": flat}), max_chunksize=16384)
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(0, 64, rows)
+    tokens = pa.ListArray.from_arrays(
+        pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)),
+        pa.array(rng.integers(0, 30000, int(lengths.sum()), dtype=np.int32)),
+    )
+    text = pa.array([f"review {i}: " + "good " * (i % 40) for i in range(rows)])
+    pq.write_table(pa.table({"text": text, "tokens": tokens}),
+                   os.path.join(folder, "text.parquet"), row_group_size=16384)  # fmt: skip
 
 
 def run_case(tree: str, code: str, data: str, scale: int, timeout: float) -> float:

@@ -45,9 +45,9 @@ def _hdf5(path: str, names: Sequence[str] | None) -> Any:
 
 
 def _parquet(path: str, names: Sequence[str] | None) -> Any:
-    from .sources.parquet import ParquetSource
+    from .sources.parquet import parquet_source
 
-    return ParquetSource(path, names)
+    return parquet_source(path, names)
 
 
 def _numpy(path: str, names: Sequence[str] | None) -> Any:
@@ -107,8 +107,8 @@ def open_sources(path: str, names: Sequence[str] | None = None) -> list[tuple[st
 
 def _files(source: Any, path: str) -> list[str]:
     """The files ``source`` reads, relative to the folder ``path`` if it is one."""
-    if hasattr(source, "paths"):  # ParquetSource: every file it found
-        files = list(source.paths)
+    if hasattr(getattr(source, "input", None), "paths"):  # Parquet: every file it found
+        files = list(source.input.paths)
     elif hasattr(source, "entries"):  # NumpySource: the selected columns' files
         files = list(dict.fromkeys(e.path for e in source.entries))
     else:  # HDF5Source: one file

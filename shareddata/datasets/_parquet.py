@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from ..sources._arrow_extensions import UuidAs, check_uuid_as
-from ..sources._arrow_select import FillValue
-from ..sources.parquet import ParquetSource
+from ..sources.arrow import ArrowSource, FillValue
+from ..sources.parquet import ParquetInput
 from ._dataset import ColumnDataset, Output
 from ._load import LoadOptions
 
@@ -125,13 +125,14 @@ class ParquetDataset(ColumnDataset):
         uuid_as: UuidAs = "uuid",
     ) -> None:
         check_uuid_as(uuid_as)
-        source = ParquetSource(
-            path, columns, fill_value=fill_value, records=records, uuid_as=uuid_as
+        files = ParquetInput(path, columns)
+        source = ArrowSource(
+            files, columns, fill_value=fill_value, records=records, uuid_as=uuid_as
         )
         options = LoadOptions(storage_dir, progress, share, shard, timeout)
         # what ranks must agree on: every file, the columns in order, the options
         names = [c.name for c in source.columns]
-        key = ("ParquetDataset", list(source.paths), names, repr(fill_value), records, uuid_as)
+        key = ("ParquetDataset", files.paths, names, repr(fill_value), records, uuid_as)
         super().__init__(
             options.loader(source, key),
             transform=transform,

@@ -1,12 +1,9 @@
 """Arrow columns -> shared buffers: a selected column's sizing pass and its copy.
 
-What :class:`~shareddata.ArrowDataset` (in-memory tables) and
-:class:`~shareddata.ParquetDataset` (decoded Parquet batches) share:
-a selected column (:class:`ArrowColumn`: its kind from ``_arrow_types.py``, its fill
+A selected column (:class:`ArrowColumn`: its kind from ``_arrow_types.py``, its fill
 value and null handling), its sizing pass (:class:`Sizer`) and its copy into the
-buffers (:class:`Writer`, only through ``Buffer.rows``); see Note [Reading Parquet
-into shared memory] in ``parquet.py`` for how Parquet batches are cut, and
-``_arrow_select.py`` for which columns are selected.
+buffers (:class:`Writer`, only through ``Buffer.rows``), for every input of the one
+Arrow source (``arrow.py``).
 
 Nulls are refused with :class:`NullValuesError` unless a ``fill_value`` is given:
 never a silent 0.
@@ -20,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from ..columns._columns import ColumnSpec
-from ..columns._nested import NestedSpec
+from ..columns._nested import NestedSpec, children
 from ..errors import NullValuesError, SourceReadError, UnsupportedDtypeError
 from ._arrow_extensions import UuidAs, extension_of, meaning_of
-from ._arrow_nested import Parts, decoded, parts
-from ._arrow_types import classify, normalize, pyarrow_module
+from ._arrow_nested import Parts, parts
+from ._arrow_types import classify, decoded, normalize, pyarrow_module
 from ._source import Buffer
 
 __all__ = ["ArrowColumn", "Sizer", "Writer", "rebase_offsets"]
@@ -289,187 +286,158 @@ class ArrowColumn:
             return offsets, np.zeros(0, np.uint8), None
         return offsets, np.frombuffer(data, np.uint8, count=stop - start, offset=start), None
 
-    def var_size(self, arr: Any) -> int:
-        """The number of values a normalized chunk adds (after filling nulls)."""
-        offsets = self.var_parts(arr)[0]
-        return int(offsets[-1]) - int(offsets[0])
+
+def _count_keys(tree: Any) -> list[str]:
+    """Per level of a nested tree, the buffer whose length is its number of elements.
+
+    A struct has no buffer: its elements are its first field's.
+    """
+    levels = children(tree)
+
+    def key(i: int) -> str:
+        level, kids = levels[i]
+        if level.kind == "struct":
+            return key(kids[0])
+        return f"{i}.data" if level.kind == "num" else f"{i}.offsets"
+
+    return [key(i) for i in range(len(levels))]
 
 
-class Writer:
-    """Copies one column's chunks, in order, into its shared buffers."""
+class Copy:
+    """One column's chunks as what each of its buffers receives, in order.
 
-    def __init__(self, column: ArrowColumn, spec: ColumnSpec, buffers: dict[str, Buffer]) -> None:
-        self.column = column
-        self.spec = spec
-        self.layout = column.kind.kind  # the spec's kind may name another class ("uuid")
-        self.buffers = buffers
-        self.row = 0
-        self.value = 0
-        self.done: list[int] = []  # nested: elements written per level
-        self.bytes_done: list[int] = []  # nested: string bytes written per level
-        if self.layout == "nested":
-            for key, buf in buffers.items():
-                if key.endswith(".offsets"):
-                    buf.rows(0, 1)[0] = 0
-            levels = len(column.kind.tree.levels())  # type: ignore[union-attr]
-            self.done, self.bytes_done = [0] * levels, [0] * levels
-        elif self.layout != "tensor":
-            buffers["offsets"].rows(0, 1)[0] = 0
-
-    def write(self, arr: Any, where: str) -> int:
-        """Copy one normalized chunk; return the bytes written."""
-        col, spec, n = self.column, self.spec, len(arr)
-        if self.row + n > spec.rows:
-            raise SourceReadError(
-                f"{where} has more rows than its metadata said ({spec.rows}); was the file "
-                "changed while it was being loaded?"
-            )
-        if self.layout == "nested":
-            return self._write_nested(col.nested_parts(arr, where), where)
-        nulls = col.count_nulls(arr)
-        if nulls and col.fill is None:  # the sizing pass did not see them: changed file
-            raise col.null_error({where: nulls}, at_least=True)
-        if self.layout == "tensor":
-            leaf, mask = _leaf(arr)
-            values = _numpy_values(leaf, spec.dtype)
-            dest = self.buffers["data"].rows(self.row, self.row + n).reshape(-1)
-            dest[...] = values
-            if mask is not None:
-                dest[~mask] = col.fill_scalar()
-            self.row += n
-            return dest.nbytes
-        offsets, values, mask = col.var_parts(arr)
-        end = self.value + len(values)
-        if end > spec.values:
-            raise SourceReadError(
-                f"{where} has more values in column {spec.name!r} than the sizing pass counted "
-                f"({spec.values}); was the file changed while it was being loaded?"
-            )
-        dest_offsets = self.buffers["offsets"].rows(self.row + 1, self.row + n + 1)
-        rebase_offsets(offsets, self.value, dest_offsets)
-        dest = self.buffers["values"].rows(self.value, end)
-        dest[...] = values
-        if mask is not None:
-            dest[~mask] = col.fill_scalar()
-        self.row += n
-        self.value = end
-        return dest_offsets.nbytes + dest.nbytes
-
-    def _write_nested(self, pieces: Parts, where: str) -> int:
-        col, spec, buffers = self.column, self.spec, self.buffers
-        assert isinstance(spec, NestedSpec)
-        if pieces.nulls and col.fill is None:  # the sizing pass did not see them
-            raise col.null_error({where: pieces.nulls}, at_least=True)
-        written = 0
-        levels = spec.tree.levels()
-        for i, level in enumerate(levels):
-            n, e = pieces.count[i], self.done[i]
-            if e + n > spec.counts[i][0]:
-                raise SourceReadError(
-                    f"{where} has more values in column {spec.name!r} than the sizing pass "
-                    "counted; was the file changed while it was being loaded?"
-                )
-            if level.kind in ("list", "str", "bytes"):
-                # a list's child level follows it in preorder
-                base = self.done[i + 1] if level.kind == "list" else self.bytes_done[i]
-                dest = buffers[f"{i}.offsets"].rows(e + 1, e + n + 1)
-                np.cumsum(pieces.lengths[i], out=dest)
-                dest += base
-                written += dest.nbytes
-            if level.kind in ("str", "bytes"):
-                data, v = pieces.data[i], self.bytes_done[i]
-                if v + len(data) > spec.counts[i][1]:
-                    raise SourceReadError(
-                        f"{where} has more text in column {spec.name!r} than the sizing pass "
-                        "counted; was the file changed while it was being loaded?"
-                    )
-                buffers[f"{i}.values"].rows(v, v + len(data))[...] = data
-                self.bytes_done[i] = v + len(data)
-                written += len(data)
-            elif level.kind == "num":
-                dest = buffers[f"{i}.data"].rows(e, e + n)
-                dest[...] = pieces.data[i]
-                written += dest.nbytes
-        for i in range(len(levels)):
-            self.done[i] += pieces.count[i]
-        self.row = self.done[0]
-        return written
-
-    def finish(self, where: str) -> None:
-        """Check that every row (and value) the spec promised was written."""
-        spec = self.spec
-        if isinstance(spec, NestedSpec):
-            full = [(d, b) for d, b in zip(self.done, self.bytes_done)]
-            counts = [(n, v if lv.kind in ("str", "bytes") else 0)
-                      for (n, v), lv in zip(spec.counts, spec.tree.levels())]  # fmt: skip
-            if full != counts:
-                raise SourceReadError(
-                    f"{where} gave fewer values for column {spec.name!r} than the sizing pass "
-                    "counted; was the file changed while it was being loaded?"
-                )
-        short = self.row != spec.rows or (
-            self.layout not in ("tensor", "nested") and self.value != spec.values
-        )
-        if short:
-            raise SourceReadError(
-                f"{where} gave {self.row} rows for column {spec.name!r} where its metadata said "
-                f"{spec.rows}; was the file changed while it was being loaded?"
-            )
-
-
-class Sizer:
-    """Counts one column's nulls and values over its chunks: the exact spec, or the error."""
+    :meth:`pieces` turns a normalized chunk into ``(key, values, base)`` triples: the
+    values appended to buffer ``key``, and for an offsets buffer (``values``: the
+    chunk's ``n + 1`` offsets, any start) the buffer whose running length they are
+    rebased onto. :class:`Sizer` adds up the lengths, :class:`Writer` copies.
+    """
 
     def __init__(self, column: ArrowColumn) -> None:
         self.column = column
-        self.values = 0
-        self.nulls: dict[str, int] = {}
-        self.counts: list[list[int]] = []  # nested: [elements, bytes] per level
+        tree = column.kind.tree
+        self.levels = tree.levels() if tree is not None else []
+        self.count_keys = _count_keys(tree) if tree is not None else []
+        self.length: dict[str, int] = {}  # per buffer: elements appended so far
 
-    def add(self, where: str, _: str, chunk: Any) -> None:
+    def pieces(self, arr: Any, where: str) -> tuple[list[tuple[str, Any, str | None]], int]:
+        """The pieces of one chunk and its nulls (no pieces: nulls with no fill value)."""
+        col, kind = self.column, self.column.kind.kind
+        if kind == "nested":
+            p = col.nested_parts(arr, where)
+            out: list[tuple[str, Any, str | None]] = []
+            for i, level in enumerate(self.levels):
+                if level.kind == "list":
+                    out.append((f"{i}.offsets", _offsets(p.lengths[i]), self.count_keys[i + 1]))
+                elif level.kind in ("str", "bytes"):
+                    out.append((f"{i}.offsets", _offsets(p.lengths[i]), f"{i}.values"))
+                    out.append((f"{i}.values", p.data[i], None))
+                elif level.kind == "num":
+                    out.append((f"{i}.data", p.data[i], None))
+            return out, p.nulls
+        nulls = col.count_nulls(arr)
+        if nulls and col.fill is None:
+            return [], nulls
+        if kind == "tensor":
+            leaf, mask = _leaf(arr)
+            values = _numpy_values(leaf, col.kind.dtype)
+            if mask is not None:
+                values = values.copy()
+                values[~mask] = col.fill_scalar()
+            return [("data", values.reshape(len(arr), *col.kind.shape), None)], nulls
+        offsets, values, mask = col.var_parts(arr)
+        if mask is not None:
+            values = values.copy()
+            values[~mask] = col.fill_scalar()
+        return [("offsets", offsets, "values"), ("values", values, None)], nulls
+
+    @staticmethod
+    def size(key: str, values: Any) -> int:
+        return len(values) - 1 if key.endswith("offsets") else len(values)
+
+
+class Sizer(Copy):
+    """Counts one column's nulls and values over its chunks: the exact spec, or the error."""
+
+    def __init__(self, column: ArrowColumn) -> None:
+        super().__init__(column)
+        self.nulls: dict[str, int] = {}
+
+    def add(self, where: str, chunk: Any) -> None:
         """Account for one normalized chunk from ``where``."""
         column = self.column
-        if column.kind.kind == "nested":
-            self._add_nested(where, chunk)
-            return
-        nulls = column.count_nulls(chunk)
+        if column.kind.kind in ("str", "nested"):
+            _check_utf8(chunk, column.name, where)
+        pieces, nulls = self.pieces(chunk, where)
         if nulls:
             self.nulls[where] = self.nulls.get(where, 0) + nulls
-            if column.fill is None:
-                return  # reported once every chunk is counted
-            column.check_fill(chunk)
-        if column.kind.kind == "str":
-            _check_utf8(chunk, column.name, where)
-        if column.kind.kind != "tensor":
-            self.values += column.var_size(chunk)
-
-    def _add_nested(self, where: str, chunk: Any) -> None:
-        column = self.column
-        tree = column.kind.tree
-        assert tree is not None
-        _check_utf8(chunk, column.name, where)
-        pieces = column.nested_parts(chunk, where)
-        if pieces.nulls:
-            self.nulls[where] = self.nulls.get(where, 0) + pieces.nulls
-        if not self.counts:
-            self.counts = [[0, 0] for _ in tree.levels()]
-        for i, level in enumerate(tree.levels()):
-            self.counts[i][0] += pieces.count[i]
-            if level.kind in ("str", "bytes"):
-                self.counts[i][1] += len(pieces.data[i])
+            if column.fill is not None and column.kind.kind != "nested":
+                column.check_fill(chunk)
+        for key, values, _ in pieces:
+            self.length[key] = self.length.get(key, 0) + self.size(key, values)
 
     def spec(self, rows: int) -> ColumnSpec:
         """The column's spec, or NullValuesError if it has nulls and no fill value."""
-        column, k = self.column, self.column.kind
+        column, k, n = self.column, self.column.kind, self.length
         if self.nulls and column.fill is None:
             raise column.null_error(self.nulls)
         if k.tree is not None:
-            counts = self.counts or [[0, 0] for _ in k.tree.levels()]
-            return NestedSpec(
-                column.name, rows, k.dtype, (), "nested", 0,
-                tree=k.tree, counts=tuple((n, v) for n, v in counts), records=column.records,
-            )  # fmt: skip
-        return ColumnSpec(column.name, rows, k.dtype, k.shape, k.spec_kind, self.values)
+            counts = tuple((n.get(key, 0), n.get(f"{i}.values", 0))
+                           for i, key in enumerate(self.count_keys))  # fmt: skip
+            return NestedSpec(column.name, rows, k.dtype, (), "nested", 0, tree=k.tree,
+                              counts=counts, records=column.records)  # fmt: skip
+        return ColumnSpec(column.name, rows, k.dtype, k.shape, k.spec_kind, n.get("values", 0))
+
+
+class Writer(Copy):
+    """Copies one column's chunks, in order, into its shared buffers."""
+
+    def __init__(self, column: ArrowColumn, spec: ColumnSpec, buffers: dict[str, Buffer]) -> None:
+        super().__init__(column)
+        self.spec, self.buffers = spec, buffers
+        self.length = dict.fromkeys(buffers, 0)
+        for key, buf in buffers.items():
+            if key.endswith("offsets"):
+                buf.rows(0, 1)[0] = 0
+
+    def write(self, arr: Any, where: str) -> int:
+        """Copy one normalized chunk; return the bytes written."""
+        pieces, nulls = self.pieces(arr, where)
+        if nulls and self.column.fill is None:  # the sizing pass did not see them: changed file
+            raise self.column.null_error({where: nulls}, at_least=True)
+        start, written = dict(self.length), 0
+        for key, values, base in pieces:
+            at, n = start[key], self.size(key, values)
+            buf = self.buffers[key]
+            if at + n > len(buf) - (base is not None):
+                raise SourceReadError(
+                    f"{where} has more values in column {self.spec.name!r} than its metadata "
+                    f"or the sizing pass said; was the file changed while it was being loaded?"
+                )
+            if base is None:
+                dest = buf.rows(at, at + n)
+                dest[...] = values
+            else:
+                dest = buf.rows(at + 1, at + n + 1)
+                rebase_offsets(values, start[base], dest)
+            self.length[key] = at + n
+            written += dest.nbytes
+        return written
+
+    def finish(self, where: str) -> None:
+        """Check that every row and value the spec promised was written."""
+        for key, buf in self.buffers.items():
+            if self.length[key] != len(buf) - key.endswith("offsets"):
+                raise SourceReadError(
+                    f"{where} gave fewer values for column {self.spec.name!r} than its metadata "
+                    "or the sizing pass said; was the file changed while it was being loaded?"
+                )
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """The ``n + 1`` offsets from 0 of ``n`` lengths."""
+    out = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
 
 
 def _check_utf8(chunk: Any, name: str, where: str) -> None:

@@ -1,4 +1,4 @@
-"""Arrow lists of records / strings / lists -> the flat buffers of a ``"nested"`` column.
+"""Arrow lists of records / strings / lists taken apart into a ``"nested"`` column's pieces.
 
 Note [Nested Arrow columns]
 ===========================
@@ -30,116 +30,9 @@ import numpy as np
 
 from ..columns._nested import Level, children
 from ..errors import UnsupportedDtypeError
+from ._arrow_types import decoded, pyarrow_module, temporal_storage
 
-__all__ = ["Parts", "Refused", "decoded", "level_of", "parts"]
-
-
-class Refused(Exception):
-    """An Arrow type inside a nested column that no level can hold (``args[0]``: the type)."""
-
-
-def _pa() -> Any:
-    import pyarrow
-    import pyarrow.compute  # noqa: F401
-
-    return pyarrow
-
-
-def temporal_storage(t: Any) -> Any:
-    """The integer type a timestamp/date/time/duration is stored as (else None)."""
-    pa = _pa()
-    if pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_date64(t):
-        return pa.int64()
-    if pa.types.is_time64(t):
-        return pa.int64()
-    if pa.types.is_date32(t) or pa.types.is_time32(t):
-        return pa.int32()
-    return None
-
-
-def is_list_like(t: Any) -> bool:
-    """Whether ``t`` is a list, large list, list view or fixed-size list."""
-    pa = _pa()
-    return bool(
-        pa.types.is_list(t)
-        or pa.types.is_large_list(t)
-        or pa.types.is_list_view(t)
-        or pa.types.is_large_list_view(t)
-        or pa.types.is_fixed_size_list(t)
-    )
-
-
-def _is_text(t: Any) -> bool:
-    pa = _pa()
-    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t))
-
-
-def _is_binary(t: Any) -> bool:
-    pa = _pa()
-    return bool(
-        pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_binary_view(t)
-        or pa.types.is_fixed_size_binary(t)
-    )
-
-
-def level_of(t: Any) -> Level:
-    """The level tree of an Arrow type; :class:`Refused` names a type it cannot hold."""
-    pa = _pa()
-    if isinstance(t, pa.BaseExtensionType):
-        if t.extension_name == "arrow.json":  # its storage is its text
-            return level_of(t.storage_type)
-        raise Refused(t)  # inside lists its meaning would be lost: _arrow_extensions.py
-    if pa.types.is_dictionary(t):
-        return level_of(t.value_type)
-    if pa.types.is_run_end_encoded(t):
-        return level_of(t.value_type)
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
-        return Level("num", np.dtype(t.to_pandas_dtype()).name)
-    storage = temporal_storage(t)
-    if storage is not None:
-        return Level("num", np.dtype(storage.to_pandas_dtype()).name)
-    if _is_text(t):
-        return Level("str")
-    if _is_binary(t):
-        return Level("bytes")
-    if is_list_like(t):
-        return Level("list", children=(_field_level(t.value_field),))
-    if pa.types.is_struct(t):
-        if t.num_fields == 0:
-            raise Refused(t)
-        names = tuple(t.field(i).name for i in range(t.num_fields))
-        return Level("struct", names=names, children=tuple(_field_level(f) for f in t))
-    raise Refused(t)
-
-
-def _field_level(field: Any) -> Level:
-    """:func:`level_of` a child field; an unregistered extension (by metadata) is refused."""
-    name = (field.metadata or {}).get(b"ARROW:extension:name")
-    if name is not None and name != b"arrow.json":
-        raise Refused(f"{field.type} (extension {name.decode('utf-8', 'replace')})")
-    return level_of(field.type)
-
-
-def decoded(arr: Any) -> Any:
-    """``arr`` without extension, dictionary or run-end encoding (values as stored)."""
-    pa = _pa()
-    while True:
-        t = arr.type
-        if isinstance(t, pa.BaseExtensionType):
-            arr = arr.storage
-        elif pa.types.is_dictionary(t):
-            values = arr.dictionary
-            if pa.types.is_string_view(values.type):  # no take kernel for views
-                values = values.cast(pa.large_string())
-            elif pa.types.is_binary_view(values.type):
-                values = values.cast(pa.large_binary())
-            arr = values.take(arr.indices)
-        elif pa.types.is_run_end_encoded(t):
-            arr = pa.compute.run_end_decode(arr)
-        else:
-            return arr
+__all__ = ["Parts", "parts"]
 
 
 @dataclass
@@ -168,7 +61,7 @@ def parts(arr: Any, tree: Level, fill: Any, where: str, name: str) -> Parts:
         where: the file/table, for messages.
         name: the column, for messages.
     """
-    pa = _pa()
+    pa = pyarrow_module()
     levels = children(tree)
     out = Parts()
 

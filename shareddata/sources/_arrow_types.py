@@ -1,12 +1,8 @@
 """Arrow types -> column kinds: which kind a type is stored as, and its physical form.
 
-What :class:`~shareddata.ArrowDataset` and
-:class:`~shareddata.ParquetDataset` share about types: a column's
-kind (:func:`classify`, or an :class:`UnsupportedDtypeError` naming the column, the
-type and the fix) and a chunk normalised to the few physical layouts the copy in
-``_arrow_columns.py`` understands (:func:`normalize`).
-
-Type mapping (Arrow type -> column kind):
+A column's kind comes from :func:`classify` (or an :class:`UnsupportedDtypeError`
+naming the column, the type and the fix), and each chunk is normalised to the few
+physical layouts the copy in ``_arrow_columns.py`` understands (:func:`normalize`).
 
 * integers, floats (float16 too), bool -> ``"tensor"`` with scalar rows;
 * ``fixed_size_list`` of numbers (nested -> several dimensions) and the
@@ -16,15 +12,14 @@ Type mapping (Arrow type -> column kind):
 * ``string`` / ``large_string`` / ``string_view`` -> ``"str"``;
   ``binary`` / ``large_binary`` / ``binary_view`` / ``fixed_size_binary`` -> ``"bytes"``;
 * ``list`` / ``large_list`` / list views of numbers -> ``"ragged"``;
-* lists of strings, of lists and of structs -> ``"nested"`` (Note [Nested Arrow
-  columns] in ``_arrow_nested.py``);
-* dictionary-encoded columns -> the kind of their values (decoded while copying);
+* lists of strings, of lists and of structs -> ``"nested"``, a tree of levels
+  (:func:`level_of`; Note [Nested Arrow columns] in ``_arrow_nested.py``);
+* dictionary-encoded and run-end encoded columns -> the kind of their values;
 * other extension types -> their meaning (``_arrow_extensions.py``: UUIDs, bool8,
   JSON, HF ``datasets`` arrays), or refused by name; never their storage silently.
 
-Maps, unions, decimals and empty structs are refused with
-:class:`UnsupportedDtypeError` saying what to do (structs with fields are split
-into their fields before they get here: ``_arrow_select.py``).
+Maps, unions, decimals and empty structs are refused saying what to do (structs with
+fields are split into their fields before they get here: ``arrow.py``).
 """
 
 from __future__ import annotations
@@ -37,17 +32,20 @@ import numpy as np
 
 from ..columns._nested import Level
 from ..errors import UnsupportedDtypeError, missing_dependency
-from ._arrow_nested import Refused, decoded, level_of, temporal_storage
 
 __all__ = [
     "ArrowKind",
+    "Refused",
     "classify",
+    "decoded",
+    "is_binary",
     "is_list",
-    "is_numberish",
+    "is_text",
+    "level_of",
     "normalize",
-    "numeric_dtype",
     "pyarrow_module",
     "release_arrow_memory",
+    "temporal_storage",
     "unsupported",
 ]
 
@@ -64,8 +62,7 @@ def pyarrow_module() -> ModuleType:
 
 def release_arrow_memory() -> None:
     """Give the memory Arrow's allocator keeps after a read back to the system."""
-    pa = pyarrow_module()
-    pa.default_memory_pool().release_unused()
+    pyarrow_module().default_memory_pool().release_unused()
 
 
 @dataclass(frozen=True)
@@ -84,6 +81,10 @@ class ArrowKind:
         return self.column or self.kind
 
 
+class Refused(Exception):
+    """An Arrow type inside a nested column that no level can hold (``args[0]``: the type)."""
+
+
 def unsupported(name: str, label: str, arrow_type: Any, fix: str) -> UnsupportedDtypeError:
     return UnsupportedDtypeError(
         f"column {name!r} of {label} has Arrow type {arrow_type}, which shareddata cannot "
@@ -91,7 +92,7 @@ def unsupported(name: str, label: str, arrow_type: Any, fix: str) -> Unsupported
     )
 
 
-def numeric_dtype(t: Any) -> np.dtype | None:
+def _numeric(t: Any) -> np.dtype | None:
     """The numpy dtype of an integer, float or bool Arrow type (else None)."""
     pa = pyarrow_module()
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
@@ -99,14 +100,32 @@ def numeric_dtype(t: Any) -> np.dtype | None:
     return None
 
 
-def is_list(t: Any) -> bool:
+def temporal_storage(t: Any) -> Any:
+    """The integer type a timestamp/date/time/duration is stored as (else None)."""
     pa = pyarrow_module()
-    return bool(
-        pa.types.is_list(t)
-        or pa.types.is_large_list(t)
-        or pa.types.is_list_view(t)
-        or pa.types.is_large_list_view(t)
-    )
+    if pa.types.is_date32(t) or pa.types.is_time32(t):
+        return pa.int32()
+    if pa.types.is_temporal(t) and not pa.types.is_interval(t):
+        return pa.int64()
+    return None
+
+
+def is_list(t: Any) -> bool:
+    """A list, large list or list view (not a fixed-size list)."""
+    pa = pyarrow_module().types
+    return bool(pa.is_list(t) or pa.is_large_list(t) or pa.is_list_view(t)
+                or pa.is_large_list_view(t))  # fmt: skip
+
+
+def is_text(t: Any) -> bool:
+    pa = pyarrow_module().types
+    return bool(pa.is_string(t) or pa.is_large_string(t) or pa.is_string_view(t))
+
+
+def is_binary(t: Any) -> bool:
+    pa = pyarrow_module().types
+    return bool(pa.is_binary(t) or pa.is_large_binary(t) or pa.is_binary_view(t)
+                or pa.is_fixed_size_binary(t))  # fmt: skip
 
 
 def classify(t: Any, name: str, label: str) -> ArrowKind:
@@ -115,13 +134,8 @@ def classify(t: Any, name: str, label: str) -> ArrowKind:
     if isinstance(t, pa.FixedShapeTensorType):
         perm = t.permutation
         if perm is not None and list(perm) != sorted(perm):
-            raise unsupported(
-                name,
-                label,
-                t,
-                "a tensor with a non-default dimension order (permutation); store it "
-                "row-major (permutation=None)",
-            )
+            raise unsupported(name, label, t, "a tensor with a non-default dimension order "
+                              "(permutation); store it row-major (permutation=None)")  # fmt: skip
         inner = classify(t.storage_type, name, label)
         return ArrowKind("tensor", inner.dtype, tuple(int(s) for s in t.shape))
     if isinstance(t, pa.BaseExtensionType):  # their meanings: _arrow_extensions.py
@@ -135,60 +149,41 @@ def classify(t: Any, name: str, label: str) -> ArrowKind:
         return inner
     if pa.types.is_run_end_encoded(t):
         return classify(t.value_type, name, label)
-    dtype = numeric_dtype(t)
+    dtype = _numeric(t if temporal_storage(t) is None else temporal_storage(t))
     if dtype is not None:
         return ArrowKind("tensor", dtype)
-    storage = temporal_storage(t)
-    if storage is not None:
-        return ArrowKind("tensor", np.dtype(storage.to_pandas_dtype()))
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
-        return ArrowKind("str", np.dtype(np.uint8))
-    if (
-        pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_binary_view(t)
-        or pa.types.is_fixed_size_binary(t)
-    ):
-        return ArrowKind("bytes", np.dtype(np.uint8))
+    if is_text(t) or is_binary(t):
+        return ArrowKind("str" if is_text(t) else "bytes", np.dtype(np.uint8))
     if pa.types.is_fixed_size_list(t):
-        item = classify(t.value_type, name, label) if is_numberish(t.value_type) else None
-        if item is None or item.kind != "tensor":
-            raise unsupported(
-                name,
-                label,
-                t,
-                "a fixed-size list must hold numbers (or fixed-size lists of numbers); store "
-                "other values as separate columns",
-            )
-        return ArrowKind("tensor", item.dtype, (int(t.list_size), *item.shape))
+        item = t.value_type
+        if _numeric(item) is None and not pa.types.is_fixed_size_list(item):
+            item = None
+        kind = classify(item, name, label) if item is not None else None
+        if kind is None or kind.kind != "tensor":
+            raise unsupported(name, label, t, "a fixed-size list must hold numbers (or "
+                              "fixed-size lists of numbers); store other values as separate "
+                              "columns")  # fmt: skip
+        return ArrowKind("tensor", kind.dtype, (int(t.list_size), *kind.shape))
     if is_list(t):
-        inner_dtype = numeric_dtype(t.value_type)
+        inner_dtype = _numeric(t.value_type)
         if inner_dtype is not None:
             return ArrowKind("ragged", inner_dtype)
         try:  # lists of strings, records, lists: Note [Nested Arrow columns]
             return ArrowKind("nested", np.dtype(np.uint8), (), level_of(t))
         except Refused as e:
-            raise unsupported(
-                name,
-                label,
-                t,
-                f"its elements hold {e.args[0]}, which a nested column cannot store (lists, "
-                "structs, strings, binary and numbers can); cast that part to one of those",
-            ) from None
+            raise unsupported(name, label, t, f"its elements hold {e.args[0]}, which a nested "
+                              "column cannot store (lists, structs, strings, binary and numbers "
+                              "can); cast that part to one of those") from None  # fmt: skip
     if pa.types.is_struct(t):
-        fix = (
-            "a struct without fields (or inside a dictionary/extension type) has nothing to "
-            "load; drop it"
-        )
+        fix = "a struct without fields (or inside a dictionary/extension type) has nothing to load"
+        fix += "; drop it"
     elif pa.types.is_map(t):
         fix = (
             "a map: store its keys and its values as two list columns (pc.map_keys, pc.map_values)"
         )
     elif pa.types.is_decimal(t):
-        fix = (
-            "decimals have no exact numpy type: cast it to float64 (pc.cast(column, "
-            "pa.float64())), to int64 in units of its scale, or to strings"
-        )
+        fix = ("decimals have no exact numpy type: cast it to float64 (pc.cast(column, "
+               "pa.float64())), to int64 in units of its scale, or to strings")  # fmt: skip
     elif pa.types.is_null(t):
         fix = "the column holds only nulls: drop it, or give it a type and values"
     else:
@@ -196,9 +191,54 @@ def classify(t: Any, name: str, label: str) -> ArrowKind:
     raise unsupported(name, label, t, fix)
 
 
-def is_numberish(t: Any) -> bool:
+def level_of(t: Any) -> Level:
+    """The level tree of an Arrow type; :class:`Refused` names a type it cannot hold."""
     pa = pyarrow_module()
-    return numeric_dtype(t) is not None or pa.types.is_fixed_size_list(t)
+    if isinstance(t, pa.BaseExtensionType):
+        if t.extension_name == "arrow.json":  # its storage is its text
+            return level_of(t.storage_type)
+        raise Refused(t)  # inside lists its meaning would be lost: _arrow_extensions.py
+    if pa.types.is_dictionary(t) or pa.types.is_run_end_encoded(t):
+        return level_of(t.value_type)
+    dtype = _numeric(t if temporal_storage(t) is None else temporal_storage(t))
+    if dtype is not None:
+        return Level("num", dtype.name)
+    if is_text(t) or is_binary(t):
+        return Level("str" if is_text(t) else "bytes")
+    if is_list(t) or pa.types.is_fixed_size_list(t):
+        return Level("list", children=(_field_level(t.value_field),))
+    if pa.types.is_struct(t) and t.num_fields:
+        names = tuple(t.field(i).name for i in range(t.num_fields))
+        return Level("struct", names=names, children=tuple(_field_level(f) for f in t))
+    raise Refused(t)
+
+
+def _field_level(field: Any) -> Level:
+    """:func:`level_of` a child field; an unregistered extension (by metadata) is refused."""
+    name = (field.metadata or {}).get(b"ARROW:extension:name")
+    if name is not None and name != b"arrow.json":
+        raise Refused(f"{field.type} (extension {name.decode('utf-8', 'replace')})")
+    return level_of(field.type)
+
+
+def decoded(arr: Any) -> Any:
+    """``arr`` without extension, dictionary or run-end encoding (values as stored)."""
+    pa = pyarrow_module()
+    while True:
+        t = arr.type
+        if isinstance(t, pa.BaseExtensionType):
+            arr = arr.storage
+        elif pa.types.is_dictionary(t):
+            values = arr.dictionary
+            if pa.types.is_string_view(values.type):  # no take kernel for views
+                values = values.cast(pa.large_string())
+            elif pa.types.is_binary_view(values.type):
+                values = values.cast(pa.large_binary())
+            arr = values.take(arr.indices)
+        elif pa.types.is_run_end_encoded(t):
+            arr = pa.compute.run_end_decode(arr)
+        else:
+            return arr
 
 
 def normalize(arr: Any) -> Any:
@@ -208,25 +248,19 @@ def normalize(arr: Any) -> Any:
     temporal -> their integer storage, extension -> storage, dictionary -> decoded.
     """
     pa = pyarrow_module()
-    while True:
-        t = arr.type
-        if isinstance(t, pa.BaseExtensionType):
-            arr = arr.storage
-        elif pa.types.is_dictionary(t) or pa.types.is_run_end_encoded(t):
-            arr = decoded(arr)
-        elif pa.types.is_string_view(t):
-            arr = arr.cast(pa.large_string())
-        elif pa.types.is_binary_view(t) or pa.types.is_fixed_size_binary(t):
-            arr = arr.cast(pa.large_binary())
-        elif pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
-            # rebuilt from the views' lengths and values in order: a view's offsets may
-            # be in any order, or overlap (a cast gave every row empty, pyarrow 26)
-            lengths = pa.compute.fill_null(pa.compute.list_value_length(arr), 0)
-            offsets = np.zeros(len(arr) + 1, np.int64)
-            np.cumsum(lengths.to_numpy(zero_copy_only=False), out=offsets[1:])
-            mask = arr.is_null() if arr.null_count else None
-            arr = pa.LargeListArray.from_arrays(pa.array(offsets), arr.flatten(), mask=mask)
-        elif temporal_storage(t) is not None:
-            arr = arr.view(temporal_storage(t))
-        else:
-            return arr
+    arr = decoded(arr)
+    t = arr.type
+    if pa.types.is_string_view(t):
+        return arr.cast(pa.large_string())
+    if pa.types.is_binary_view(t) or pa.types.is_fixed_size_binary(t):
+        return arr.cast(pa.large_binary())
+    if pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
+        # rebuilt from the views' lengths and values in order: a view's offsets may be in
+        # any order, or overlap (a cast gave every row empty, pyarrow 26)
+        lengths = pa.compute.fill_null(pa.compute.list_value_length(arr), 0)
+        offsets = np.zeros(len(arr) + 1, np.int64)
+        np.cumsum(lengths.to_numpy(zero_copy_only=False), out=offsets[1:])
+        mask = arr.is_null() if arr.null_count else None
+        return pa.LargeListArray.from_arrays(pa.array(offsets), arr.flatten(), mask=mask)
+    storage = temporal_storage(t)
+    return arr.view(storage) if storage is not None else arr

@@ -22,7 +22,14 @@ from typing import Any
 from ..errors import ArgumentTypeError, MissingColumnError, MissingFileError, SourceReadError
 from ._arrow_types import pyarrow_module
 
-__all__ = ["Found", "arrow_errors", "parquet_files", "partition_clash", "read_error"]
+__all__ = [
+    "Found",
+    "arrow_errors",
+    "parquet_files",
+    "parquet_module",
+    "partition_clash",
+    "read_error",
+]
 
 _SUFFIXES = (".parquet",)
 
@@ -34,7 +41,8 @@ def _dataset() -> ModuleType:
     return pyarrow.dataset
 
 
-def _parquet() -> ModuleType:
+def parquet_module() -> ModuleType:
+    """``pyarrow.parquet``, imported on first use."""
     pyarrow_module()
     import pyarrow.parquet
 
@@ -167,7 +175,7 @@ def _partitions(files: list[str], base: str | None, label: str) -> tuple[list[di
     if base is None or not keys:
         return [{} for _ in files], pa.schema([])
     try:  # a key inside the files too would fail below as a type clash or be loaded twice
-        inside = [k for k in keys if k in _parquet().read_schema(files[0]).names]
+        inside = [k for k in keys if k in parquet_module().read_schema(files[0]).names]
     except arrow_errors() as e:
         raise read_error(files[0], e, "reading its schema") from e
     if inside:

@@ -146,10 +146,10 @@ def _parquet(tmp_path, monkeypatch):
 
 
 def _arrow(tmp_path, monkeypatch):
-    from shareddata.sources import parquet
+    from shareddata.sources import _arrow_columns
 
     table = pa.table({"a": np.arange(1 << 16), "s": [f"row {i}" for i in range(1 << 16)]})
-    real, calls = parquet.Writer.write, []
+    real, calls = _arrow_columns.Writer.write, []
 
     def write(self, arr, where):  # fails on the second column
         calls.append(1)
@@ -157,7 +157,7 @@ def _arrow(tmp_path, monkeypatch):
             raise MemoryError("simulated: Arrow could not allocate")
         return real(self, arr, where)
 
-    monkeypatch.setattr(parquet.Writer, "write", write)
+    monkeypatch.setattr(_arrow_columns.Writer, "write", write)
     return lambda: ArrowDataset(table), "simulated"
 
 

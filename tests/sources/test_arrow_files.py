@@ -21,7 +21,8 @@ from conftest import REPO
 
 import shareddata as sd
 from shareddata.datasets._load import build
-from shareddata.sources._arrow_files import ArrowFileSource
+from shareddata.sources._arrow_ipc import IpcInput
+from shareddata.sources.arrow import ArrowSource
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_arrow import plain, reference, rows_of  # noqa: E402
@@ -93,7 +94,8 @@ def test_a_list_of_files_in_the_order_given_and_a_range_of_rows(tmp_path):
     # shard="node" reads a range of rows: batches and files it cuts are sliced
     both = pa.concat_tables([b, a])
     for start, stop in ((0, 12), (3, 9), (5, 6), (4, 5), (11, 12)):
-        source = ArrowFileSource(files, ["id", "text", "turns"])
+        names = ["id", "text", "turns"]
+        source = ArrowSource(IpcInput(files, names), names)
         assert source.total_rows() == 12
         source.select_rows(start, stop)
         columns = build(source, share="process", progress=False)

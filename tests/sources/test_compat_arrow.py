@@ -9,8 +9,10 @@ prints the per-file, per-column table.
 """
 
 import os
+import subprocess
 import sys
 import tempfile
+import textwrap
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -229,6 +231,138 @@ def test_duckdb_parquet_and_relation(tmp_path):
 
 def test_hf_datasets_arrow_files(tmp_path):
     _expected_refusals(hf_datasets(str(tmp_path), []), set())
+
+
+# -- an HF dataset's format (with_format / set_format / with_transform) is kept -------------
+
+
+def _hf_tokenized():
+    datasets = pytest.importorskip("datasets")
+    rows = 6
+    return datasets.Dataset.from_dict(
+        {
+            "text": [f"sentence {i}" for i in range(rows)],
+            "input_ids": pa.array([[101, i, 102] for i in range(rows)], pa.list_(pa.int32())),
+            "attention_mask": pa.array([[1, 1, 1]] * rows, pa.list_(pa.int8())),
+            "label": pa.array([i % 2 for i in range(rows)], pa.int16()),
+            "score": pa.array([i / 3 for i in range(rows)], pa.float64()),
+            "flag": [i % 3 == 0 for i in range(rows)],
+        }
+    )
+
+
+def _same_as_hf(ds, hf):
+    """Every item of ``ds`` has the keys, dtypes and values of the HF dataset's item."""
+    import torch
+
+    assert len(ds) == len(hf)
+    for i in range(len(hf)):
+        got, want = ds[i], hf[i]
+        assert list(got) == list(want), i
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor):
+                assert isinstance(got[k], torch.Tensor) and got[k].dtype == v.dtype, (k, got[k])
+                assert torch.equal(got[k], v), (k, got[k], v)
+            else:  # a column outside the format: the value, as shareddata gives it
+                assert plain(got[k]) == v, (k, got[k], v)
+
+
+def test_hf_torch_format_keeps_its_columns_and_dtypes(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    hf = _hf_tokenized()
+    for formatted in (
+        hf.with_format("torch", columns=["input_ids", "label"]),
+        hf.with_format("torch"),  # every column: integers int64, floats float32
+        hf.with_format("torch", columns=["attention_mask", "score"], output_all_columns=True),
+        hf.shuffle(seed=3).with_format("torch", columns=["flag", "input_ids"]),
+    ):
+        _same_as_hf(sd.ArrowDataset(formatted, progress=False), formatted)
+    # a save_to_disk folder keeps the format it was saved with, as load_from_disk does
+    hf.with_format("torch", columns=["input_ids", "score"]).save_to_disk(tmp_path / "saved")
+    saved = datasets.load_from_disk(str(tmp_path / "saved"))
+    _same_as_hf(sd.ArrowDataset(tmp_path / "saved", progress=False), saved)
+    explicit = sd.ArrowDataset(hf.with_format("torch"), columns=["label"], progress=False)
+    assert list(explicit[0]) == ["label"] and explicit[0]["label"].dtype.is_floating_point is False
+    assert explicit[0]["label"].dtype == hf.with_format("torch")[0]["label"].dtype
+
+
+def test_hf_numpy_and_python_formats_keep_their_columns_and_stored_dtypes():
+    import torch
+
+    hf = _hf_tokenized()
+    for fmt in ("numpy", None):
+        formatted = hf.with_format(fmt, columns=["label", "text"])
+        ds = sd.ArrowDataset(formatted, progress=False)
+        assert list(ds[1]) == list(formatted[1]) == ["text", "label"]
+        assert ds[1]["text"] == "sentence 1"
+        assert ds[1]["label"].dtype == torch.int16
+
+
+def _hf_upper(batch):
+    return {"text": [t.upper() for t in batch["text"]], "n": [len(ids) for ids in batch["ids"]]}
+
+
+def test_hf_with_transform_is_applied_in_the_workers_as_hf_applies_it():
+    import torch
+
+    datasets = pytest.importorskip("datasets")
+    hf = datasets.Dataset.from_dict({"text": ["ab", "c", "def"], "ids": [[1, 2], [3], []]})
+    transformed = hf.with_transform(_hf_upper)
+    ds = sd.ArrowDataset(transformed, progress=False)
+    assert [ds[i] for i in range(3)] == [transformed[i] for i in range(3)]
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1,
+                                         multiprocessing_context="fork")  # fmt: skip
+    assert list(loader) == [transformed[i] for i in range(3)]
+    # a transform= given too runs after it; output_all_columns adds the other columns
+    after = sd.ArrowDataset(transformed, transform=lambda s: s["n"], progress=False)
+    assert [after[i] for i in range(3)] == [2, 1, 0]
+    partial = hf.with_transform(lambda b: {"text": b["text"][::-1]}, columns=["text"],
+                                output_all_columns=True)  # fmt: skip
+    got = sd.ArrowDataset(partial, progress=False)[0]
+    assert got["text"] == partial[0]["text"] and got["ids"].tolist() == partial[0]["ids"]
+
+
+def test_hf_formats_that_cannot_be_kept_are_refused_by_name():
+    hf = _hf_tokenized()
+    for fmt, name in ((hf.with_format("pandas"), "'pandas'"),
+                      (hf.with_format("torch", dtype="float16"), "dtype=")):  # fmt: skip
+        with pytest.raises(sd.InvalidArgumentError, match=rf"format.*{name}.*transform="):
+            sd.ArrowDataset(fmt, progress=False)
+    with pytest.raises(ValueError, match=r"output='tuple'.*with_transform.*transform="):
+        sd.ArrowDataset(hf.with_transform(_hf_upper), output="tuple", progress=False)
+
+
+def test_timestamps_with_nanoseconds_load_from_a_table_as_from_parquet(tmp_path):
+    # without pandas, pyarrow has no value for a nanosecond (to_pylist raised ValueError)
+    code = textwrap.dedent(
+        f"""
+        import sys
+
+        class NoPandas:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "pandas":
+                    raise ModuleNotFoundError("No module named 'pandas'")
+
+        sys.meta_path.insert(0, NoPandas())
+        import pyarrow as pa, pyarrow.parquet as pq
+        import shareddata as sd
+
+        ns = pa.array([1, 1_000_000_001, None, -7], pa.timestamp("ns"))
+        table = pa.table({{"t": ns, "t_tz": ns.cast(pa.timestamp("ns", "Europe/Paris")),
+                          "d": ns.cast(pa.int64()).cast(pa.duration("ns"))}})
+        pq.write_table(table, {str(tmp_path / "t.parquet")!r})
+        for ds in (sd.ArrowDataset(table, fill_value=0, progress=False),
+                   sd.ParquetDataset({str(tmp_path / "t.parquet")!r}, fill_value=0,
+                                     progress=False)):
+            print([{{k: v.item() for k, v in ds[i].items()}} for i in range(len(ds))])
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from_table, from_parquet = proc.stdout.splitlines()
+    assert from_table == from_parquet
+    assert "'t': 1000000001" in from_table
 
 
 if __name__ == "__main__":

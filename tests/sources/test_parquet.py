@@ -18,9 +18,11 @@ import shareddata.columns._columns
 from shareddata import ArrowDataset, ParquetDataset
 from shareddata.datasets._load import build
 from shareddata.sources import parquet as sp
+from shareddata.sources._arrow_columns import ArrowColumn, Writer, rebase_offsets
+from shareddata.sources._arrow_table import TableInput
 from shareddata.sources._source import as_buffer
 from shareddata.sources.arrow import ArrowSource
-from shareddata.sources.parquet import ParquetSource, rebase_offsets
+from shareddata.sources.parquet import parquet_source
 
 N = 23  # rows; not a multiple of the row group size
 
@@ -253,7 +255,7 @@ def test_storage_dir_and_nbytes(tmp_path, pq_file, table):
 
 
 def test_progress_reports_every_byte(pq_file):
-    source = ParquetSource(pq_file, ["i64", "text", "tokens", "img"])
+    source = parquet_source(pq_file, ["i64", "text", "tokens", "img"])
     seen = []
     try:
         for spec in source.specs():
@@ -275,10 +277,10 @@ def test_metadata_only_until_specs(pq_file, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
-    source = ParquetSource(pq_file)
+    source = parquet_source(pq_file)
     assert reads == []
     source.close()
-    fixed = ParquetSource(pq_file, ["i32", "vec", "img", "b"])
+    fixed = parquet_source(pq_file, ["i32", "vec", "img", "b"])
     specs = fixed.specs()  # statistics say "no nulls": nothing to read
     assert reads == [] and [s.rows for s in specs] == [N] * 4
     fixed.close()
@@ -616,7 +618,7 @@ def test_failure_halfway_propagates_and_frees_everything(pq_file, monkeypatch):
     gc.collect()
     fds = open_fds()
     calls = []
-    original = ParquetSource.read
+    original = ArrowSource.read
 
     def failing_read(self, spec, buffers, progress):
         calls.append(spec.name)
@@ -624,7 +626,7 @@ def test_failure_halfway_propagates_and_frees_everything(pq_file, monkeypatch):
             raise RuntimeError("disk went away")
         original(self, spec, buffers, progress)
 
-    monkeypatch.setattr(ParquetSource, "read", failing_read)
+    monkeypatch.setattr(ArrowSource, "read", failing_read)
     with pytest.raises(RuntimeError, match="disk went away"):
         ParquetDataset(pq_file, ["text", "tokens", "i32"])
     gc.collect()
@@ -635,7 +637,7 @@ def test_failure_halfway_propagates_and_frees_everything(pq_file, monkeypatch):
 def test_a_file_changed_between_sizing_and_reading(tmp_path):
     path = tmp_path / "c.parquet"
     pq.write_table(pa.table({"s": ["ab", "cd"]}), path)
-    source = ParquetSource(path)
+    source = parquet_source(path)
     try:
         (spec,) = source.specs()
         pq.write_table(pa.table({"s": ["abc", "cd"]}), path)  # one more byte
@@ -666,10 +668,10 @@ def test_rebase_offsets_beyond_int32():
 
 def test_writer_rebases_chunks_onto_a_large_running_total():
     # a string chunk written when 3 GiB of values are already in the column
-    column = sp.ArrowColumn("s", pa.string(), "t", None)
+    column = ArrowColumn("s", pa.string(), "t", None)
     spec = sd.columns._columns.ColumnSpec("s", 2, np.dtype(np.uint8), (), "str", 5)
     buffers = {"offsets": np.zeros(3, np.int64), "values": np.zeros(5, np.uint8)}
-    writer = sp.Writer(column, spec, {k: as_buffer(b) for k, b in buffers.items()})
+    writer = Writer(column, spec, {k: as_buffer(b) for k, b in buffers.items()})
     writer.write(pa.array(["ab", "cde"]).slice(0), "t")
     assert buffers["offsets"].tolist() == [0, 2, 5]
     assert bytes(buffers["values"]) == b"abcde"
@@ -735,13 +737,13 @@ def test_row_groups_are_decoded_in_bounded_batches(tmp_path, monkeypatch):
     pq.write_table(table, path, row_group_size=rows)
     monkeypatch.setattr(sp, "_BATCH_BYTES", 6400)  # 100 rows of x
     chunks = []
-    real = sp.Writer.write
+    real = Writer.write
 
     def write(self, arr, where):
         chunks.append((self.spec.name, len(arr)))
         return real(self, arr, where)
 
-    monkeypatch.setattr(sp.Writer, "write", write)
+    monkeypatch.setattr(Writer, "write", write)
     ds = ParquetDataset(path)
     x_chunks = [n for name, n in chunks if name == "x"]
     assert sum(x_chunks) == rows and max(x_chunks) <= 110 and len(x_chunks) >= 18
@@ -753,7 +755,7 @@ def test_row_groups_are_decoded_in_bounded_batches(tmp_path, monkeypatch):
 
 
 def test_build_with_an_arrow_source_directly(table):
-    columns = build(ArrowSource(table, ["text", "i32"]), progress=False)
+    columns = build(ArrowSource(TableInput(table), ["text", "i32"]), progress=False)
     assert list(columns) == ["text", "i32"]
     assert columns["text"].get(1) == table["text"][1].as_py()
 
@@ -762,10 +764,9 @@ def test_arrow_tables_are_told_apart_across_ranks():
     # Under torchrun ranks match datasets by a fingerprint of their arguments; every
     # ArrowDataset has the same label, so the key must come from the table itself.
     from shareddata.distributed import fingerprint
-    from shareddata.sources.arrow import ArrowSource, table_key
 
     def key(table):
-        return fingerprint(table_key(ArrowSource(table), None))
+        return fingerprint(TableInput(table).key(table.column_names))
 
     a = pa.table({"x": list(range(1000)), "s": [str(i) for i in range(1000)]})
     assert key(a) == key(pa.table({"x": list(range(1000)), "s": [str(i) for i in range(1000)]}))
@@ -788,7 +789,6 @@ def test_invalid_utf8_in_a_string_column_is_refused_naming_file_and_column(tmp_p
 def test_select_rows_reads_a_range_across_files_and_row_groups(tmp_path):
     """What shard="node" loads: rows [start, stop) of the files together, any cut."""
     from shareddata.datasets._dataset import ColumnDataset
-    from shareddata.sources.parquet import ParquetSource
 
     n = 1000
     table = pa.table(
@@ -803,7 +803,7 @@ def test_select_rows_reads_a_range_across_files_and_row_groups(tmp_path):
     pq.write_table(table.slice(400), tmp_path / "b.parquet", row_group_size=130)
     full = table.to_pylist()
     for start, stop in [(0, 333), (333, 666), (666, 1000), (399, 401), (999, 1000)]:
-        source = ParquetSource(tmp_path)
+        source = parquet_source(tmp_path)
         assert source.total_rows() == n
         source.select_rows(start, stop)
         ds = ColumnDataset(build(source, share="process", progress=False))

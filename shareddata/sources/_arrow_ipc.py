@@ -1,9 +1,9 @@
-"""Arrow data by path: IPC files (Feather v2), IPC streams, HF ``save_to_disk`` folders.
+"""Arrow data by path as an Arrow input: IPC files (Feather v2), IPC streams, HF folders.
 
 Note [Reading Arrow IPC files one column at a time]
 ===================================================
 An IPC file or stream holds record batches, each batch's columns as buffers one
-after the other. :class:`ArrowFileSource` maps the file (``mmap``) and reads ONE
+after the other. :class:`IpcInput` maps the file (``mmap``) and reads ONE
 top-level column at a time, batch by batch. A stream is read with
 ``IpcReadOptions(included_fields=[j])``: its reader slices the mapping. An IPC
 file's reader copies the fields it is asked for, so an uncompressed file (whose
@@ -26,39 +26,25 @@ Anything else is refused with what it looks like and what to pass instead.
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
 import reprlib
-from collections.abc import Callable, Generator, Sequence
-from contextlib import closing
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..columns._columns import ColumnSpec
-from ..errors import (
-    ArgumentTypeError,
-    MissingColumnError,
-    MissingFileError,
-    SharedDataError,
-    SourceReadError,
-    UnsupportedDtypeError,
-)
-from ._arrow_columns import Sizer, Writer
-from ._arrow_extensions import UuidAs
-from ._arrow_select import FillValue, make_columns, select_fields
+from ..errors import ArgumentTypeError, MissingFileError, SourceReadError
 from ._arrow_types import pyarrow_module, release_arrow_memory
-from ._source import Buffer
+from .arrow import Piece, check_files
 
-__all__ = ["ACCEPTED", "ArrowFileSource", "arrow_paths", "is_path"]
+__all__ = ["ACCEPTED", "IpcInput", "arrow_paths", "is_path"]
 
 ACCEPTED = (
     "an Arrow IPC file (.arrow, .feather: Feather v2), an Arrow IPC stream (.arrows, "
     "HF datasets' .arrow files), a list of them, or an HF datasets save_to_disk folder"
 )
-_NESTED_ROWS = 1 << 16
-"""Rows of a nested column taken apart at a time (bounds the temporaries)."""
-
 _LOOKS_LIKE = {
     b"PAR1": "a Parquet file: load it with sd.ParquetDataset(path)",
     b"FEA1": (
@@ -78,8 +64,11 @@ def is_path(obj: Any) -> bool:
     return isinstance(obj, (list, tuple)) and all(isinstance(p, (str, os.PathLike)) for p in obj)
 
 
-def arrow_paths(path: Any) -> tuple[list[str], str]:
-    """The Arrow files a path, list of paths or HF ``save_to_disk`` folder names, and a label."""
+def arrow_paths(path: Any) -> tuple[list[str], str, dict[str, Any] | None]:
+    """The files a path, list or HF ``save_to_disk`` folder names, a label, the HF format.
+
+    The format is the folder's, as ``Dataset.format`` gives it (None for files).
+    """
     if isinstance(path, (list, tuple)):
         files = [os.fspath(p) for p in path]
         if not files:
@@ -89,17 +78,18 @@ def arrow_paths(path: Any) -> tuple[list[str], str]:
                 what = "is a folder; list its files" if os.path.isdir(f) else "does not exist"
                 raise MissingFileError(f"{f} {what} (in the list of Arrow files given).")
         label = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more files)"
-        return files, label
+        return files, label, None
     p = os.fspath(path)
     if os.path.isdir(p):
-        return _hf_folder(p), p
+        files, hf_format = _hf_folder(p)
+        return files, p, hf_format
     if os.path.exists(p):
-        return [p], p
+        return [p], p, None
     raise MissingFileError(f"{p} does not exist. ArrowDataset takes {ACCEPTED}, or a table.")
 
 
-def _hf_folder(folder: str) -> list[str]:
-    """The data files of an HF ``save_to_disk`` folder, in the order its state.json lists."""
+def _hf_folder(folder: str) -> tuple[list[str], dict[str, Any]]:
+    """An HF ``save_to_disk`` folder's data files (in state.json's order) and saved format."""
     state_path = os.path.join(folder, "state.json")
     if not os.path.isfile(state_path):
         splits_path = os.path.join(folder, "dataset_dict.json")
@@ -140,7 +130,13 @@ def _hf_folder(folder: str) -> list[str]:
                 "the folder is incomplete: copy it again or re-save it with save_to_disk."
             )
         files.append(file)
-    return files
+    saved = {
+        "type": "_format_type",
+        "columns": "_format_columns",
+        "format_kwargs": "_format_kwargs",
+        "output_all_columns": "_output_all_columns",
+    }
+    return files, {k: state.get(key) for k, key in saved.items()}  # fmt: skip
 
 
 def _json(path: str) -> dict[str, Any]:
@@ -190,42 +186,27 @@ class _ArrowFile:
     sliced: bool = False  # an IPC file whose batches slice the mapping (uncompressed)
 
 
-class ArrowFileSource:
-    """Reads columns of Arrow IPC files/streams by path (Note above), one column at a time.
+class IpcInput:
+    """Arrow IPC files/streams by path, one column at a time (Note above).
 
     Args:
         path: an IPC file, an IPC stream, a list of them, or an HF ``save_to_disk`` folder.
-        columns: the columns to load, in this order (default: all).
-        fill_value: what nulls become (see :class:`ParquetDataset`); ``None`` refuses nulls.
-        records: a list of structs comes back as a list of dicts (else a dict of lists).
-        uuid_as: ``arrow.uuid`` values as ``"uuid"`` (``uuid.UUID``) or ``"tensor"``.
+        columns: the columns that will be loaded (``None``: all; every file must then
+            have the same columns).
     """
 
-    def __init__(
-        self,
-        path: Any,
-        columns: Sequence[str] | None = None,
-        *,
-        fill_value: FillValue = None,
-        records: bool = True,
-        uuid_as: UuidAs = "uuid",
-    ) -> None:
+    format = "Arrow IPC"
+
+    def __init__(self, path: Any, columns: Sequence[str] | None = None) -> None:
         if not is_path(path):
             raise ArgumentTypeError(
                 f"ArrowDataset cannot read {reprlib.repr(path)} (type {type(path).__name__}); "
                 f"it takes {ACCEPTED}, or a table."
             )
-        self.paths, self.label = arrow_paths(path)
+        self.paths, self.label, self.hf_format = arrow_paths(path)
         self.files = [self._open(p) for p in self.paths]
-        first = self.files[0]
-        names = select_fields(first.schema, columns, self.label)
-        tops = list(dict.fromkeys(c.split(".")[0] if c not in first.schema.names else c
-                                  for c in names))  # fmt: skip
-        for other in self.files[1:]:
-            _check_same(first, other, tops, columns is None)
-        self.columns = make_columns(first.schema, names, self.label, fill_value, records, uuid_as)
-        self._by_name = {c.name: c for c in self.columns}
-        self._window: tuple[int, int] | None = None
+        files = [(f.path, f.schema) for f in self.files]
+        self.schema, self.file_types = check_files(files, columns, promote=False)
 
     def _open(self, path: str) -> _ArrowFile:
         pa = pyarrow_module()
@@ -246,18 +227,24 @@ class ArrowFileSource:
         if info.rows < 0:
             fixed = [i for i, f in enumerate(info.schema) if _fixed_width(f.type)]
             j = fixed[0] if fixed else 0  # a fixed-width column decodes cheapest
-            info.rows = sum(len(chunk) for chunk in self._batches(info, j, "counting its rows"))
+            try:
+                info.rows = sum(len(chunk) for chunk in self._batches(info, j))
+            except (pyarrow_module().ArrowException, OSError, ValueError) as e:
+                raise _read_error(info.path, e, "counting its rows") from e
         return info.rows
 
     def total_rows(self) -> int:
-        """Rows of every file together (before :meth:`select_rows`)."""
+        """Rows of every file together."""
         return sum(self._rows(info) for info in self.files)
 
-    def select_rows(self, start: int, stop: int) -> None:
-        """Describe and read only rows ``[start, stop)`` of all files (``shard="node"``)."""
-        self._window = (int(start), int(stop))
+    def pieces(self, column: Any) -> Iterator[Piece]:
+        """One piece per file: its rows, and ``column``'s top-level column batch by batch."""
+        for info in self.files:
+            j = info.schema.get_field_index(column.path[0])
+            read = functools.partial(self._batches, info, j)
+            yield Piece(info.path, info.path, self._rows(info), read)
 
-    def _batches(self, info: _ArrowFile, j: int, what: str) -> Generator[Any, None, None]:
+    def _batches(self, info: _ArrowFile, j: int) -> Generator[Any, None, None]:
         """Column ``j`` of each record batch of one file, over a mapping dropped as it goes.
 
         Once a batch is copied its pages leave this process's RSS (``MADV_DONTNEED``;
@@ -265,95 +252,39 @@ class ArrowFileSource:
         """
         pa = pyarrow_module()
         options = pa.ipc.IpcReadOptions(included_fields=[j], use_threads=False)
+        with open(info.path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            with open(info.path, "rb") as f:
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            source = pa.BufferReader(pa.py_buffer(mapped))
+            if info.stream:  # the stream reader slices the mapping, field or not
+                reader: Any = pa.ipc.open_stream(source, options=options)
+                batches, k = iter(reader), 0
+            elif info.sliced:  # uncompressed: every field is a slice, only j is read
+                reader = pa.ipc.open_file(source)
+                batches, k = map(reader.get_batch, range(reader.num_record_batches)), j
+            else:  # compressed: only field j is decompressed
+                reader = pa.ipc.open_file(source, options=options)
+                batches, k = map(reader.get_batch, range(reader.num_record_batches)), 0
+            for batch in batches:
+                chunk = batch.column(k)
+                del batch
+                yield chunk
+                del chunk
+                mapped.madvise(mmap.MADV_DONTNEED)
+                release_arrow_memory()  # what a compressed batch was decoded into
+        finally:
+            reader = batches = source = None
             try:
-                source = pa.BufferReader(pa.py_buffer(mapped))
-                if info.stream:  # the stream reader slices the mapping, field or not
-                    reader: Any = pa.ipc.open_stream(source, options=options)
-                    batches, k = iter(reader), 0
-                elif info.sliced:  # uncompressed: every field is a slice, only j is read
-                    reader = pa.ipc.open_file(source)
-                    batches, k = map(reader.get_batch, range(reader.num_record_batches)), j
-                else:  # compressed: only field j is decompressed
-                    reader = pa.ipc.open_file(source, options=options)
-                    batches, k = map(reader.get_batch, range(reader.num_record_batches)), 0
-                for batch in batches:
-                    chunk = batch.column(k)
-                    del batch
-                    yield chunk
-                    del chunk
-                    mapped.madvise(mmap.MADV_DONTNEED)
-                    release_arrow_memory()  # what a compressed batch was decoded into
-            finally:
-                reader = batches = source = None
-                try:
-                    mapped.close()
-                except BufferError:  # a chunk still refers to it: unmapped when it is freed
-                    pass
-        except (pa.ArrowException, OSError, ValueError) as e:
-            if isinstance(e, SharedDataError):
-                raise
-            raise _read_error(info.path, e, what) from e
+                mapped.close()
+            except BufferError:  # a chunk still refers to it: unmapped when it is freed
+                pass
 
-    def _each_chunk(self, column: Any, fn: Callable[[str, str, Any], None]) -> None:
-        step = _NESTED_ROWS if column.kind.kind == "nested" else None
-        base = 0
-        for info in self.files:
-            j = info.schema.get_field_index(column.path[0])
-            first = base
-            base += self._rows(info)
-            lo, hi = self._window or (0, base)
-            if min(base, hi) <= max(first, lo):
-                continue
-            at = first
-            what = f"reading column {column.path[0]!r}"
-            with closing(self._batches(info, j, what)) as batches:
-                for chunk in batches:
-                    n = len(chunk)
-                    a, b = max(at, lo), min(at + n, hi)
-                    at += n
-                    if a < b:
-                        part = chunk if b - a == n else chunk.slice(a - (at - n), b - a)
-                        _pieces(column, part, step, info.path, fn)
-                        del part
-                    del chunk  # no reference left when the next batch is decoded
-            release_arrow_memory()
-
-    def specs(self) -> list[ColumnSpec]:
-        """Exact specs, from one pass over each column (zero-copy when uncompressed)."""
-        rows = self.total_rows()
-        if self._window is not None:
-            rows = self._window[1] - self._window[0]
-        specs = []
-        for column in self.columns:
-            sizer = Sizer(column)
-            self._each_chunk(column, sizer.add)
-            specs.append(sizer.spec(rows))
-        return specs
-
-    def read(
-        self, spec: ColumnSpec, buffers: dict[str, Buffer], progress: Callable[[int], None]
-    ) -> None:
-        """Fill one column's buffers, one record batch at a time."""
-        writer = Writer(self._by_name[spec.name], spec, buffers)
-        self._each_chunk(
-            writer.column, lambda _, where, chunk: progress(writer.write(chunk, where))
-        )
-        writer.finish(self.label)
+    def null_counts(self, column: Any, window: bool) -> None:
+        """Nulls are counted by the sizing pass (zero-copy when uncompressed)."""
+        return None
 
     def close(self) -> None:
-        """Give Arrow's memory back (every mapping is closed after its pass)."""
-        release_arrow_memory()
-
-
-def _pieces(
-    column: Any, chunk: Any, step: int | None, path: str, fn: Callable[[str, str, Any], None]
-) -> None:
-    """``fn`` on a chunk, or on its pieces of ``step`` rows (bounded nested temporaries)."""
-    for start in range(0, len(chunk), step or max(1, len(chunk))):
-        fn(path, path, column.extract(chunk if step is None else chunk.slice(start, step)))
+        """Nothing to close: every mapping is closed after its pass."""
 
 
 def _slices(reader: Any, mm: Any) -> bool:
@@ -374,26 +305,3 @@ def _fixed_width(t: Any) -> bool:
         return int(t.bit_width) > 0
     except ValueError:  # pyarrow: "Non-fixed width type"
         return False
-
-
-def _check_same(first: _ArrowFile, other: _ArrowFile, tops: list[str], every: bool) -> None:
-    """Refuse a file whose loaded columns differ from the first file's."""
-    if every and other.schema.names != first.schema.names:
-        raise MissingColumnError(
-            f"{other.path} and {first.path} have different columns ({other.schema.names} vs "
-            f"{first.schema.names}); every file must have the same columns. Pass "
-            "columns=[...] to load the columns they share."
-        )
-    for name in tops:
-        if name not in other.schema.names:
-            raise MissingColumnError(
-                f"column {name!r} is in {first.path} but not in {other.path}, which has: "
-                f"{', '.join(repr(n) for n in other.schema.names)}."
-            )
-        a, b = first.schema.field(name), other.schema.field(name)
-        if a.type != b.type:
-            raise UnsupportedDtypeError(
-                f"column {name!r} is {b.type} in {other.path} but {a.type} in {first.path}; "
-                "the files of one dataset must have one type per column. Rewrite them with "
-                f"one type, or leave {name!r} out with columns=[...]."
-            )
