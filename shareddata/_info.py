@@ -19,9 +19,9 @@ from typing import Any
 
 from ._text import format_bytes, plural
 from .columns._columns import ColumnSpec
-from .datasets._load import check_lengths
+from .datasets._load import READ_CHUNK_BYTES, check_lengths
 from .errors import MissingColumnError, MissingFileError
-from .storage._capacity import available_memory
+from .storage._capacity import available_memory, margin
 
 __all__ = ["FORMATS", "CommandError", "info", "names", "open_sources"]
 
@@ -175,14 +175,17 @@ def info(args: argparse.Namespace) -> int:
         widths = [max(len(r[i]) for r in table) for i in range(3)]
         for r in table:
             print(f"  {r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>10}")
+        # what the load's capacity check asks for: its read chunk and the margin too
+        asked = needed + min(needed, READ_CHUNK_BYTES) + margin(needed)
         print(f"shared memory needed: {format_bytes(needed)} ({needed:,} bytes)")
+        print(f"the load asks for {format_bytes(asked)} free (with its read chunk and a margin)")
         print(f"room for it: {format_bytes(ram)} (free RAM, within the memory cgroup's limit)")
         print(f"room in /dev/shm, which DataLoader batches pass through: {format_bytes(shm)}")
-        if needed <= ram:
-            print(f"fits: yes, with {format_bytes(ram - needed)} to spare")
+        if asked <= ram:
+            print(f"fits: yes, with {format_bytes(ram - asked)} to spare")
             continue
         print(
-            f"fits: NO, {format_bytes(needed - ram)} short. Load fewer columns (--keys/--columns "
+            f"fits: NO, {format_bytes(asked - ram)} short. Load fewer columns (--keys/--columns "
             "here, columns=[...] in Python), or pass storage_dir='/a/local/disk'."
         )
         code = 1
