@@ -105,7 +105,7 @@ def open_sources(path: str, names: Sequence[str] | None = None) -> list[tuple[st
     return found
 
 
-def _files(source: Any, path: str) -> list[str]:
+def _files(source: Any, path: str) -> str:
     """The files ``source`` reads, relative to the folder ``path`` if it is one."""
     if hasattr(getattr(source, "input", None), "paths"):  # Parquet: every file it found
         files = list(source.input.paths)

@@ -48,9 +48,10 @@ def _run_probe(context: Any, refs: tuple[Any, ...]) -> int:
     try:
         next(iterator)
         next(iterator)  # both batches received: idle, as the real workers are when measured
-        pid = (dataloader_worker_pids(iterator) or [None])[0]
-        if pid is None:
+        pids = dataloader_worker_pids(iterator)
+        if not pids:
             return 0
+        pid = pids[0]
         fields = read_smaps_rollup(pid)
         return fields["Private_Dirty"] if fields and "Private_Dirty" in fields else measure(pid).uss
     finally:

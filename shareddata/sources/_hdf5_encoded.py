@@ -209,7 +209,7 @@ def _read_elem(label: str, name: str) -> Callable[[Any], Any]:
             "Install it with: pip install 'torch-shareddata[anndata]' (or pass "
             "columns=['X', ...] without it: matrices and plain arrays need no anndata)."
         ) from error
-    io = getattr(anndata, "io", None)
+    io: Any = getattr(anndata, "io", None)
     return io.read_elem if hasattr(io, "read_elem") else anndata.experimental.read_elem
 
 

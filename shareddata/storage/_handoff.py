@@ -120,9 +120,8 @@ def ticket(fd: int, created: bool) -> tuple[int, ...]:
                 _reap_one(held_fd, sent, now)
             if len(_TAKEN) >= SLOTS:
                 return ()
-        sent = _SENT.get(fd)
-        if sent is None:
-            sent = _SENT[fd] = _Sent(created)
+        found = _SENT.get(fd)
+        sent = found if found is not None else _SENT.setdefault(fd, _Sent(created))
         slot = secrets.randbelow(SLOTS)
         while slot in _TAKEN:  # never overwrite a ticket still outstanding
             slot = secrets.randbelow(SLOTS)
