@@ -104,7 +104,45 @@ class Closed:
         return self._length
 
 
-class ColumnDataset(Dataset):
+class Closable:
+    """``close()``, ``closed`` and ``with`` for a dataset whose data is held by ``_held``."""
+
+    _held = "_columns"  # the attribute that refers to the shared memory
+
+    def close(self) -> None:
+        """Let go of the shared memory now; any later use of the dataset is refused.
+
+        The memory is freed once nothing else holds it: samples and batches already
+        taken stay valid, and so do DataLoader workers already started (each holds
+        the memory itself). Idempotent. ``with`` closes the dataset at the block's end.
+
+        Example:
+            >>> import numpy as np, shareddata as sd
+            >>> with sd.NumpyDataset(np.zeros((4, 2), np.float32)) as ds:
+            ...     row = ds[0]
+            >>> ds[0]
+            Traceback (most recent call last):
+            ...
+            shareddata.errors.InvalidArgumentError: NumpyDataset is closed ...
+            >>> row, len(ds)
+            ({'data': tensor([0., 0.])}, 4)
+        """
+        if not self.closed:
+            setattr(self, self._held, Closed(type(self).__name__, len(self)))  # type: ignore[arg-type]
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return isinstance(getattr(self, self._held), Closed)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ColumnDataset(Closable, Dataset):
     """A map-style Dataset over columns in shared memory.
 
     Subclasses (one per source format) only build the columns; everything a
@@ -181,38 +219,6 @@ class ColumnDataset(Dataset):
 
     def __len__(self) -> int:
         return self._len
-
-    def close(self) -> None:
-        """Let go of the shared memory now; any later use of the dataset is refused.
-
-        The memory is freed once nothing else holds it: samples and batches already
-        taken stay valid, and so do DataLoader workers already started (each holds
-        the memory itself). Idempotent. ``with`` closes the dataset at the block's end.
-
-        Example:
-            >>> import numpy as np, shareddata as sd
-            >>> with sd.NumpyDataset(np.zeros((4, 2), np.float32)) as ds:
-            ...     row = ds[0]
-            >>> ds[0]
-            Traceback (most recent call last):
-            ...
-            shareddata.errors.InvalidArgumentError: NumpyDataset is closed ...
-            >>> row, len(ds)
-            ({'data': tensor([0., 0.])}, 4)
-        """
-        if not isinstance(self._columns, Closed):
-            self._columns = Closed(type(self).__name__, self._len)  # type: ignore[assignment]
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return isinstance(self._columns, Closed)
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def segment_identity(self) -> frozenset[tuple[int, int]]:
         """The (device, inode) of every shared segment this dataset maps.

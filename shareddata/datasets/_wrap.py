@@ -39,7 +39,7 @@ from ..errors import (
     UnpicklableItemError,
 )
 from ..storage._writer import VarStore
-from ._dataset import BatchValues, Closed, ColumnDataset, is_int
+from ._dataset import BatchValues, Closable, ColumnDataset, is_int
 from ._indexing import index_shape, index_tensor, nest_rows
 from ._itempickle import ItemPickler
 from ._load import Allocator, Part, Shard, Share, build, progress_bar
@@ -280,7 +280,7 @@ def _check_transform(transform: Any) -> None:
         raise ArgumentTypeError(f"transform must be callable, got {type(transform).__name__}")
 
 
-class SharedList(Sequence):
+class SharedList(Closable, Sequence):
     """An immutable list of picklable objects, held once in shared memory.
 
     The fix for per-sample metadata (annotations, file lists) that grows every
@@ -314,6 +314,7 @@ class SharedList(Sequence):
     """
 
     node_shard: NodeShard | None = None
+    _held = "_column"
 
     def __init__(
         self,
@@ -344,22 +345,6 @@ class SharedList(Sequence):
 
     def __len__(self) -> int:
         return len(self._column)
-
-    def close(self) -> None:
-        """Let go of the shared memory now; any later use is refused (as a dataset's)."""
-        if not isinstance(self._column, Closed):
-            self._column = Closed("SharedList", len(self._column))  # type: ignore[assignment]
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return isinstance(self._column, Closed)
-
-    def __enter__(self) -> SharedList:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __getitem__(self, index: Any) -> Any:
         """An item for an int; a list of items for a slice or indices (Note [A batch by index]).

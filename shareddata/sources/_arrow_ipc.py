@@ -37,6 +37,7 @@ from typing import Any
 
 from ..errors import ArgumentTypeError, MissingFileError, SourceReadError
 from ._arrow_types import pyarrow_module, release_arrow_memory
+from ._io import listed_files
 from .arrow import Piece, check_files
 
 __all__ = ["ACCEPTED", "IpcInput", "arrow_paths", "is_path"]
@@ -70,14 +71,7 @@ def arrow_paths(path: Any) -> tuple[list[str], str, dict[str, Any] | None]:
     The format is the folder's, as ``Dataset.format`` gives it (None for files).
     """
     if isinstance(path, (list, tuple)):
-        files = [os.fspath(p) for p in path]
-        if not files:
-            raise MissingFileError("the list of Arrow files is empty; pass at least one file.")
-        for f in files:
-            if not os.path.isfile(f):
-                what = "is a folder; list its files" if os.path.isdir(f) else "does not exist"
-                raise MissingFileError(f"{f} {what} (in the list of Arrow files given).")
-        label = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more files)"
+        files, label = listed_files(path, "Arrow")
         return files, label, None
     p = os.fspath(path)
     if os.path.isdir(p):

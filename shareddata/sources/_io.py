@@ -8,11 +8,11 @@ through :func:`read_into`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import SourceReadError
+from ..errors import MissingFileError, SourceReadError
 
 __all__ = ["read_into"]
 
@@ -69,3 +69,20 @@ def read_into(
             f"{what} could not be read ({e}). Check the disk or file system, or copy the "
             "file elsewhere and load it again."
         ) from e
+
+
+def listed_files(paths: Sequence[str | os.PathLike[str]], kind: str) -> tuple[list[str], str]:
+    """A list of ``kind`` files given by the user, each checked to exist, and its label.
+
+    Raises:
+        MissingFileError: the list is empty, or one of them is not a file.
+    """
+    files = [os.fspath(p) for p in paths]
+    if not files:
+        raise MissingFileError(f"the list of {kind} files is empty; pass at least one file.")
+    for f in files:
+        if not os.path.isfile(f):
+            what = "is a folder; list its files" if os.path.isdir(f) else "does not exist"
+            raise MissingFileError(f"{f} {what} (in the list of {kind} files given).")
+    label = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more files)"
+    return files, label

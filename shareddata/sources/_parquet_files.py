@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import ArgumentTypeError, MissingColumnError, MissingFileError, SourceReadError
 from ._arrow_types import pyarrow_module
+from ._io import listed_files
 
 __all__ = [
     "Found",
@@ -105,14 +106,7 @@ def parquet_files(path: Any) -> Found:
                 f"the list of Parquet files holds {reprlib.repr(bad[0])} (type "
                 f"{type(bad[0]).__name__}); every item must be a path (a str or pathlib.Path)."
             )
-        files = [os.fspath(f) for f in path]
-        if not files:
-            raise MissingFileError("the list of Parquet files is empty; pass at least one file.")
-        for f in files:
-            if not os.path.isfile(f):
-                what = "is a folder; list its files" if os.path.isdir(f) else "does not exist"
-                raise MissingFileError(f"{f} {what} (in the list of Parquet files given).")
-        label = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more files)"
+        files, label = listed_files(path, "Parquet")
     else:
         raise ArgumentTypeError(
             f"ParquetDataset cannot read path={reprlib.repr(path)} (type {type(path).__name__}); "
