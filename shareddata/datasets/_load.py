@@ -192,7 +192,7 @@ def build(
 
     Under torchrun only local rank 0 of each node loads; the other local ranks
     attach to its columns (Note [How local ranks share one copy] in
-    ``distributed/_node_load.py``). If anything fails (a read error, Ctrl-C),
+    ``distributed/_node.py``). If anything fails (a read error, Ctrl-C),
     everything allocated is freed before the error propagates.
 
     Args:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
 import socket
 import time
 from dataclasses import dataclass
@@ -24,14 +26,9 @@ _DEFAULT_TIMEOUT = 300.0
 class NodeContext:
     """This process's place in a distributed job.
 
-    Attributes:
-        local_rank: rank among the processes of this node (``LOCAL_RANK``).
-        local_world_size: processes on this node (``LOCAL_WORLD_SIZE``).
-        node: index of this node (``GROUP_RANK``).
-        num_nodes: number of nodes (``GROUP_WORLD_SIZE``).
-        rank: global rank (``RANK``).
-        world_size: number of processes in the job (``WORLD_SIZE``).
-        job: a string that is the same for every process of one run of one job.
+    torchrun's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (``node``),
+    ``GROUP_WORLD_SIZE``, ``RANK``, ``WORLD_SIZE``; ``job`` is the same for every
+    process of one run of one job.
     """
 
     local_rank: int
@@ -58,10 +55,7 @@ def _env_int(name: str) -> int | None:
 def _is_rank_process() -> bool:
     """Whether this is the process the launcher started, not a child that inherited its env.
 
-    DataLoader workers (any start method; also a spawn worker re-running an unguarded
-    ``__main__``) and pools inherit ``LOCAL_RANK`` & co.; they must load on their own
-    rather than pose as the rank. The rank marks itself in ``SHAREDDATA_RANK_PID``
-    (at import and at first use), which its children inherit.
+    The rank marks its pid in ``SHAREDDATA_RANK_PID``; its workers and pools inherit it.
     """
     from torch.utils.data import get_worker_info
 
@@ -78,12 +72,10 @@ def _context_from_env() -> NodeContext | None:
     local_rank, local_size = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
     if local_rank is None or local_size is None or not _is_rank_process():
         return None
-    rank = _env_int("RANK")
-    world = _env_int("WORLD_SIZE")
-    node = _env_int("GROUP_RANK")
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    node, nodes = _env_int("GROUP_RANK"), _env_int("GROUP_WORLD_SIZE")
     if node is None:
         node = rank // local_size if rank is not None else 0
-    nodes = _env_int("GROUP_WORLD_SIZE")
     if nodes is None:
         nodes = max(1, world // local_size) if world is not None else 1
     job = "|".join(
@@ -104,16 +96,11 @@ def _context_from_env() -> NodeContext | None:
 def _host_identity() -> str:
     """What processes that can reach each other's /proc and abstract sockets share."""
     parts = [socket.gethostname()]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        parts.append(pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip())
     for ns in ("net", "pid"):
-        try:
+        with contextlib.suppress(OSError):
             parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
-        except OSError:
-            pass
     return "/".join(parts)
 
 
@@ -150,9 +137,7 @@ def _context_from_group() -> NodeContext | None:
 def node_context() -> NodeContext | None:
     """This process's node and local rank, or ``None`` outside a distributed job.
 
-    Read from the torchrun environment (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``RANK``, ``WORLD_SIZE``); failing that,
-    derived once from an initialised ``torch.distributed`` process group (a
+    From the torchrun environment, else once from an initialised process group (a
     collective: every rank must get here).
 
     Example:

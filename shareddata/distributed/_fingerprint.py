@@ -52,8 +52,7 @@ def _digest(obj: Any, h: Any, depth: int = 0) -> None:
         h.update(b"]")
     elif isinstance(obj, Set):  # in no order: a set's order differs with the hash seed
         h.update(b"set{" + b"".join(sorted(_sub(v, depth) for v in obj)) + b"}")
-    else:  # anything else: its type, and what pickling it would save (not its repr,
-        # which may hold an address)
+    else:  # its type and what pickling it saves (a repr may hold an address)
         h.update(f"<{type(obj).__module__}.{type(obj).__qualname__}>".encode())
         try:
             reduced = obj.__reduce_ex__(4)
@@ -109,10 +108,8 @@ def _fixed_random_state() -> Iterator[None]:
 def sample_digest(get: Callable[[int], Any], length: int, count: int = SAMPLE_ITEMS) -> str:
     """A hash of ``count`` items spread over ``range(length)``, first and last included.
 
-    What tells apart the data of two wrapped datasets (or lists) of one class and
-    length on two local ranks. The items are read with torch's, numpy's and Python's
-    random state seeded (and restored after), so that a ``__getitem__`` that draws
-    random numbers (an augmentation) gives the same sample on every rank.
+    Read with torch's, numpy's and Python's random state seeded (then restored), so
+    that an augmenting ``__getitem__`` gives the same sample on every rank.
 
     Example:
         >>> sample_digest([1, 2, 3].__getitem__, 3) == sample_digest([1, 2, 4].__getitem__, 3)

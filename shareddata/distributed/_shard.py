@@ -20,14 +20,8 @@ __all__ = ["NodeShard", "NodeShardSampler", "global_indices", "node_rows"]
 class NodeShard:
     """The rows of the whole dataset that one node holds (``shard="node"``).
 
-    Row ``i`` of the node's dataset is row ``start + i`` of the whole dataset.
-
-    Attributes:
-        start: first row of the whole dataset held here.
-        stop: one past the last row held here.
-        total: rows of the whole dataset.
-        node: index of the node holding them.
-        num_nodes: number of nodes the rows are split over.
+    Rows ``[start, stop)`` of ``total``, on node ``node`` of ``num_nodes``: row ``i``
+    of the node's dataset is row ``start + i`` of the whole one.
     """
 
     start: int
@@ -43,8 +37,6 @@ class NodeShard:
 def node_rows(total: int, node: int, num_nodes: int) -> tuple[int, int]:
     """The contiguous rows ``[start, stop)`` of ``total`` that node ``node`` holds.
 
-    Shares differ by at most one row; the first nodes get the smaller ones.
-
     Example:
         >>> [node_rows(10, g, 3) for g in range(3)]
         [(0, 3), (3, 6), (6, 10)]
@@ -57,34 +49,21 @@ def node_rows(total: int, node: int, num_nodes: int) -> tuple[int, int]:
 class NodeShardSampler(Sampler[int]):
     """A ``DistributedSampler`` for node-sharded data: each node samples its own rows.
 
-    Node ``g`` of ``G`` owns rows ``node_rows(N, g, G)`` of the whole dataset's ``N``
-    (exactly the rows ``shard="node"`` loads there). Every epoch the node's rows are
-    shuffled (the same order on each local rank: ``seed + epoch``) and dealt out to
-    its ``L`` local ranks (local rank ``l`` takes positions ``l, l + L, ...``), so one
-    epoch visits every row of the whole dataset once across the job.
-
-    Every rank of the job yields the same number of indices, as DDP needs:
-
-    * ``drop_last=False`` (default): ``ceil(ceil(N / G) / L)`` per rank; a node whose
-      rows do not fill that many is padded by repeating the start of its shuffled
-      order (as ``DistributedSampler`` does), so a few rows are seen twice;
-    * ``drop_last=True``: ``floor(floor(N / G) / L)`` per rank; the tail of each
-      node's shuffled order is skipped (different rows each epoch when shuffling).
-
-    When ``N`` divides by ``G * L`` both give every row exactly once.
-
-    Works with a node-sharded dataset (``shard="node"``: indices are local to the
-    shard) and with a full copy on every node (indices are global).
-
-    It is ``Stateful`` for torchdata's ``StatefulDataLoader``: :meth:`state_dict`
-    holds the seed, the epoch under way and the indices it has given, and a loader
-    resumed from it gives exactly the remaining batches of that epoch.
+    Node ``g`` of ``G`` owns rows ``node_rows(N, g, G)`` of the whole dataset (the rows
+    ``shard="node"`` loads there); every epoch they are shuffled (``seed + epoch``, the
+    same on each local rank) and dealt out to its ``L`` local ranks (local rank ``l``
+    takes positions ``l, l + L, ...``). Every rank yields as many indices, as DDP needs:
+    ``ceil(ceil(N / G) / L)``, padded by repeating the start of the node's order, or with
+    ``drop_last`` ``floor(floor(N / G) / L)``, the tail skipped. Indices are local to a
+    node-sharded dataset, global for a full copy. ``Stateful`` for torchdata's
+    ``StatefulDataLoader``: a loader resumed from :meth:`state_dict` gives exactly the
+    remaining batches of that epoch.
 
     Args:
         dataset: the dataset (anything with ``len``; ``node_shard`` if sharded).
         shuffle: reshuffle the node's rows every epoch.
         seed: base seed; epoch ``e`` uses ``seed + e`` (call :meth:`set_epoch`).
-        drop_last: drop the tail instead of padding (see above).
+        drop_last: drop the tail instead of padding.
 
     Raises:
         ValueError: the dataset was sharded for another layout of nodes, nodes hold
@@ -185,21 +164,16 @@ class NodeShardSampler(Sampler[int]):
                 yield index
 
     def state_dict(self) -> dict[str, Any]:
-        """The position: seed, the epoch under way and the indices it has given.
-
-        Before a pass starts it is that of the pass to come (or the one loaded).
-        """
+        """The position: seed, the epoch under way (or to come) and the indices given."""
         epoch, given = self._resume or self._pass or (self.epoch, 0)
         return {"seed": self.seed, "epoch": epoch, "indices": given}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`: the next pass gives the rest of its epoch.
 
-        Later passes take the epoch :meth:`set_epoch` gives, as before.
-
         Raises:
             InvalidArgumentError: ``state`` is not such a state, or counts more indices
-                than this rank takes per epoch (another dataset or job layout).
+                than this rank takes per epoch.
         """
         got = state if isinstance(state, dict) else {}
         seed, epoch, given = got.get("seed"), got.get("epoch"), got.get("indices")

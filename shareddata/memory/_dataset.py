@@ -1,10 +1,8 @@
 """What a dataset holds, found by walking its objects: its size, arrays, segments and pickle.
 
-One bounded walk (``vars()``, ``__slots__``, dicts, lists, tuples, sets; bound
-methods and partials by what they hold) counts each object once: numpy arrays by the
-``nbytes`` of the array that owns the buffer, torch tensors by their storage's bytes,
-shareddata datasets by their ``nbytes`` (and their segments), the rest by
-``sys.getsizeof``. Classes, modules and functions are code, not data. A large
+One bounded walk counts each object once: numpy arrays by their owner's ``nbytes``,
+tensors by their storage, shareddata datasets by ``nbytes`` (and their segments), the
+rest by ``sys.getsizeof``; classes, modules and functions are code, not data; a large
 container's sampled elements are extrapolated to its length.
 """
 
@@ -51,10 +49,9 @@ def shared_nbytes(obj: Any) -> int | None:
 class Holdings:
     """What a walk found (:func:`holdings`).
 
-    ``nbytes`` (the estimate); the shareddata datasets' bytes (``shared_bytes``),
-    ``segments`` and ``count``; the ``(address, nbytes)`` of the
-    other numpy and CPU torch ``buffers``; the classes and functions met (``code``,
-    what a worker imports); the torch ``datasets`` met, outermost first.
+    ``nbytes`` (the estimate); the shareddata datasets' ``shared_bytes``, ``segments``
+    and ``count``; the ``(address, nbytes)`` of other numpy and CPU torch ``buffers``;
+    the classes and functions met (``code``); the torch ``datasets``, outermost first.
     """
 
     def __init__(self) -> None:
@@ -177,7 +174,7 @@ def holdings(obj: Any) -> Holdings:
 
 
 def estimate_nbytes(obj: Any) -> int:
-    """Estimate the bytes an object graph holds (see the module's docstring).
+    """Estimate the bytes an object graph holds.
 
     Example:
         >>> estimate_nbytes({"x": np.zeros(1000, np.float64)}) >= 8000
@@ -195,10 +192,7 @@ def dataset_nbytes(dataset: Any) -> int:
 
 
 def dataset_identity(dataset: Any) -> frozenset[tuple[int, int]] | None:
-    """The segments the dataset's shareddata parts map; ``None`` if it has none.
-
-    Two datasets with equal identities hold one copy (two local ranks of a node).
-    """
+    """The segments the dataset's shareddata parts map (equal: one copy); ``None`` if none."""
     found = holdings(dataset)
     return frozenset(found.segments) if found.count else None
 
@@ -206,10 +200,8 @@ def dataset_identity(dataset: Any) -> frozenset[tuple[int, int]] | None:
 def pickled_nbytes(dataset: Any) -> int | None:
     """Bytes of ``dataset`` a ``spawn``/``forkserver`` worker receives by value.
 
-    Pickled as the workers receive it, into a counter: numpy arrays travel by value
-    (counted by ``nbytes``, not serialised); torch tensors, storages and shareddata
-    datasets by handle (not counted); the rest as pickled (a lower bound of the
-    objects a worker rebuilds). ``None`` when the standard pickler cannot send it.
+    Pickled into a counter: numpy arrays by ``nbytes``; tensors, storages and
+    shareddata datasets go by handle (not counted). ``None`` if it does not pickle.
 
     Example:
         >>> pickled_nbytes({"x": np.zeros(1 << 20, np.uint8)}) >= 1 << 20

@@ -1,9 +1,7 @@
 """Bar charts of :class:`~shareddata.MemoryReport`: private vs shared memory per process.
 
-matplotlib is an optional extra (``pip install 'torch-shareddata[plot]'``). Figures are
-drawn on matplotlib's ``Agg`` canvas directly (``matplotlib.figure.Figure``, never
-``pyplot``), so plotting needs no display and leaves the user's global backend and
-open figures alone.
+Drawn on a ``matplotlib.figure.Figure`` (never ``pyplot``): no display needed, and the
+user's backend and figures are left alone. matplotlib is the ``[plot]`` extra.
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import MissingDependencyError
+from ._process import MIB
 
-_MIB = 1024 * 1024
 PRIVATE_COLOR = "#d62728"
 SHARED_COLOR = "#1f77b4"
 
@@ -32,11 +30,9 @@ def figure_class() -> Any:
 
 
 def figure(panels: Sequence[tuple[str, Any]]) -> Any:
-    """A ``matplotlib.figure.Figure`` with one panel per ``(title, report)``, left to right.
+    """A figure with one panel per ``(title, report)``: per process, USS below, shared above.
 
-    A stacked bar per process: its USS (pages only it maps: a copy of the data shows
-    here) below, the rest of its RSS (shared pages) above; the panels share the y
-    axis; a dashed line marks the dataset's size.
+    A dashed line marks the dataset's size; the panels share the y axis.
     """
     if not panels:
         raise ValueError("figure() needs at least one (title, report) pair")
@@ -48,20 +44,15 @@ def figure(panels: Sequence[tuple[str, Any]]) -> Any:
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for ax, (title, report) in zip(axes, panels):
         roles = [p.role for p in report.processes]
-        private = [p.uss / _MIB for p in report.processes]
-        shared = [p.shared / _MIB for p in report.processes]
+        private = [p.uss / MIB for p in report.processes]
+        shared = [p.shared / MIB for p in report.processes]
         ax.bar(roles, private, color=PRIVATE_COLOR, label="private (USS)")
         ax.bar(roles, shared, bottom=private, color=SHARED_COLOR, label="shared with others")
         ax.axhline(
-            report.dataset_bytes / _MIB, color="black", linestyle="--", linewidth=1, label="dataset"
+            report.dataset_bytes / MIB, color="black", linestyle="--", linewidth=1, label="dataset"
         )
-        ax.set_title(
-            f"{title}\nheld {report.duplication:.2f}x, total PSS {report.total_pss / _MIB:.0f} MiB"
-            if title
-            else f"dataset held {report.duplication:.2f}x, "
-            f"total PSS {report.total_pss / _MIB:.0f} MiB",
-            fontsize=10,
-        )
+        held = f"held {report.duplication:.2f}x, total PSS {report.total_pss / MIB:.0f} MiB"
+        ax.set_title(f"{title}\n{held}" if title else f"dataset {held}", fontsize=10)
         ax.tick_params(axis="x", labelrotation=45 if len(roles) > 5 else 0)
     axes[0].set_ylabel("MiB per process")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=3)

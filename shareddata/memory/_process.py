@@ -1,9 +1,7 @@
 """What the kernel says about one process: :class:`ProcessMemory`, :func:`measure`.
 
-``/proc/<pid>/smaps_rollup`` gives a process's totals (psutil where it is absent),
-``/proc/<pid>/smaps`` its pages of the dataset's segments, mapping by mapping, and
-``/proc/<pid>/pagemap`` which pages of a plain array it holds alone (Note [How
-duplication is measured] in ``_verify.py``).
+Totals from ``/proc/<pid>/smaps_rollup`` (psutil where it is absent), the segments'
+pages from ``smaps``, a plain array's private pages from ``pagemap``.
 """
 
 from __future__ import annotations
@@ -144,10 +142,9 @@ def parse_smaps(text: str) -> dict[str, int]:
 def segment_pages(pid: int, segments: Segments = ()) -> tuple[int, int, int, int, int]:
     """``(rss, pss, copied, file, transport)`` of ``pid``'s mappings of ``segments``.
 
-    A mapping's header in ``/proc/<pid>/smaps`` carries the device (hex
-    ``major:minor``) and inode of the file mapped (a segment's memfd, or its file in
-    ``storage_dir``). ``copied``: their ``Anonymous`` pages (copies writes made);
-    ``file``: the part of ``pss`` on disk; ``transport``: the PSS of batches in flight.
+    Mappings are matched by the device (hex ``major:minor``) and inode in their smaps
+    header. ``copied``: their ``Anonymous`` pages; ``file``: the part of ``pss`` on
+    disk; ``transport``: the PSS of batches in flight.
     """
     wanted = {(f"{os.major(d):02x}:{os.minor(d):02x}", str(i)) for d, i in segments}
     totals = {"data": [0, 0, 0, 0], "transport": [0, 0, 0, 0]}  # rss, pss, copied, file
@@ -223,8 +220,8 @@ def private_pages(buffers: Iterable[tuple[int, int]]) -> Pages:
 def copied_pages(pid: int, pages: Pages) -> int | None:
     """Bytes of this process's ``pages`` that fork child ``pid`` holds alone (copied).
 
-    ``/proc/<pid>/pagemap``: bit 63 of a page's entry is "present", bit 56
-    "exclusively mapped" (Linux >= 4.2). ``None`` where it cannot be read.
+    A ``pagemap`` entry's bit 63 is "present", bit 56 "exclusively mapped" (Linux >=
+    4.2). ``None`` where it cannot be read.
     """
     mask = np.uint64((1 << 63) | (1 << 56))
     total = 0

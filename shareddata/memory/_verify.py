@@ -2,31 +2,21 @@
 
 Note [How duplication is measured]
 ----------------------------------
-Every process of the loader (the main process, its workers, the forkserver) is
-measured from the kernel (``_process``) before the workers start and after the last
-batch. PSS is the one figure that sums over processes: a page mapped by five
-processes counts 1/5 in each. File pages are left out (a copy of data is never
-file-backed; libraries are). The copies beyond one copy of the dataset are:
-
-- **exact**, for a shareddata dataset: its segments are found in each process's
-  ``/proc/<pid>/smaps`` by device and inode; the ``Anonymous`` pages of those
-  mappings are private copies made by writes (``data_copied``);
-- **exact**, for a plain dataset's arrays: what ``spawn``/``forkserver`` workers
-  receive by value (its pickle, counted without keeping it), and under ``fork`` the
-  pages of its numpy/torch buffers a worker holds alone (``/proc/<pid>/pagemap``);
-- **estimated** for the rest (Python objects, anything found by no walk): the growth
-  of the processes' working memory beyond one worker baseline each (a probe worker
-  with no data), counted when it exceeds the resolution (4 MiB per process and the
-  batches in flight), and at most one copy per process of that rest.
-
-A copy decides only above its resolution: ``EXACT_FLOOR`` per process for exact
-counts, the estimate's resolution for the estimate. Three answers: ``"duplicated"``
-(copies so measured exceed the limit); ``"ok"`` (within it, and no copy could have
-escaped); otherwise ``"inconclusive"``, never a pass. The parent's heap is frozen
-(``gc.freeze()``) while fork workers run: their first full collection would otherwise
-copy every container page they inherit, which is not the dataset. Across local
-ranks, local rank 0 measures every process of the node at the same two moments
-(``_node``). Measured cases and the mechanisms' details: ``docs/internals.md#smaps``.
+Every process of the loader (main, workers, forkserver) is measured from the kernel
+(``_process``) before the workers start and after the last batch, by PSS without
+file pages (a copy of data is never file-backed). The copies beyond one are counted
+**exactly** where they can be: a shareddata dataset's segments, found in each
+``/proc/<pid>/smaps`` by device and inode (their ``Anonymous`` pages are copies
+writes made); what ``spawn``/``forkserver`` workers receive by value (the dataset's
+pickle, counted); under ``fork``, the pages of a plain dataset's arrays a worker
+holds alone (``/proc/<pid>/pagemap``). The rest is **estimated**: the growth of
+working memory beyond one worker baseline each (a probe worker with no data), above
+its resolution, at most one copy a process. A copy decides only above its
+resolution (``EXACT_FLOOR`` a process for exact counts); three answers: duplicated,
+ok (no copy could have escaped), or inconclusive, never a pass. The parent's heap is
+``gc.freeze()``-d while fork workers run (their first collection would copy every
+inherited container page). Across local ranks, local rank 0 measures every process
+of the node at the same two moments. Measured cases: ``docs/internals.md#smaps``.
 """
 
 from __future__ import annotations
@@ -34,14 +24,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
+import itertools
 import multiprocessing
 import os
+import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import fields, replace
 from typing import Any
 
+import numpy as np
 import psutil
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from .._compat import (
     dataloader_progress,
@@ -49,13 +45,21 @@ from .._compat import (
     shutdown_dataloader_iterator,
     stop_dataloader_workers,
 )
+from ..distributed import NodeContext, exchange, node_context, resolve_timeout, socket_name
 from ..errors import ArgumentTypeError, DuplicationError, InconclusiveError, InvalidArgumentError
-from ._account import account, batch_nbytes, judge, resolution
-from ._baseline import probe_baseline, probe_references
-from ._dataset import dataset_nbytes, holdings, pickled_nbytes
-from ._node import node_verifier
-from ._process import Pages, ProcessMemory, copied_pages, measure_all, private_pages
-from ._report import MemoryReport, duplication_message
+from ._dataset import dataset_identity, dataset_nbytes, holdings, pickled_nbytes
+from ._process import (
+    KIB,
+    Pages,
+    ProcessMemory,
+    Segments,
+    copied_pages,
+    measure,
+    measure_all,
+    private_pages,
+    read_smaps_rollup,
+)
+from ._report import MemoryReport, conclude, duplication_message, resolution
 
 
 def verify(
@@ -142,41 +146,25 @@ def verify(
     exact = min(found.shared_bytes + by_value + buffer_bytes, nbytes)
     prefetch = getattr(loader, "prefetch_factor", None) or 2 if num_workers else None
     tolerance = resolution(n_workers, run.batch_bytes, prefetch)
-    got = account(before, rows, n_workers * baseline, tolerance, nbytes - exact, counted)
-    duplication = 1.0 + got.attributed / nbytes if nbytes > 0 else 1.0
-    verdict = judge(
-        dataset_bytes=nbytes,
-        exact_bytes=exact,
-        resolution=tolerance,
-        processes=len(rows),
-        duplication=duplication,
-        limit=max_duplication,
+    report = conclude(
+        before,
+        rows,
+        baselines=n_workers * baseline,
+        plain=nbytes - exact,
+        exact=exact,
         workers_missing=num_workers > 0 and n_workers == 0,
-        found=got,
-    )
-    report = MemoryReport(
         dataset_bytes=nbytes,
-        total_pss=sum(p.pss for p in rows),
-        duplication=duplication,
-        processes=rows,
         baseline_bytes=baseline,
         start_method=method if num_workers else None,
         num_workers=num_workers,
-        pss_before=sum(p.pss for p in before),
-        extra_bytes=got.attributed,
         batches=run.received,
         max_duplication=max_duplication,
         shared_bytes=min(found.shared_bytes, nbytes),
-        copied_bytes=got.copies,
-        working_bytes=got.excess,
         resolution=tolerance,
         batch_bytes=run.batch_bytes,
         received_bytes=received,
         buffer_bytes=buffer_bytes,
         counted_bytes=counted,
-        conclusive=verdict.conclusive,
-        unresolved_bytes=verdict.unresolved,
-        needed_bytes=verdict.needed,
         array_bytes=sum(n for _, n in found.buffers) + found.shared_bytes,
     )
     if node is not None:
@@ -325,3 +313,184 @@ def _forkserver_pid() -> int | None:
 
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     return pid if isinstance(pid, int) and psutil.pid_exists(pid) else None
+
+
+def probe_baseline(context: Any, refs: tuple[Any, ...]) -> int:
+    """Private dirty bytes of an idle one-worker probe loader's worker, under ``context``.
+
+    Its dataset carries ``refs`` (pickled by reference): the worker imports what the
+    real ones do. Under fork it runs twice: a process's first DataLoader initialises
+    state in the parent that makes more of a worker's pages private.
+    """
+    baseline = 0
+    for _ in range(2 if _method(context) == "fork" else 1):
+        try:
+            baseline = _run_probe(context, refs)
+        except Exception:
+            if not refs:
+                raise
+            # a reference that imports here but not in a fresh worker: measure without
+            refs = ()
+            baseline = _run_probe(context, refs)
+    return baseline
+
+
+def _method(context: Any) -> str | None:
+    return context if context is None or isinstance(context, str) else context.get_start_method()
+
+
+def _run_probe(context: Any, refs: tuple[Any, ...]) -> int:
+    dataset = TensorDataset(torch.arange(2))
+    dataset.shareddataprobe_references = refs  # type: ignore[attr-defined]
+    probe = DataLoader(dataset, batch_size=1, num_workers=1, multiprocessing_context=context)
+    iterator = iter(probe)
+    try:
+        next(iterator)
+        next(iterator)  # both batches received: idle, as the real workers are when measured
+        pids = dataloader_worker_pids(iterator)
+        if not pids:
+            return 0
+        pid = pids[0]
+        fields = read_smaps_rollup(pid)
+        return fields["Private_Dirty"] if fields and "Private_Dirty" in fields else measure(pid).uss
+    finally:
+        shutdown_dataloader_iterator(iterator)
+        del iterator
+
+
+def probe_references(code: Iterable[Any], *callables: Any) -> tuple[Any, ...]:
+    """The classes and functions among ``code`` and ``callables`` that pickle by reference.
+
+    A bound method gives its class and function, never the object bound; anything
+    that does not pickle in under 4 KiB (a local class, a lambda) is left out.
+    """
+    candidates = list(code)
+    for fn in callables:
+        if inspect.ismethod(fn):
+            candidates += [type(fn.__self__), fn.__func__]
+        elif callable(getattr(fn, "func", None)):  # functools.partial
+            candidates += [type(fn), fn.func]
+        elif fn is not None:
+            candidates.append(fn if isinstance(fn, type) or inspect.isroutine(fn) else type(fn))
+    refs: dict[int, Any] = {}
+    for obj in candidates:
+        if getattr(obj, "__module__", None) in (None, "builtins") or id(obj) in refs:
+            continue
+        if not (isinstance(obj, type) or inspect.isfunction(obj) or inspect.isbuiltin(obj)):
+            continue
+        try:
+            if len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)) <= 4 * KIB:
+                refs[id(obj)] = obj
+        except Exception:
+            continue
+    return tuple(refs.values())
+
+
+def batch_nbytes(batch: Any, depth: int = 4) -> int:
+    """Bytes of the tensors and arrays in a collated batch (nested tuples, lists, dicts).
+
+    Example:
+        >>> batch_nbytes({"x": torch.zeros(4, 2), "y": [np.zeros(3, np.uint8)]})
+        35
+    """
+    if isinstance(batch, torch.Tensor):
+        return int(batch.element_size() * batch.nelement())
+    if isinstance(batch, np.ndarray):
+        return int(batch.nbytes)
+    if isinstance(batch, (bytes, bytearray, str)):
+        return len(batch)
+    if isinstance(batch, dict) and depth > 0:
+        return sum(batch_nbytes(v, depth - 1) for v in batch.values())
+    if isinstance(batch, (list, tuple)) and depth > 0:
+        return sum(batch_nbytes(v, depth - 1) for v in batch[:4096])
+    return 0
+
+
+_ROUNDS = itertools.count()
+
+
+class NodeVerify:
+    """``verify`` across the local ranks of a node, over ``distributed.exchange``.
+
+    Each :meth:`measurer` call is a node-wide barrier at which local rank 0 measures
+    the processes of every local rank at once; :meth:`combine` turns the ranks'
+    reports into the node's, the same on every rank.
+    """
+
+    def __init__(self, ctx: NodeContext, segments: Segments = ()) -> None:
+        self.ctx, self.segments = ctx, sorted(segments)
+        self.timeout = resolve_timeout()
+        self.number = next(_ROUNDS)
+        self.rows: dict[str, list[ProcessMemory]] = {}
+
+    def _exchange(self, phase: str, value: Any, respond: Callable[[list[Any]], list[Any]]) -> Any:
+        name = socket_name(self.ctx, f"verify{phase}", self.number)
+        return exchange(self.ctx, name, value, respond, self.timeout, "sd.verify()")
+
+    def measurer(self, phase: str) -> Callable[[list[tuple[int | None, str]]], list[ProcessMemory]]:
+        """A drop-in for ``measure_all`` that measures the whole node at once."""
+
+        def respond(per_rank: list[tuple[list[Any], list[Any]]]) -> list[Any]:
+            owner: dict[int, tuple[int, str]] = {}
+            segments: set[tuple[int, int]] = set()
+            for rank, (rank_procs, rank_segments) in enumerate(per_rank):
+                segments |= {(int(d), int(i)) for d, i in rank_segments}
+                owner.update({pid: (rank, role) for pid, role in rank_procs if pid is not None})
+            flat = [(pid, f"r{rank} {role}") for pid, (rank, role) in owner.items()]
+            self.rows[phase] = rows = measure_all(flat, segments)
+            mine: list[list[ProcessMemory]] = [[] for _ in per_rank]
+            for row in rows:
+                rank, role = owner[row.pid]
+                mine[rank].append(replace(row, role=role))
+            return mine
+
+        def measure(procs: list[tuple[int | None, str]]) -> list[ProcessMemory]:
+            return self._exchange(phase, (procs, self.segments), respond)  # type: ignore[no-any-return]
+
+        measure.node_wide = True  # type: ignore[attr-defined]
+        return measure
+
+    def combine(self, report: MemoryReport, dataset: Any) -> MemoryReport:
+        """The node's report from every local rank's."""
+        info = {f.name: getattr(report, f.name) for f in fields(report) if f.name != "processes"}
+        info["workers"] = sum(1 for p in report.processes if p.role.startswith("worker"))
+        info["identity"] = dataset_identity(dataset)
+
+        def respond(infos: list[dict[str, Any]]) -> list[Any]:
+            first, nbytes = infos[0], infos[0]["dataset_bytes"]
+            identities = [i["identity"] for i in infos]
+
+            def total(key: str) -> Any:
+                return sum(i[key] for i in infos)
+
+            node = conclude(
+                self.rows["before"],
+                self.rows["after"],
+                baselines=sum(i["workers"] * i["baseline_bytes"] for i in infos),
+                plain=max(nbytes - first["shared_bytes"], 0),
+                exact=min(nbytes - i["unresolved_bytes"] for i in infos),
+                workers_missing=any(i["num_workers"] and not i["workers"] for i in infos),
+                copies=len({x for x in identities if x is not None}) + identities.count(None),
+                dataset_bytes=nbytes,
+                baseline_bytes=round(total("baseline_bytes") / len(infos)),
+                start_method=report.start_method,
+                num_workers=total("num_workers"),
+                batches=first["batches"],
+                max_duplication=report.max_duplication,
+                local_ranks=len(infos),
+                shared_bytes=first["shared_bytes"],
+                resolution=total("resolution"),
+                batch_bytes=max(i["batch_bytes"] for i in infos),
+                received_bytes=first["received_bytes"],
+                buffer_bytes=first["buffer_bytes"],
+                counted_bytes=total("counted_bytes"),
+            )
+            return [node] * len(infos)
+
+        return self._exchange("combine", info, respond)  # type: ignore[no-any-return]
+
+
+def node_verifier(across_ranks: bool | None, segments: Segments = ()) -> NodeVerify | None:
+    """The node-wide helper for ``verify``, or ``None`` to measure this process alone."""
+    ctx = node_context() if across_ranks is not False else None
+    return NodeVerify(ctx, segments) if ctx is not None and ctx.local_world_size > 1 else None

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from conftest import hard_timeout
 
-from shareddata.distributed import LocalRankError, LocalRankTimeoutError, NodeContext, _wire
-from shareddata.distributed._node_load import _publish, _receive
+from shareddata.distributed import LocalRankError, LocalRankTimeoutError, NodeContext, _node
+from shareddata.distributed._node import _publish, _receive
 
 MAGIC = b"SDN\x01"  # the protocol's name and version
 HI, ACK = 1, 2  # codes of two message kinds on the wire
@@ -67,7 +67,7 @@ def node(size: int = 2) -> list[NodeContext]:
 
 def send_stray(name: str, data: bytes) -> bytes:
     """Connect, send ``data``, and return what comes back before local rank 0 hangs up."""
-    sock = _wire.connect(name, time.monotonic() + 30)
+    sock = _node.connect(name, time.monotonic() + 30)
     assert sock is not None, "local rank 0 never listened"
     with sock:
         sock.sendall(data)
@@ -86,7 +86,7 @@ class Trickle(threading.Thread):
         self.name_, self.sent, self.connected = name, 0, threading.Event()
 
     def run(self) -> None:
-        sock = _wire.connect(self.name_, time.monotonic() + 30)
+        sock = _node.connect(self.name_, time.monotonic() + 30)
         assert sock is not None
         with sock:
             sock.sendall(struct.pack("!4sBI", MAGIC, HI, 1000))
@@ -126,7 +126,7 @@ def test_node_socket_drops_bad_peers_and_serves_the_rank(caplog, tmp_path):
     rank's load failed; the slow one blocked it for good)."""
     caplog.set_level(logging.WARNING, "shareddata")
     zero, one = node()
-    name = _wire.socket_name(zero, "dataset", 0)
+    name = _node.socket_name(zero, "dataset", 0)
     go = threading.Event()
     payload = {"rows": list(range(100))}
 
@@ -154,15 +154,15 @@ def test_node_socket_drops_bad_peers_and_serves_the_rank(caplog, tmp_path):
 def test_a_stalled_peer_is_dropped_and_verify_goes_on(caplog, monkeypatch):
     """The same strays on the socket ``sd.verify`` meets on, and a peer that stops in the
     middle of its message: dropped after STALL s, then every local rank gets its answer."""
-    monkeypatch.setattr(_wire, "STALL", 1.0, raising=False)  # (527c53a has none)
+    monkeypatch.setattr(_node, "STALL", 1.0, raising=False)  # (527c53a has none)
     caplog.set_level(logging.WARNING, "shareddata")
     zero, one, two = node(3)
-    name = _wire.socket_name(zero, "verifybefore", 0)
+    name = _node.socket_name(zero, "verifybefore", 0)
 
     def respond(values):
         return [sum(values)] * len(values)
 
-    rank_0 = in_thread(_wire.exchange, zero, name, 1, respond, 30.0, "sd.verify()")
+    rank_0 = in_thread(_node.exchange, zero, name, 1, respond, 30.0, "sd.verify()")
     for expected, data in strays("/nonexistent/trap", (7, 1)).items():
         assert send_stray(name, data) == b"", expected
         assert expected in drops(caplog)
@@ -171,9 +171,9 @@ def test_a_stalled_peer_is_dropped_and_verify_goes_on(caplog, monkeypatch):
     slow.join(30)
     assert not slow.is_alive()  # hung up on in the middle of its message
     assert "dropped: it stalled: it sent no complete message in " in drops(caplog)
-    rank_2 = in_thread(_wire.exchange, two, name, 100, respond, 30.0, "sd.verify()")
+    rank_2 = in_thread(_node.exchange, two, name, 100, respond, 30.0, "sd.verify()")
     # a numpy number crosses as a number (local rank 0 reads peers with no class)
-    assert _wire.exchange(one, name, np.int64(10), respond, 30.0, "sd.verify()") == 111
+    assert _node.exchange(one, name, np.int64(10), respond, 30.0, "sd.verify()") == 111
     for rank in (rank_0, rank_2):
         rank["thread"].join(60)
         assert rank.get("result") == 111, rank
@@ -185,7 +185,7 @@ def _foreign_peer(names: list[str], out: int) -> None:
     os.setuid(NOBODY)
     ends = []
     for name in names:
-        sock = _wire.connect(name, time.monotonic() + 60)
+        sock = _node.connect(name, time.monotonic() + 60)
         if sock is None:
             ends.append("never listened")
         else:
@@ -206,7 +206,7 @@ def test_a_peer_of_another_user_is_dropped_on_both_sockets(caplog):
     and the other rank waited its timeout for 'local rank 0, which never came')."""
     caplog.set_level(logging.WARNING, "shareddata")
     zero, one = node()
-    names = [_wire.socket_name(zero, "dataset", 0), _wire.socket_name(zero, "verifybefore", 0)]
+    names = [_node.socket_name(zero, "dataset", 0), _node.socket_name(zero, "verifybefore", 0)]
     read, write = os.pipe()
     child = multiprocessing.get_context("fork").Process(target=_foreign_peer, args=(names, write))
     child.start()  # before this test starts a thread
@@ -220,14 +220,14 @@ def test_a_peer_of_another_user_is_dropped_on_both_sockets(caplog):
                 return "columns"
 
             columns = _publish(zero, names[0], 0, "fp", "label", load, 30.0)
-            return columns, _wire.exchange(zero, names[1], 1, lambda v: v, 30.0, "sd.verify()")
+            return columns, _node.exchange(zero, names[1], 1, lambda v: v, 30.0, "sd.verify()")
 
         rank_0 = in_thread(rank_0_job)
         assert json.loads(lines.readline()) == ["dropped"]
         go.set()
         assert _receive(one, names[0], 0, "fp", "label", 30.0) == "columns"
         assert json.loads(lines.readline()) == ["dropped", "dropped"]
-        assert _wire.exchange(one, names[1], 2, lambda v: v, 30.0, "sd.verify()") == 2
+        assert _node.exchange(one, names[1], 2, lambda v: v, 30.0, "sd.verify()") == 2
         rank_0["thread"].join(60)
         assert rank_0.get("result") == ("columns", 1), rank_0
     child.join(30)
@@ -246,7 +246,7 @@ def test_every_wait_is_bounded_and_says_how_long_it_was():
     waited (before: finish() waited for a stalled peer for good; messages echoed the
     configured timeout)."""
     zero, one = node()
-    name = _wire.socket_name(zero, "dataset", 0)
+    name = _node.socket_name(zero, "dataset", 0)
     with hard_timeout(120, "a wait on the node socket"):
         _bounded_waits(zero, one, name)
 

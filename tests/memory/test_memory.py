@@ -19,9 +19,9 @@ from shareddata.errors import DuplicationError, SharedDataError
 from shareddata.memory import (
     MemoryReport,
     ProcessMemory,
-    _baseline,
     _dataset,
     _process,
+    _verify,
     measure,
     verify,
 )
@@ -358,7 +358,7 @@ def test_probe_carries_classes_by_reference_never_data(shared_tensor):
         collate_fn=dataset.__getitem__,  # a bound method: its self is the dataset
         worker_init_fn=lambda worker_id: None,  # not picklable: left out
     )
-    refs = _baseline.probe_references(
+    refs = _verify.probe_references(
         _dataset.holdings(dataset).code.values(), loader.collate_fn, loader.worker_init_fn
     )
     assert ArrayRows in refs

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 import shareddata as sd
 from shareddata._text import format_bytes
-from shareddata.memory import MemoryReport, ProcessMemory, _account, _process, verify
+from shareddata.memory import MemoryReport, ProcessMemory, _process, _report, verify
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning"),
@@ -216,7 +216,7 @@ def test_a_python_list_under_fork_below_the_resolution_cannot_be_told():
 
 
 def test_no_worker_measured_cannot_be_told():
-    assert not _account.judge(
+    assert not _report.judge(
         dataset_bytes=64 * MIB,
         exact_bytes=64 * MIB,
         resolution=MIB,

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 import shareddata as sd
 from shareddata.distributed import node_context, socket_name
-from shareddata.distributed._wire import connect
+from shareddata.distributed._node import connect
 
 MAGIC, HI, ACK = b"SDN\x01", 1, 2  # the protocol's name and version; two message kinds
 NOBODY = 65534

@@ -1,0 +1,623 @@
+"""The node socket, and the two rounds local ranks meet on: :func:`load_on_node`, :func:`exchange`.
+
+Note [How local ranks share one copy]
+=====================================
+Local rank 0 loads into memfd segments and pickles the columns as handles (a few
+hundred bytes; never data, never torch fd handles, which fail across ranks); the
+other local ranks unpickle them and so open ``/proc/<rank 0 pid>/fd/<fd>``. They meet
+on an abstract Unix socket named from job, node and the dataset's number, which rank
+0 binds before it loads: it needs no store nor process group, is node-local, leaves
+nothing when killed, and a dead rank 0 is seen at once (EOF); docs/internals.md,
+"Abstract Unix sockets". The others connect (retrying up to ``timeout``), send the
+dataset's fingerprint, then wait as long as rank 0's one-second heartbeat comes; rank
+0 returns once every rank acknowledged (so its fds outlive every attach), at most
+``timeout`` after the load. A failed load sends its error instead (re-raised as the
+same type), a fingerprint that differs gets a mismatch (a ``LocalRankError`` on both
+sides). Datasets are numbered per process: every local rank builds the same datasets
+in the same order. Only the rank process coordinates: DataLoader workers load alone.
+
+Note [Framing on the node socket]
+=================================
+Any process of the node can connect, so local rank 0 trusts nothing: a peer of
+another uid (``SO_PEERCRED``) is dropped before a byte is read. A message is a 9-byte
+header (``MAGIC``, a kind, the body's length) and a pickle; the kind must be one
+expected there and the length within its bound, both checked before the body is
+read. What peers send (``FROM_PEER``) is unpickled with no class (builtins only).
+Every read has a deadline (``STALL`` for a started message); each connection has its
+own thread, so a peer that breaks any of this is dropped and logged alone.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import io
+import itertools
+import logging
+import os
+import pickle
+import reprlib
+import socket
+import struct
+import threading
+import time
+import traceback
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .. import errors
+from ..errors import LocalRankError, LocalRankTimeoutError
+from ..storage._linux import ForkSafeLock
+from ._context import TIMEOUT_ENV, NodeContext, Shard, Share, node_context, resolve_timeout
+from ._fingerprint import describe, fingerprint
+
+__all__ = ["STALL", "error_info", "exchange", "load_on_node", "rebuild_error", "socket_name"]
+
+T = TypeVar("T")
+log = logging.getLogger("shareddata")
+
+STALL = 10.0  # seconds in which a peer that connected or started a message must complete it
+MAGIC = b"SDN\x01"  # shareddata node protocol, version 1
+FROM_PEER = ("hi", "ack", "fail")  # sent to local rank 0: builtins only
+_KINDS = FROM_PEER + ("beat", "data", "error", "mismatch", "reply")  # code: index + 1
+_HEADER = struct.Struct("!4sBI")
+_LIMIT = {"hi": 1 << 20, "ack": 64, "fail": 64 << 10, "beat": 64, "data": 64 << 20}
+_MAX_PEERS = 64  # connections local rank 0 serves at once
+_HEARTBEAT = 1.0  # seconds between local rank 0's "still loading" messages
+_DATASETS = itertools.count()
+_DATASETS_LOCK = ForkSafeLock()
+
+
+class Closed(Exception):
+    """The peer closed the connection (or died)."""
+
+
+class Refused(Exception):
+    """The peer sent bytes that are not the message of the protocol expected here."""
+
+
+def socket_name(ctx: NodeContext, kind: str, number: int) -> str:
+    text = f"{ctx.job}|{ctx.node}|{kind}|{number}".encode()
+    digest = hashlib.sha1(text, usedforsecurity=False).hexdigest()
+    return f"shareddata-{digest[:24]}-node{ctx.node}-{kind}{number}"
+
+
+def peer(sock: socket.socket) -> int:
+    """The peer's pid, after checking that it runs as our user."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    if uid != os.geteuid():
+        raise LocalRankError(
+            f"process {pid} (uid {uid}) is at the other end of shareddata's node socket, but "
+            f"this process runs as uid {os.geteuid()}: refusing it. Every rank of a job must "
+            "run as one user."
+        )
+    return pid
+
+
+def connect(name: str, deadline: float) -> socket.socket | None:
+    """Connect to local rank 0's socket, retrying until ``deadline``; ``None`` on timeout."""
+    pause = 0.02
+    while (remaining := deadline - time.monotonic()) > 0:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(remaining)
+        try:
+            sock.connect("\0" + name)
+            return sock
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+        except TimeoutError:
+            sock.close()
+            return None
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, 0.25)
+    return None
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError()
+    return left
+
+
+def send(sock: socket.socket, kind: str, message: Any, deadline: float) -> None:
+    """Send one message; ``TimeoutError`` at ``deadline``, ``Closed`` if the peer is gone."""
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    start = time.monotonic()
+    try:
+        sock.settimeout(_left(deadline))
+        sock.sendall(_HEADER.pack(MAGIC, _KINDS.index(kind) + 1, len(body)) + body)
+    except (BrokenPipeError, ConnectionResetError) as e:
+        raise Closed() from e
+    except TimeoutError:
+        raise TimeoutError(f"it read nothing in {time.monotonic() - start:.1f} s") from None
+
+
+def _read(sock: socket.socket, n: int, deadline: float) -> bytearray:
+    buffer = bytearray(n)
+    view, got = memoryview(buffer), 0
+    while got < n:
+        sock.settimeout(_left(deadline))
+        try:
+            count = sock.recv_into(view[got:])
+        except ConnectionResetError as e:
+            raise Closed() from e
+        if not count:
+            raise Closed()
+        got += count
+    return buffer
+
+
+class _Builtins(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def recv(sock: socket.socket, deadline: float, kinds: Collection[str]) -> tuple[str, Any]:
+    """One message of one of ``kinds``: ``(kind, value)``; Note [Framing on the node socket].
+
+    Raises ``TimeoutError`` (incomplete at ``deadline``), ``Closed``, ``Refused``.
+    """
+    start = time.monotonic()
+    try:
+        magic, code, size = _HEADER.unpack(_read(sock, _HEADER.size, deadline))
+        if magic != MAGIC:
+            raise Refused(f"bytes that are not shareddata's node protocol ({bytes(magic)!r}...)")
+        kind = _KINDS[code - 1] if 0 < code <= len(_KINDS) else f"#{code}"
+        if kind not in kinds:
+            expected = " or ".join(map(repr, kinds))
+            raise Refused(f"a message of kind {kind!r} where it expected {expected}")
+        limit = _LIMIT.get(kind, 64 << 20)
+        if size > limit:
+            raise Refused(f"a header announcing a {size}-byte {kind!r} message (at most {limit})")
+        body = _read(sock, size, deadline)
+    except TimeoutError:
+        elapsed = time.monotonic() - start
+        raise TimeoutError(f"it sent no complete message in {elapsed:.1f} s") from None
+    unpickler = _Builtins if kind in FROM_PEER else pickle.Unpickler
+    try:
+        return kind, unpickler(io.BytesIO(body)).load()
+    except Exception as e:
+        raise Refused(f"a {kind!r} message that does not unpickle ({e})") from e
+
+
+def hello(message: Any, ctx: NodeContext, *types: type) -> tuple[Any, ...]:
+    """A peer's ``"hi"``, ``(local rank, *values of types)``, checked; ``Refused`` otherwise."""
+    if (
+        isinstance(message, tuple)
+        and len(message) == 1 + len(types)
+        and type(message[0]) is int
+        and 0 < message[0] < ctx.local_world_size
+        and all(isinstance(v, t) for v, t in zip(message[1:], types))
+    ):
+        return message
+    shape = ", ".join([f"a local rank 1..{ctx.local_world_size - 1}", *(t.__name__ for t in types)])
+    raise Refused(f"a 'hi' of the wrong shape: {reprlib.repr(message)}, not ({shape})")
+
+
+def plain(value: Any) -> Any:
+    """``value`` as builtins (numpy scalars as numbers, any tuple as a tuple), as peers send."""
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        kind = type(value) if type(value) in (list, set, frozenset) else tuple
+        return kind(plain(v) for v in value)
+    return value.item() if isinstance(value, np.generic) else value
+
+
+class Server:
+    """Local rank 0's end of a node socket: every connection served in its own thread.
+
+    Each peer that passes the uid check is served by ``serve(conn, pid)``; one that
+    raises is dropped and logged (``dropped``), one that returns stays until :meth:`close`.
+    """
+
+    def __init__(
+        self, name: str, backlog: int, serve: Callable[[socket.socket, int], None]
+    ) -> None:
+        self.name, self.serve = name, serve
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.listener.bind("\0" + name)
+        except OSError as e:
+            self.listener.close()
+            raise LocalRankError(
+                f"cannot bind shareddata's node socket @{name} ({e}): another process of this "
+                "node serves the same job, node and dataset number. Is the same job (same "
+                "TORCHELASTIC_RUN_ID, MASTER_ADDR:MASTER_PORT and GROUP_RANK) started twice?"
+            ) from e
+        self.listener.listen(max(1, backlog))
+        self.lock = threading.Lock()
+        self.conns: set[socket.socket] = set()
+        self.dropped: list[str] = []
+        self.closed = False
+        threading.Thread(target=self._accept, name="shareddata-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                pid = peer(conn)
+            except (LocalRankError, OSError) as e:
+                self._drop(conn, None, str(e))
+                continue
+            with self.lock:
+                crowded = self.closed or len(self.conns) >= _MAX_PEERS
+                if not crowded:
+                    self.conns.add(conn)
+            if crowded:
+                self._drop(conn, pid, f"more than {_MAX_PEERS} connections at once")
+                continue
+            threading.Thread(
+                target=self._run, args=(conn, pid), name="shareddata-peer", daemon=True
+            ).start()
+
+    def _run(self, conn: socket.socket, pid: int) -> None:
+        try:
+            self.serve(conn, pid)
+        except TimeoutError as e:
+            self._drop(conn, pid, f"it stalled: {e}")
+        except Closed:
+            self._drop(conn, pid, "it left in the middle of the exchange")
+        except Refused as e:
+            self._drop(conn, pid, f"it sent {e}")
+        except Exception as e:  # never let one peer end the server
+            self._drop(conn, pid, f"serving it failed: {e!r}")
+
+    def _drop(self, conn: socket.socket, pid: int | None, reason: str) -> None:
+        with self.lock:
+            self.conns.discard(conn)
+            closed = self.closed
+        if not closed:  # logged before the peer sees its end
+            who = "a process" if pid is None else f"process {pid}"
+            problem = f"{who} on node socket @{self.name} dropped: {reason}"
+            self.dropped.append(problem)
+            log.warning("%s", problem)
+        conn.close()
+
+    def why(self) -> str:
+        """The last reasons peers were dropped, for a timeout's message."""
+        return f" ({'; '.join(self.dropped[-3:])})" if self.dropped else ""
+
+    def close(self) -> None:
+        """Stop accepting and end every connection (idempotent; their threads exit)."""
+        with self.lock:
+            self.closed = True
+            conns, self.conns = self.conns, set()
+        for sock in (self.listener, *conns):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it (Linux)
+            except OSError:
+                pass
+            sock.close()
+
+
+def error_info(error: BaseException) -> dict[str, str]:
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+    return {
+        "module": type(error).__module__,
+        "type": type(error).__qualname__,
+        "message": str(error),
+        "where": where,
+    }
+
+
+def rebuild_error(info: Mapping[str, str], prefix: str) -> BaseException:
+    """The exception local rank 0 raised, with ``prefix`` + its message.
+
+    Classes of :mod:`shareddata.errors` and builtins are rebuilt; any other becomes a
+    :class:`LocalRankError` naming it.
+    """
+    message = f"{prefix}{info['type']}: {info['message']} (raised at {info['where']})"
+    cls: Any = None
+    if info["module"].startswith("shareddata") and info["type"] in errors.__all__:
+        cls = getattr(errors, info["type"])
+    elif info["module"] == "builtins":
+        cls = getattr(builtins, info["type"], None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except Exception:
+            pass
+    return LocalRankError(message)
+
+
+def _waited(start: float) -> str:
+    return f"waited {time.monotonic() - start:.1f} s"
+
+
+def exchange(
+    ctx: NodeContext,
+    name: str,
+    value: Any,
+    respond: Callable[[list[Any]], list[Any]],
+    timeout: float,
+    what: str,
+) -> Any:
+    """Send ``value`` to local rank 0, which answers every local rank at once.
+
+    Returns this rank's element of ``respond(values by local rank)``, computed on
+    local rank 0: a node barrier whose every wait is bounded by ``timeout``.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    size = ctx.local_world_size
+    if ctx.local_rank == 0:
+        values: dict[int, Any] = {0: value}
+        conns: dict[int, socket.socket] = {}
+        arrived = threading.Condition()
+
+        def serve(conn: socket.socket, pid: int) -> None:
+            _, message = recv(conn, time.monotonic() + STALL, ("hi",))
+            rank, data = hello(message, ctx, object)
+            with arrived:
+                if rank in values:
+                    raise Refused(f"a 'hi' from local rank {rank}, which already said hi")
+                values[rank], conns[rank] = data, conn
+                arrived.notify_all()
+
+        server = Server(name, size, serve)
+        try:
+            with arrived:
+                arrived.wait_for(lambda: len(values) == size, deadline - time.monotonic())
+                missing = sorted(set(range(size)) - set(values))
+            if missing:
+                raise LocalRankTimeoutError(
+                    f"on node {ctx.node}, local rank 0 {_waited(start)} in {what} for local "
+                    f"rank(s) {', '.join(map(str, missing))}, which never came{server.why()}: "
+                    f"it must be called on every local rank. Raise {TIMEOUT_ENV} if they are slow."
+                )
+            try:
+                replies = respond([values[r] for r in range(size)])
+            except Exception as error:
+                info = error_info(error)
+                _answer(conns, lambda r: ("error", info))
+                raise
+            _answer(conns, lambda r: ("reply", replies[r]))
+            return replies[0]
+        finally:
+            server.close()
+    where = f"local rank {ctx.local_rank} of node {ctx.node}"
+    client = connect(name, deadline)
+    if client is None:
+        raise LocalRankTimeoutError(
+            f"{where} {_waited(start)} in {what} for local rank 0, which never came: it must "
+            f"be called on every local rank. Raise {TIMEOUT_ENV} if it is slow."
+        )
+    with client:
+        pid = peer(client)
+        try:
+            send(client, "hi", (ctx.local_rank, plain(value)), time.monotonic() + STALL)
+            kind, data = recv(client, deadline, ("reply", "error"))
+        except Closed:
+            raise LocalRankError(f"{where}: local rank 0 (pid {pid}) exited in {what}") from None
+        except TimeoutError:
+            raise LocalRankTimeoutError(
+                f"{where} {_waited(start)} in {what} for the other local ranks. Raise "
+                f"{TIMEOUT_ENV} if they are slow."
+            ) from None
+        except Refused as e:
+            raise LocalRankError(f"{where}: local rank 0 (pid {pid}) sent {e} in {what}") from None
+        if kind == "error":
+            raise rebuild_error(data, f"local rank 0 (pid {pid}) failed in {what}: ")
+        return data
+
+
+def _answer(conns: Mapping[int, socket.socket], message: Callable[[int], tuple[str, Any]]) -> None:
+    """Send each rank its message; a rank that cannot take it within ``STALL`` s misses it."""
+    for rank, conn in conns.items():
+        try:
+            send(conn, *message(rank), time.monotonic() + STALL)
+        except (Closed, TimeoutError, OSError) as e:
+            log.warning("could not answer local rank %d on the node socket: %r", rank, e)
+
+
+def load_on_node(
+    load: Callable[[tuple[int, int] | None], T],
+    *,
+    share: Share | None,
+    shard: Shard | None,
+    key: Any,
+    close: Callable[[], None] | None = None,
+    timeout: float | None = None,
+) -> T:
+    """Run ``load`` once per node; the other local ranks attach to what it returned.
+
+    See Note [How local ranks share one copy].
+
+    Args:
+        load: loads here; takes ``(node, num_nodes)`` for ``shard="node"`` (else
+            ``None``); what it returns is pickled to the other local ranks (handles).
+        share: ``"node"``, ``"process"``, or ``None``: ``"node"`` under torchrun.
+        shard: ``"node"`` to load only this node's rows, or ``None``.
+        key: the dataset's arguments, equal on every local rank (fingerprinted), or a
+            function returning them, called only when local ranks share.
+        close: called instead of ``load`` on ranks that attach (frees the source).
+        timeout: seconds to wait for another local rank (default
+            ``$SHAREDDATA_TIMEOUT`` or 300).
+    """
+    if share not in (None, "node", "process"):
+        raise errors.InvalidArgumentError(
+            f"share must be 'node', 'process' or None (automatic), got {share!r}"
+        )
+    if shard not in (None, "node"):
+        raise errors.InvalidArgumentError(
+            f"shard must be 'node' or None (every row on every node), got {shard!r}"
+        )
+    ctx = node_context() if (share != "process" or shard is not None) else None
+    place = None
+    if shard == "node":
+        place = (ctx.node, ctx.num_nodes) if ctx is not None else (0, 1)
+    if share == "process" or ctx is None or ctx.local_world_size <= 1:
+        return load(place)
+    limit = resolve_timeout(timeout)
+    with _DATASETS_LOCK:
+        number = next(_DATASETS)
+    if callable(key):
+        key = key()
+    wanted = fingerprint((key, shard))
+    label = describe(key) if shard is None else f"{describe(key)} with shard={shard!r}"
+    name = socket_name(ctx, "dataset", number)
+    if ctx.local_rank == 0:
+        return _publish(ctx, name, number, wanted, label, lambda: load(place), limit)
+    if close is not None:
+        close()
+    return _receive(ctx, name, number, wanted, label, limit)  # type: ignore[no-any-return]
+
+
+def _publish(
+    ctx: NodeContext,
+    name: str,
+    number: int,
+    wanted: str,
+    label: str,
+    load: Callable[[], T],
+    timeout: float,
+) -> T:
+    """Local rank 0's side: serve every other local rank from before the load until it attached."""
+    payload: list[tuple[str, Any]] = []  # set before ready
+    ready, changed = threading.Event(), threading.Condition()
+    done: dict[int, str | None] = {}  # local rank -> None (attached) or a problem
+
+    def finish(rank: int, problem: str | None) -> None:
+        with changed:
+            done[rank] = problem
+            changed.notify_all()
+
+    def serve(sock: socket.socket, pid: int) -> None:
+        _, message = recv(sock, time.monotonic() + STALL, ("hi",))
+        rank, fp, their = hello(message, ctx, str, str)
+        if fp != wanted:
+            finish(rank, f"it built dataset #{number} from {their}{_differ(their, label)}")
+            send(sock, "mismatch", label, time.monotonic() + STALL)
+            return
+        while not ready.wait(_HEARTBEAT):
+            send(sock, "beat", None, time.monotonic() + STALL)
+        kind, data = payload[0]
+        send(sock, kind, data, time.monotonic() + STALL)
+        if kind == "error":
+            finish(rank, None)  # told: nothing to attach
+            return
+        kind, data = recv(sock, time.monotonic() + timeout, ("ack", "fail"))
+        finish(rank, None if kind == "ack" else str(data))
+
+    def served(kind: str, data: Any) -> dict[int, str | None]:
+        """Serve ``(kind, data)`` to every rank; wait until each took it, at most ``timeout``."""
+        payload.append((kind, data))
+        ready.set()
+        with changed:
+            changed.wait_for(lambda: all(r in done for r in ranks), timeout)
+            return dict(done)
+
+    ranks = range(1, ctx.local_world_size)
+    server = Server(name, ctx.local_world_size, serve)
+    try:
+        try:
+            columns = load()
+        except Exception as error:
+            served("error", error_info(error))
+            raise
+        data = pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
+        start = time.monotonic()
+        got = served("data", data)
+        failed = {r: p for r, p in got.items() if p is not None}
+        if failed:
+            listing = "; ".join(f"local rank {r}: {p}" for r, p in sorted(failed.items()))
+            raise LocalRankError(
+                f"on node {ctx.node}, local ranks could not use dataset #{number} ({label}) "
+                f"loaded by local rank 0: {listing} (local rank 0 built it from {label}). Every "
+                "local rank must build the same datasets in the same order; pass "
+                "share='process' to a dataset that differs between ranks or is built on some "
+                "ranks only."
+            )
+        missing = [r for r in ranks if r not in got]
+        if missing:
+            raise LocalRankTimeoutError(
+                f"on node {ctx.node}, local rank 0 loaded dataset #{number} ({label}) and "
+                f"{_waited(start)} for local rank(s) {', '.join(map(str, missing))} to attach, "
+                f"but they never did{server.why()}. Every local rank must build the same "
+                "datasets in the same order; pass share='process' to a dataset built on some "
+                f"ranks only. Raise {TIMEOUT_ENV} if they are just slow."
+            )
+        return columns
+    finally:
+        server.close()
+
+
+def _differ(mine: str, theirs: str) -> str:
+    if mine != theirs:
+        return ""
+    return (
+        " (alike in shape, but in-memory data differs: arrays are compared by a sample of values)"
+    )
+
+
+def _receive(
+    ctx: NodeContext, name: str, number: int, wanted: str, label: str, timeout: float
+) -> Any:
+    """Another local rank's side: connect, wait while rank 0 loads, attach, acknowledge."""
+    where = f"local rank {ctx.local_rank} of node {ctx.node}"
+    what = f"dataset #{number} ({label})"
+    start = time.monotonic()
+    sock = connect(name, start + timeout)
+    if sock is None:
+        raise LocalRankTimeoutError(
+            f"{where} {_waited(start)} for local rank 0 to start loading {what} (on socket "
+            f"@{name}), and it never did: local rank 0 is busy elsewhere, builds its datasets "
+            f"in another order, or died (see its log). Raise {TIMEOUT_ENV} if it is just slow "
+            "to get there; pass share='process' to a dataset that not every local rank builds."
+        )
+    with sock:
+        pid = peer(sock)
+        since = time.monotonic()
+        try:
+            send(sock, "hi", (ctx.local_rank, wanted, label), since + STALL)
+            kind = "beat"
+            while kind == "beat":
+                since = time.monotonic()
+                kind, data = recv(sock, since + timeout, ("beat", "data", "error", "mismatch"))
+        except Closed:
+            raise LocalRankError(
+                f"{where}: local rank 0 (pid {pid}) exited while loading {what}, before it "
+                "could publish it; its log says why."
+            ) from None
+        except TimeoutError:
+            raise LocalRankTimeoutError(
+                f"{where}: local rank 0 (pid {pid}) stopped answering: nothing for "
+                f"{time.monotonic() - since:.1f} s while loading {what}. Raise {TIMEOUT_ENV} if "
+                "it is expected."
+            ) from None
+        except Refused as e:
+            raise LocalRankError(f"{where}: local rank 0 (pid {pid}) sent {e} for {what}") from None
+        if kind == "mismatch":
+            raise LocalRankError(
+                f"{where} built {what}, but local rank 0 built dataset #{number} from "
+                f"{data}{_differ(label, data)}: every local rank must build the same datasets "
+                "in the same order. Pass share='process' to a dataset that differs between "
+                "ranks or is built on some ranks only."
+            )
+        if kind == "error":
+            raise rebuild_error(
+                data, f"local rank 0 (pid {pid}) of node {ctx.node} failed to load {what}: "
+            )
+        try:
+            columns = pickle.loads(data)
+        except BaseException as error:
+            try:
+                problem = f"{type(error).__name__}: {error}"[:4000]
+                send(sock, "fail", problem, time.monotonic() + STALL)
+            except (Closed, OSError):
+                pass
+            raise
+        try:
+            send(sock, "ack", None, time.monotonic() + STALL)
+        except (Closed, OSError):
+            pass  # rank 0 left: this rank holds descriptors of its own already
+        return columns
