@@ -29,6 +29,11 @@ _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None))
 _STORAGES = (torch.UntypedStorage, torch.storage.TypedStorage)
 
 
+def _integer(value: Any) -> int | None:
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    return int(value) if ok else None
+
+
 def shared_nbytes(obj: Any) -> int | None:
     """``obj.nbytes`` when ``obj`` is a shareddata dataset (it has ``segment_identity()``)."""
     if isinstance(obj, type):
@@ -37,13 +42,7 @@ def shared_nbytes(obj: Any) -> int | None:
         identity, nbytes = getattr(obj, "segment_identity", None), getattr(obj, "nbytes", None)
     except Exception:
         return None
-    if (
-        callable(identity)
-        and isinstance(nbytes, (int, np.integer))
-        and not isinstance(nbytes, bool)
-    ):
-        return int(nbytes)
-    return None
+    return _integer(nbytes) if callable(identity) else None
 
 
 class Holdings:
@@ -185,10 +184,8 @@ def estimate_nbytes(obj: Any) -> int:
 
 def dataset_nbytes(dataset: Any) -> int:
     """The dataset's ``nbytes`` when it is an integer, else :func:`estimate_nbytes`."""
-    nbytes = getattr(dataset, "nbytes", None)
-    if isinstance(nbytes, (int, np.integer)) and not isinstance(nbytes, bool):
-        return int(nbytes)
-    return estimate_nbytes(dataset)
+    nbytes = _integer(getattr(dataset, "nbytes", None))
+    return estimate_nbytes(dataset) if nbytes is None else nbytes
 
 
 def dataset_identity(dataset: Any) -> frozenset[tuple[int, int]] | None:

@@ -200,10 +200,10 @@ class MemoryReport:
         pss_before: PSS of the main process (and forkserver) before the workers started.
         extra_bytes: bytes counted as copies beyond one copy.
         batches: batches iterated; ``max_duplication``: the limit (``None``: none).
-        local_ranks: local ranks measured together; ``rank_copies``: copies their
+        local_ranks: local ranks measured together; ``rank_copies``: the copies their
             main processes hold.
-        shared_bytes: the part of the dataset in shareddata's segments;
-            ``copied_bytes``: private copies of their pages (exact).
+        shared_bytes: the dataset's bytes in shareddata's segments; ``copied_bytes``:
+            private copies of their pages (exact).
         working_bytes: growth of working memory beyond the baselines (the estimate);
             ``resolution``: the growth it cannot tell from a copy.
         batch_bytes: the largest batch.
@@ -211,11 +211,11 @@ class MemoryReport:
             (``None``: not counted); ``buffer_bytes``: under ``fork``, the arrays whose
             pages were checked in every worker; ``counted_bytes``: the copies these
             two counted exactly.
-        conclusive: whether it decides (:attr:`status`); ``unresolved_bytes``: the
-            part only estimated; ``needed_bytes``: the dataset size from which the
-            estimate would see a copy of it.
-        array_bytes: arrays and shareddata datasets found in the dataset (0 for one
-            that makes its items on the fly).
+        conclusive: whether it decides (:attr:`status`); ``unresolved_bytes``: the part
+            only estimated; ``needed_bytes``: the dataset size from which a copy of it
+            would show.
+        array_bytes: arrays and shareddata datasets found (0 for a dataset that makes
+            its items on the fly).
     """
 
     dataset_bytes: int
@@ -421,16 +421,15 @@ class MemoryReport:
         who = f"{self.local_ranks} local ranks, {who}" if self.local_ranks > 1 else who
         heads = ("RSS MiB", "USS MiB", "PSS MiB", "shared MiB", "file MiB", "data MiB", "work MiB")
         names = ("rss", "uss", "pss", "shared", "pss_file", "data_pss", "working")
+        cells: list[tuple[str, Any, list[int]]] = [
+            (p.role, p.pid, [getattr(p, n) for n in names]) for p in self.processes
+        ]
+        cells.append(("total", "", [sum(getattr(p, n) for p in self.processes) for n in names]))
         lines = [
             f"memory of the DataLoader: {who}, measured after {self.batches} batches",
             f"{'process':<12}{'pid':>9}" + "".join(f"{h:>11}" for h in heads),
+            *(f"{r:<12}{pid:>9}" + "".join(f"{mib(v):>11}" for v in vs) for r, pid, vs in cells),
         ]
-        for p in self.processes:
-            lines.append(
-                f"{p.role:<12}{p.pid:>9}" + "".join(f"{mib(getattr(p, n)):>11}" for n in names)
-            )
-        totals = [sum(getattr(p, n) for p in self.processes) for n in names]
-        lines.append(f"{'total':<12}{'':>9}" + "".join(f"{mib(v):>11}" for v in totals))
         lines.append(
             "  PSS: each page divided among the processes mapping it (sums to the real total); "
             "file: code, libraries, mapped files; data: the dataset's shared segments; "

@@ -72,16 +72,17 @@ def verify(
 ) -> MemoryReport:
     """Run ``loader``, measure all its processes, and check the dataset is held once.
 
-    ``loader``: a ``DataLoader`` (any dataset, workers or not, persistent or not, every
-    start method), or any other iterable loader whose workers are child processes of
-    this one (``torchdata.nodes.Loader``, ``StatefulDataLoader``, Lightning's): its
-    workers are the processes that appear while it iterates, its dataset the first
-    ``Dataset`` it holds. The loader is left usable. ``batches``: batches before
-    measuring (``None``: one epoch, the cap). ``max_duplication``: the limit (``None``
-    only measures). ``dataset_bytes``: the dataset's size, by default its ``nbytes``
-    or an estimate. ``across_ranks``: measure every process of the node, on every
-    local rank (the default under ``torchrun`` with several local ranks). See Note
-    [How duplication is measured].
+    Args:
+        loader: a ``DataLoader`` (any dataset, workers, start method, persistent or
+            not), or another iterable loader whose workers are child processes of this
+            one (``torchdata.nodes.Loader``, ``StatefulDataLoader``, Lightning's): its
+            workers are the processes that appear while it iterates, its dataset the
+            first ``Dataset`` it holds. It is left usable.
+        batches: batches before measuring (``None``: one epoch, the cap).
+        max_duplication: the limit (``None`` only measures).
+        dataset_bytes: the dataset's size; by default its ``nbytes`` or an estimate.
+        across_ranks: measure every process of the node, on every local rank (the
+            default under ``torchrun`` with several local ranks).
 
     Raises:
         DuplicationError: copies measured above their resolution exceed the limit.
