@@ -1,29 +1,20 @@
 """Columns: typed views over shared arrays that fetch one row or gather a batch.
 
-A source describes each column with a :class:`ColumnSpec` (name, rows, dtype,
-row shape, kind). The loader asks the column class for the buffers that kind
-needs (:meth:`Column.layout`), allocates all of a dataset's buffers in one shared
-segment, lets the source fill them, and builds the column over them.
-
-Kinds (``Column.kind``, registered in :data:`COLUMN_KINDS`):
-
-* ``"tensor"``: fixed-shape numeric rows in one ``(rows, *shape)`` array.
-* ``"ragged"``, ``"str"``, ``"bytes"``: variable-length rows in Arrow's layout, an
-  ``offsets`` array (int64, ``rows + 1``) into one ``values`` buffer; row ``i`` is
-  ``values[offsets[i]:offsets[i + 1]]`` (numbers for ``ragged``, UTF-8 or raw
-  bytes for the others). No Python object per row exists in any process, which is
-  what keeps memory flat under ``fork`` (pytorch/pytorch#13246).
-
-Columns never hand out views of shared memory: a fetched row or batch is a
-fresh tensor, so a sample that a worker (or the user) writes to cannot change the
-data that other processes read.
+A source describes each column with a :class:`ColumnSpec`; :meth:`Column.layout`
+names the buffers its kind needs; the loader allocates them in one segment, the
+source fills them, and the column is built over them. Kinds (:data:`COLUMN_KINDS`):
+``"tensor"`` (fixed-shape rows), ``"ragged"``/``"str"``/``"bytes"`` (Arrow's
+``offsets`` + ``values``: no Python object per row in any process, so memory stays
+flat under ``fork``, pytorch/pytorch#13246), ``"uuid"``, and ``"nested"`` and
+``"sparse"`` (their own modules). A fetched row or batch is always a fresh tensor,
+never a view of shared memory.
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 import warnings
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -31,37 +22,33 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from .._compat import default_collate_fn_map
 from ..errors import AttachError
 from ..storage import SharedArray, to_numpy_dtype
 
 __all__ = [
-    "COLUMN_KINDS",
-    "Alloc",
-    "BytesColumn",
-    "Column",
-    "ColumnSpec",
-    "RaggedColumn",
-    "StringColumn",
-    "TensorColumn",
-    "gather_rows",
-]
-
+    "COLUMN_KINDS", "UUID", "Alloc", "BytesColumn", "Column", "ColumnSpec", "RaggedColumn",
+    "StringColumn", "TensorColumn", "UuidColumn", "as_is", "gather_rows", "row_elements",
+    "torch_dtype",
+]  # fmt: skip
 
 Alloc = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
 """Makes empty tensors of the given ``(shape, dtype)`` parts: where a batch is gathered."""
+Parts = list[tuple[tuple[int, ...], torch.dtype]]
+Layout = dict[str, tuple[tuple[int, ...], Any]]
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of a numpy dtype."""
+    return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 @dataclass(frozen=True)
 class ColumnSpec:
     """What a source says about one column before anything is allocated.
 
-    Attributes:
-        name: column name.
-        rows: number of rows.
-        dtype: element dtype (numpy).
-        shape: shape of one row (``()`` for a scalar column).
-        kind: which :class:`Column` class stores it (a key of :data:`COLUMN_KINDS`).
-        values: for variable-length kinds, the total number of value elements.
+    ``shape`` is one row's (``()`` for scalars), ``kind`` a key of
+    :data:`COLUMN_KINDS`, ``values`` the total value elements of variable-length kinds.
     """
 
     name: str
@@ -80,16 +67,17 @@ class ColumnSpec:
         )
 
     def describe(self) -> str:
-        """A short human description, e.g. ``float32 (3, 32, 32)``."""
+        """A short description, e.g. ``float32 (3, 32, 32)``."""
         return f"{self.dtype} {self.shape}" if self.kind == "tensor" else self.kind
 
 
-class Column(ABC):
-    """One column of a dataset, over buffers in shared memory.
+class Column:
+    """One column of a dataset over buffers in shared memory.
 
-    Subclasses define :meth:`layout` (the buffers a spec needs), :meth:`get`
-    (one row), :meth:`gather` (a batch for int64 indices already checked against
-    ``len``) and :meth:`split` (a gathered batch back into per-row values).
+    Subclasses define :meth:`layout`, :meth:`get` (one row), :meth:`gather` (a batch
+    of int64 indices, into ``alloc``'s buffers if given: a worker's one memfd per
+    batch, Note [How a batch leaves a worker] in ``crossing/_transport.py``) and,
+    for rows gathered as Python objects, ``split = as_is``.
     """
 
     kind: ClassVar[str]
@@ -98,37 +86,31 @@ class Column(ABC):
         self.spec = spec
         self.arrays = arrays
 
-    @staticmethod
-    @abstractmethod
-    def layout(spec: ColumnSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """The named buffers (shape, dtype) this kind needs for ``spec``."""
+    @classmethod
+    def over(cls, spec: ColumnSpec, arrays: dict[str, Any]) -> Any:
+        """A column over a copy of ``arrays`` (for tests and small data)."""
+        shared = {k: SharedArray.from_array(np.asarray(a)).readonly() for k, a in arrays.items()}
+        return cls(spec, shared)
 
-    @abstractmethod
+    @staticmethod
+    def layout(spec: ColumnSpec) -> Layout:
+        """The named buffers (shape, dtype) this kind needs for ``spec``."""
+        raise NotImplementedError
+
     def get(self, index: int) -> Any:
         """The value of row ``index`` (0 <= index < len)."""
+        return self.gather(torch.tensor([index]))[0]
 
-    @abstractmethod
     def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
-        """The batched values of rows ``indices`` (int64, in range).
+        """The batched values of rows ``indices`` (alloc None: fresh private memory)."""
+        raise NotImplementedError
 
-        Args:
-            indices: 1-D int64 tensor of row numbers.
-            alloc: where the batch's tensors go (the buffers of :meth:`batch_parts`,
-                all at once); ``None``: fresh private memory. A DataLoader worker passes
-                its batch allocator, so the batch leaves the worker without another copy.
-        """
-
-    @abstractmethod
     def split(self, batch: Any) -> list[Any]:
         """Per-row values of a batch returned by :meth:`gather`."""
+        return list(batch.unbind(0))
 
-    def batch_parts(self, indices: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """The buffers (shape, dtype) that :meth:`gather_into` fills for rows ``indices``.
-
-        A worker allocates the parts of every column of a batch in ONE memfd (Note
-        [How a batch leaves a worker] in ``crossing/_outbox.py``). Empty: the column's
-        rows are Python objects (text, bytes), which cross by value.
-        """
+    def batch_parts(self, indices: torch.Tensor) -> Parts:
+        """The buffers :meth:`gather_into` fills; empty: rows cross by value."""
         return []
 
     def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
@@ -137,7 +119,6 @@ class Column(ABC):
 
     @property
     def name(self) -> str:
-        """The column's name."""
         return self.spec.name
 
     @property
@@ -152,21 +133,16 @@ class Column(ABC):
         return {"spec": self.spec, "arrays": self.arrays}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild over the received arrays; never raises (Note [A column that cannot be attached]).
+        """Rebuild over the received arrays; never raises.
 
         Note [A column that cannot be attached]
         ---------------------------------------
-        A dataset received from a process that no longer holds its segments (a pool
-        worker that built it and exited, a SIGKILLed sender) cannot be mapped. Its
-        arrays unpickle anyway (``_storage/_array.py``'s ``_rebuild`` never raises) and raise
-        :class:`~shareddata.AttachError` where they are used, and a column is unpickled
-        the same way: unpickling may run in a ``multiprocessing.Pool``'s result-handler
-        thread, which an exception kills silently, leaving ``pool.map`` waiting forever
-        (issue 14). So the column records the failure; its spec (length, dtype) stays
-        readable, and the first access to its data raises the ``AttachError`` in the
-        caller's thread (``__getattr__`` below: the attributes over the data were
-        never set). Every dataset made of columns (``NumpyDataset`` and the other
-        file kinds, ``ArrowDataset``, ``SharedDataset``, ``SharedList``) arrives this way.
+        A dataset from a process that no longer holds its segments cannot be mapped.
+        Unpickling may run in a ``multiprocessing.Pool``'s result-handler thread, which
+        an exception kills silently, leaving ``pool.map`` waiting forever (issue 14).
+        So the column records the ``AttachError``; its spec stays readable, and the
+        first access to its data (``__getattr__``: those attributes were never set)
+        raises it in the caller's thread.
         """
         try:
             self.__init__(state["spec"], state["arrays"])  # type: ignore[misc]
@@ -178,7 +154,6 @@ class Column(ABC):
             )
 
     def __getattr__(self, name: str) -> Any:
-        # only for attributes not set: those over the data of an unattached column
         error = self.__dict__.get("_unattached")
         if error is not None and not name.startswith("__"):
             raise AttachError(str(error))
@@ -188,17 +163,17 @@ class Column(ABC):
         return f"{type(self).__name__}({self.name!r}, {self.spec.describe()}, rows={len(self)})"
 
 
-def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
-    with warnings.catch_warnings():  # torch warns that the numpy buffer is read-only
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)
+def as_is(batch: Any) -> Any:
+    """A batch that is already the list of its rows."""
+    return batch
 
 
 class TensorColumn(Column):
     """Fixed-shape numeric rows: row ``i`` is ``data[i]``.
 
     Example:
-        >>> col = TensorColumn.from_array("x", np.arange(6, dtype=np.int32).reshape(3, 2))
+        >>> col = TensorColumn.over(ColumnSpec("x", 3, np.int32, (2,)),
+        ...                         {"data": np.arange(6, dtype=np.int32).reshape(3, 2)})
         >>> col.get(1)
         tensor([2, 3], dtype=torch.int32)
         >>> col.gather(torch.tensor([2, 0]))
@@ -210,33 +185,27 @@ class TensorColumn(Column):
 
     def __init__(self, spec: ColumnSpec, arrays: dict[str, SharedArray]) -> None:
         super().__init__(spec, arrays)
-        self._data = _readonly_tensor(arrays["data"].numpy())
         self._np = arrays["data"].numpy()
+        with warnings.catch_warnings():  # torch warns that the numpy buffer is read-only
+            warnings.simplefilter("ignore", UserWarning)
+            self._data = torch.from_numpy(self._np)
         self._torch_gather = True
 
     @staticmethod
-    def layout(spec: ColumnSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """One array of shape ``(rows, *shape)``."""
+    def layout(spec: ColumnSpec) -> Layout:
         return {"data": ((spec.rows, *spec.shape), spec.dtype)}
 
-    @classmethod
-    def from_array(cls, name: str, array: np.ndarray) -> TensorColumn:
-        """A column holding a copy of ``array`` (for tests and small data)."""
-        spec = ColumnSpec(name, len(array), array.dtype, tuple(array.shape[1:]))
-        data = SharedArray.from_array(array)
-        return cls(spec, {"data": data.readonly()})
-
-    def get(self, index: int) -> torch.Tensor:
+    def get(self, index: int) -> Any:
         """A copy of row ``index`` (a 0-d tensor for a scalar column)."""
         return self._data[index].clone()
 
     def gather(
         self, indices: torch.Tensor, alloc: Alloc | None = None, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Rows ``indices`` stacked, in one ``index_select`` (into ``out`` when given).
+    ) -> Any:
+        """Rows ``indices`` stacked by one ``index_select`` (into ``out`` if given).
 
-        Raises ``IndexError`` for an index outside ``[0, len)`` (negatives too),
-        like ``index_select`` itself; ``ColumnDataset`` relies on it.
+        Raises ``IndexError`` for an index outside ``[0, len)``, negatives too
+        (``ColumnDataset`` relies on it).
         """
         if out is None and alloc is not None:
             out = alloc(self.batch_parts(indices))[0]
@@ -250,7 +219,7 @@ class TensorColumn(Column):
             except (RuntimeError, NotImplementedError):  # dtype without a torch kernel
                 self._torch_gather = False
         idx = indices.numpy()
-        if idx.size and (idx.min() < 0 or idx.max() >= len(self._np)):  # as index_select does
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self._np)):
             raise IndexError(f"index out of range for column {self.name!r} of {len(self)} rows")
         batch = torch.from_numpy(np.take(self._np, idx, axis=0))
         if out is None:
@@ -258,25 +227,17 @@ class TensorColumn(Column):
         out.as_subclass(torch.Tensor).copy_(batch)
         return out
 
-    def batch_shape(self, n: int) -> tuple[int, ...]:
-        """The shape of a batch of ``n`` rows."""
-        return (n, *self.spec.shape)
+    def batch_parts(self, indices: torch.Tensor) -> Parts:
+        return [((len(indices), *self.spec.shape), self._data.dtype)]
 
-    def batch_parts(self, indices: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """One buffer: the stacked batch."""
-        return [(self.batch_shape(len(indices)), self._data.dtype)]
-
-    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor:
-        """:meth:`gather` into ``outs[0]``."""
+    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
         return self.gather(indices, out=outs[0])
-
-    def split(self, batch: torch.Tensor) -> list[torch.Tensor]:
-        """Views of each row of the batch."""
-        return list(batch.unbind(0))
 
 
 class _VarColumn(Column):
-    """Rows ``values[offsets[i]:offsets[i + 1]]``; subclasses turn a slice into a value."""
+    """Rows ``values[offsets[i]:offsets[i + 1]]``, each made a value by ``_make``."""
+
+    split = staticmethod(as_is)
 
     def __init__(self, spec: ColumnSpec, arrays: dict[str, SharedArray]) -> None:
         super().__init__(spec, arrays)
@@ -284,54 +245,30 @@ class _VarColumn(Column):
         self._values = arrays["values"].numpy()
 
     @staticmethod
-    def layout(spec: ColumnSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """``offsets`` (int64, rows + 1) and ``values`` (spec.values elements)."""
+    def layout(spec: ColumnSpec) -> Layout:
         return {"offsets": ((spec.rows + 1,), np.int64), "values": ((spec.values,), spec.dtype)}
 
     def _make(self, values: np.ndarray) -> Any:
         raise NotImplementedError
 
     def get(self, index: int) -> Any:
-        """The value of row ``index``."""
         start, stop = self._offsets[index], self._offsets[index + 1]
         return self._make(self._values[start:stop].copy())
 
-    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> list[Any]:
-        """The rows ``indices`` as a list: one vectorised offsets lookup, one slice per row.
-
-        Each row becomes its own Python object (a ``str``, ``bytes`` or tensor) anyway,
-        so a slice per row costs no more than the object, and needs no index arrays
-        (a flat gather index would take 8 bytes per byte of text).
-        """
+    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
+        """The rows as a list: one slice per row (each row is its own object anyway)."""
         idx = indices.numpy()
-        starts = self._offsets[idx].tolist()
-        stops = self._offsets[idx + 1].tolist()
+        starts, stops = self._offsets[idx].tolist(), self._offsets[idx + 1].tolist()
         values, make = self._values, self._make
         return [make(values[a:b].copy()) for a, b in zip(starts, stops)]
-
-    def split(self, batch: list[Any]) -> list[Any]:
-        """A gathered batch is already a list of rows."""
-        return batch
-
-    @classmethod
-    def from_parts(cls, name: str, parts: list[np.ndarray], dtype: np.dtype) -> Any:
-        """A column over a copy of ``parts`` (one array per row)."""
-        offsets = np.zeros(len(parts) + 1, np.int64)
-        np.cumsum([len(p) for p in parts], out=offsets[1:])
-        values = np.concatenate(parts) if parts else np.zeros(0, dtype)
-        spec = ColumnSpec(name, len(parts), dtype, (), cls.kind, int(offsets[-1]))
-        arrays = {
-            "offsets": SharedArray.from_array(offsets),
-            "values": SharedArray.from_array(values),
-        }
-        return cls(spec, {k: a.readonly() for k, a in arrays.items()})
 
 
 class RaggedColumn(_VarColumn):
     """Variable-length numeric rows, each a 1-D tensor.
 
     Example:
-        >>> col = RaggedColumn.from_lists("t", [[1, 2], [], [3]], np.int32)
+        >>> col = RaggedColumn.over(ColumnSpec("t", 3, np.int32, (), "ragged", 3),
+        ...                         {"offsets": [0, 2, 2, 3], "values": np.int32([1, 2, 3])})
         >>> col.get(0)
         tensor([1, 2], dtype=torch.int32)
         >>> col.gather(torch.tensor([2, 1]))
@@ -343,43 +280,40 @@ class RaggedColumn(_VarColumn):
     def _make(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values)
 
-    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> list[Any]:
-        """The rows ``indices``, each a 1-D tensor.
-
-        With ``alloc`` (in a DataLoader worker) the rows are views of ONE buffer,
-        where they are copied side by side: the batch leaves the worker as one memfd
-        however many rows it has (Note [How a batch leaves a worker] in
-        ``crossing/_outbox.py``), not as one shared segment per row.
-        """
+    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
+        """With ``alloc`` (in a worker) the rows are views of ONE buffer: one memfd per batch."""
         if alloc is None:
             return super().gather(indices)
         return self.gather_into(indices, alloc(self.batch_parts(indices)))
 
-    def batch_parts(self, indices: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """One buffer: the rows' values side by side."""
+    def batch_parts(self, indices: torch.Tensor) -> Parts:
         idx = indices.numpy()
         total = int((self._offsets[idx + 1] - self._offsets[idx]).sum())
-        return [((total,), _readonly_tensor(self._values[:0]).dtype)]  # no warning: read-only
+        return [((total,), torch_dtype(self._values.dtype))]
 
-    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The rows ``indices``, copied side by side into ``outs[0]``: views of it."""
+    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
         idx = indices.numpy()
         return gather_rows(self._values, self._offsets[idx], self._offsets[idx + 1], outs[0])
 
-    @classmethod
-    def from_lists(cls, name: str, rows: list[Any], dtype: Any) -> RaggedColumn:
-        """A column holding ``rows`` (for tests and small data)."""
-        parts = [np.asarray(r, dtype=dtype).reshape(-1) for r in rows]
-        return cls.from_parts(name, parts, np.dtype(dtype))
+
+def row_elements(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions ``[starts[r], stops[r])`` of every row ``r`` in one array, and each one's row.
+
+    Example:
+        >>> pos, row = row_elements(np.array([5, 0, 2]), np.array([7, 0, 3]))
+        >>> pos.tolist(), row.tolist()
+        ([5, 6, 2], [0, 0, 2])
+    """
+    lengths = stops - starts
+    first = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    rows = np.repeat(np.arange(len(starts), dtype=np.int64), lengths)
+    return first + np.arange(int(lengths.sum()), dtype=np.int64), rows
 
 
 def gather_rows(
     values: np.ndarray, starts: np.ndarray, stops: np.ndarray, out: torch.Tensor
 ) -> list[torch.Tensor]:
     """Rows ``values[starts[k]:stops[k]]`` copied side by side into ``out``; views of it.
-
-    ``out`` holds at least ``sum(stops - starts)`` elements of ``values``' dtype (a
-    part of a worker's batch: its rows then leave the worker in that one memfd).
 
     Example:
         >>> values, out = np.arange(10, dtype=np.int32), torch.empty(3, dtype=torch.int32)
@@ -398,7 +332,9 @@ class StringColumn(_VarColumn):
     """UTF-8 text rows, each a ``str``.
 
     Example:
-        >>> col = StringColumn.from_strings("s", ["héllo", "", "x"])
+        >>> text = np.frombuffer("héllox".encode(), np.uint8)
+        >>> col = StringColumn.over(ColumnSpec("s", 3, np.uint8, (), "str", 7),
+        ...                         {"offsets": [0, 6, 6, 7], "values": text})
         >>> col.get(0), col.gather(torch.tensor([2, 1]))
         ('héllo', ['x', ''])
     """
@@ -407,12 +343,6 @@ class StringColumn(_VarColumn):
 
     def _make(self, values: np.ndarray) -> str:
         return values.tobytes().decode("utf-8")
-
-    @classmethod
-    def from_strings(cls, name: str, rows: list[str]) -> StringColumn:
-        """A column holding ``rows`` (for tests and small data)."""
-        parts = [np.frombuffer(r.encode("utf-8"), np.uint8) for r in rows]
-        return cls.from_parts(name, parts, np.dtype(np.uint8))
 
 
 class BytesColumn(_VarColumn):
@@ -424,6 +354,57 @@ class BytesColumn(_VarColumn):
         return values.tobytes()
 
 
+class UUID(uuid.UUID):
+    """A ``uuid.UUID`` read from a shared column, equal to the ``uuid.UUID`` of its value.
+
+    Only this type is registered in ``default_collate_fn_map`` (which refuses
+    ``uuid.UUID``): a batch of them is their list. torch's own entries are left alone
+    (issue 21).
+
+    Example:
+        >>> UUID(int=5) == uuid.UUID(int=5), UUID(int=5)
+        (True, UUID('00000000-0000-0000-0000-000000000005'))
+    """
+
+    __slots__ = ()
+
+
+class UuidColumn(TensorColumn):
+    """Rows of 16 bytes (``data`` ``(rows, 16)`` uint8), each a :class:`UUID`.
+
+    Example:
+        >>> raw = np.frombuffer(uuid.UUID(int=1).bytes + uuid.UUID(int=2).bytes, np.uint8)
+        >>> spec = ColumnSpec("id", 2, np.uint8, (16,), "uuid")
+        >>> col = UuidColumn.over(spec, {"data": raw.reshape(2, 16)})
+        >>> col.get(1)
+        UUID('00000000-0000-0000-0000-000000000002')
+        >>> [u.int for u in col.gather(torch.tensor([1, 0]))]
+        [2, 1]
+    """
+
+    kind = "uuid"
+    split = staticmethod(as_is)
+
+    def get(self, index: int) -> uuid.UUID:
+        return UUID(bytes=self._np[index].tobytes())
+
+    def gather(self, indices: torch.Tensor, alloc: Any = None, out: Any = None) -> Any:
+        """Rows ``indices`` (checked by the dataset) as a list of :class:`UUID`."""
+        return [UUID(bytes=row.tobytes()) for row in self._np[indices.numpy()]]
+
+    def batch_parts(self, indices: torch.Tensor) -> Parts:
+        return []
+
+    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
+        return self.gather(indices)
+
+
+def collate_uuids(batch: list[uuid.UUID], *, collate_fn_map: Any = None) -> list[uuid.UUID]:
+    """``default_collate`` of UUIDs: the list of them, as for strings."""
+    return list(batch)
+
+
 COLUMN_KINDS: dict[str, type[Column]] = {
-    cls.kind: cls for cls in (TensorColumn, RaggedColumn, StringColumn, BytesColumn)
+    cls.kind: cls for cls in (TensorColumn, RaggedColumn, StringColumn, BytesColumn, UuidColumn)
 }
+default_collate_fn_map[UUID] = collate_uuids

@@ -1,25 +1,31 @@
-"""What an item of a wrapped dataset is: its schema, its leaves, and the per-item fast path.
-
-Each item is split into *leaves* along a schema inferred from the first item (a tree
-of tuples, lists and dicts); each leaf becomes one column (``_materialise/``).
+"""An item of a wrapped dataset: its schema, its leaves (one column each), and back.
 
 Note [The per-item fast path]
 =============================
-Materialising must cost little more than iterating the dataset once, so the work
-per item is one call to a function generated for the schema (as ``dataclasses``
-generates ``__init__``): for an ``(image, label, caption)`` tuple it tests
-``type(item) is tuple and len(item) == 3``, then each leaf's exact type, dtype and
-(fixed) shape, and appends the three values to per-column lists; ~0.5 us in all,
-where walking the schema tree took several. It accepts only what surely matches
-the columns as they stand and appends nothing otherwise: the item then takes the
-checked path (``Builder._add_checked`` in ``_materialise/_builder.py``), which
-names the index and the field of any difference, or adapts a column (a shape that
-varies makes the column ragged; a list of numbers that stops being one makes it
-pickled) and recompiles the fast path.
+Materialising must cost little more than iterating the dataset once, so the work per
+item is one call to a function generated for the schema (as ``dataclasses`` generates
+``__init__``): it tests the item's structure and each leaf's exact type, dtype and
+fixed shape, and appends the values to per-column lists. It accepts only what surely
+matches the columns as they stand; anything else takes the checked path
+(``Builder._add_checked`` in ``_materialise/_builder.py``), which names the index and
+field of a difference, or adapts a column (ragged, pickled) and recompiles.
+
+Note [What comes back]
+======================
+``SharedDataset`` gives back what the item had, not what the column holds: a tensor
+as its class (``as_subclass``) with its ``requires_grad`` (a leaf; a subclass that
+cannot be rebuilt from its data, with attributes or its own ``__torch_dispatch__``, is
+pickled whole); a numpy array as an ``ndarray`` of its own dtype, byte order included
+(``np.memmap`` too, in memory); a dict with item 0's keys in item 0's order. A batch is
+what the default collate makes of those items: where a column's gathered batch IS
+that (plain tensors, native arrays, Python and numpy numbers) the shortcut takes it as
+gathered (Note [The default collate's shortcut] in ``crossing/_collate.py``); every
+other leaf gives its rows, collated as ``default_collate`` would collate the originals.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -28,54 +34,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import (
-    InvalidArgumentError,
-    ItemMismatchError,
-)
-from ..storage import to_numpy_dtype
+from ..errors import InvalidArgumentError, ItemMismatchError
+from ..storage import SharedTensor, to_numpy_dtype
+from ._columns import as_is
 
 __all__ = [
-    "FIXED",
-    "INT64_MAX",
-    "INT64_MIN",
-    "Leaf",
-    "check_leaf",
-    "classify",
-    "compile_fast_path",
-    "describe_leaf",
-    "describe_value",
-    "field_name",
-    "flatten",
-    "host_numpy",
-    "infer_schema",
-    "nest_paths",
-    "numeric_list",
-    "plain_tensor",
-    "rebuild",
-    "unnest",
-]
+    "FIXED", "INT64_MAX", "INT64_MIN", "Leaf", "LeafType", "check_leaf", "classify",
+    "compile_fast_path", "describe_leaf", "describe_value", "field_name", "flatten",
+    "host_numpy", "infer_schema", "leaf_batches", "nest_paths", "numeric_list",
+    "plain_tensor", "rebuild", "restore", "unnest",
+]  # fmt: skip
 
 
-# -- leaves ------------------------------------------------------------------------------
-# A leaf is one column. ``kind`` says how a value is stored and rebuilt:
-#   tensor / ndarray / npscalar / int / float / bool : fixed rows (TensorColumn);
-#   when the shape of tensors/arrays varies they switch to ragged values + shapes;
-#   str / bytes : StringColumn / BytesColumn; intlist / floatlist : RaggedColumn;
-#   pickle : BytesColumn of pickled objects.
-
+# A leaf's ``kind``: tensor / ndarray / npscalar / int / float / bool are fixed rows
+# (ragged values + shapes when shapes vary); str / bytes; intlist / floatlist (ragged);
+# pickle (bytes of pickled objects).
 FIXED = {"tensor", "ndarray", "npscalar", "int", "float", "bool"}
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass
 class Leaf:
-    """One leaf of the schema: how its values are stored (``dtype``: the column's).
+    """One leaf of the schema (``dtype``: the column's).
 
-    ``tensor_type`` is a tensor leaf's class when it is not ``torch.Tensor`` (an
-    ``nn.Parameter``, a subclass), ``requires_grad`` its flag, ``array_dtype`` an
-    ndarray leaf's own dtype when its byte order is not native (``>i4``): the
-    column holds native values, given back in that order (Note [What comes back]
-    in ``_restore.py``).
+    ``tensor_type``: a tensor's class if not ``torch.Tensor``; ``array_dtype``: an
+    array's own dtype if not native (``>i4``; Note [What comes back]).
     """
 
     path: str
@@ -116,19 +99,7 @@ def describe_leaf(leaf: Leaf) -> str:
     return f"{leaf.kind} {leaf.dtype}" if leaf.kind in FIXED - {"int"} else leaf.kind
 
 
-def _rebuildable(value: torch.Tensor) -> bool:
-    """Whether a tensor of a subclass comes back as itself from its data (``as_subclass``).
-
-    Not a wrapper subclass (its own ``__torch_dispatch__``: its data is not its
-    storage) and no attributes of its own (``as_subclass`` would not carry them).
-    """
-    cls = type(value)
-    dispatch = getattr(cls, "__torch_dispatch__", None)
-    return dispatch is torch.Tensor.__torch_dispatch__ and not value.__dict__
-
-
-_STORED_AS = {torch.bfloat16: torch.int16}
-"""Tensor dtypes numpy lacks, and the dtype of the same size their bits are stored as."""
+_STORED_AS = {torch.bfloat16: torch.int16}  # dtypes numpy lacks -> the dtype of their bits
 
 
 def host_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -138,8 +109,7 @@ def host_numpy(tensor: torch.Tensor) -> np.ndarray:
     return (tensor if stored is None else tensor.view(stored)).numpy()
 
 
-_PICKLED = "USVMm"
-"""numpy kinds a tensor cannot hold (strings, records, datetimes): such values are pickled."""
+_PICKLED = "USVMm"  # numpy kinds a tensor cannot hold (strings, records, datetimes)
 
 
 def classify(value: Any, path: str) -> Leaf | None:
@@ -148,8 +118,13 @@ def classify(value: Any, path: str) -> Leaf | None:
         if value.layout is not torch.strided or value.is_quantized or value.is_nested:
             return Leaf(path, "pickle", np.dtype(np.uint8))  # sparse, quantized: kept whole
         cls = type(value)
-        if cls is not torch.Tensor and not _rebuildable(value):
-            return Leaf(path, "pickle", np.dtype(np.uint8))  # kept whole: pickle keeps all
+        # a subclass comes back from its data (as_subclass) unless it wraps other
+        # tensors (its own __torch_dispatch__) or has attributes: kept whole then
+        dispatch = getattr(cls, "__torch_dispatch__", None)
+        if cls is not torch.Tensor and (
+            dispatch is not torch.Tensor.__torch_dispatch__ or value.__dict__
+        ):
+            return Leaf(path, "pickle", np.dtype(np.uint8))
         dtype = to_numpy_dtype(_STORED_AS.get(value.dtype, value.dtype))
         return Leaf(
             path, "tensor", dtype, tuple(value.shape), torch_dtype=value.dtype,
@@ -195,14 +170,10 @@ def _all_float(values: list[Any]) -> bool:
 
 
 def numeric_list(value: list[Any]) -> str | None:
-    """Return "intlist" or "floatlist" for a flat list of ints or floats, "" if empty, else None."""
+    """A flat list's kind, ``intlist`` or ``floatlist``; ``""`` if empty, else None."""
     if not value:
         return ""
-    if _all_int(value):
-        return "intlist"
-    if _all_float(value):
-        return "floatlist"
-    return None
+    return "intlist" if _all_int(value) else "floatlist" if _all_float(value) else None
 
 
 def infer_schema(item: Any, path: str, leaves: list[Leaf]) -> Any:
@@ -255,8 +226,8 @@ def flatten(item: Any, node: Any, out: list[Any], index: int, where: str = "") -
 def rebuild(node: Any, values: Sequence[Any], batch: bool = False) -> Any:
     """The item for ``node`` of a schema from its leaf values (the inverse of flattening).
 
-    Dicts come back with item 0's keys in item 0's order. ``batch``: the batch the
-    default collate makes from the leaves' batches (tuples become lists, as there).
+    ``batch``: rebuild a batch from the leaves' batches (tuples become lists, as in
+    the default collate).
     """
     tag, body = node
     if tag == "leaf":
@@ -272,15 +243,12 @@ def nest_paths(names: Sequence[str], paths: Sequence[tuple[str, ...]]) -> Any:
 
     Note [Nested items]
     -------------------
-    With ``nested=True`` a column dataset (Arrow, Parquet, HDF5) gives each column's
-    value at its key path instead of under its flat name: Arrow's ``s.b.c`` (the
-    path of struct fields ``("s", "b", "c")``) and HDF5's ``rec/b/c`` both come back
-    as ``item["s"]["b"]["c"]``. The columns stay flat in shared memory and in the
-    gathered batch; only the item (or batch) is built from this schema by
-    :func:`rebuild`, dicts in the order of each key's first column. The default
-    collate's shortcut (``_batch.py``) recognises its own nested samples with
-    :func:`unnest`. Only the shape of items changes, so the option is not part of a
-    dataset's identity for node sharing.
+    With ``nested=True`` a column dataset gives each column's value at its key path
+    (Arrow's ``s.b.c``, HDF5's ``rec/b/c``: ``item["s"]["b"]["c"]``). The columns stay
+    flat in shared memory and in the gathered batch; only the item (or batch) is built
+    from this schema by :func:`rebuild`, and the collate's shortcut recognises its own
+    samples with :func:`unnest`. Only the items' shape changes, so the option is not
+    part of a dataset's identity for node sharing.
 
     Example:
         >>> node = nest_paths(["s.a", "y", "s.b"], [("s", "a"), ("y",), ("s", "b")])
@@ -324,9 +292,7 @@ def nest_paths(names: Sequence[str], paths: Sequence[tuple[str, ...]]) -> Any:
 def unnest(item: Any, node: Any, out: list[Any]) -> bool:
     """Put each leaf value of ``item`` at its column's place in ``out`` (undoes :func:`rebuild`).
 
-    Returns False, leaving ``out`` partly filled, where ``item`` no longer has the
-    schema's structure (a key added, removed or replaced by a non-dict; a tuple or
-    list of another length).
+    False (``out`` partly filled) where ``item`` no longer has the schema's structure.
     """
     tag, body = node
     if tag == "leaf":
@@ -368,9 +334,6 @@ def check_leaf(leaf: Leaf, value: Any, index: int) -> None:
         )
 
 
-# -- the fast path: Note [The per-item fast path] -----------------------------------------
-
-
 def _condition(leaf: Leaf, n: int, v: str, env: dict[str, Any]) -> str | None:
     """Source of the test that the value in variable ``v`` surely fits leaf ``n``."""
     kind = leaf.kind
@@ -406,20 +369,10 @@ def compile_fast_path(
 ) -> Callable[[Any], bool]:
     """The fast path for ``schema``: append each leaf value to its sink, or return False.
 
-    For ``(tensor, int, str)`` items it generates::
-
-        def fast(item):
-            if type(item) is not tuple or len(item) != 3: return False
-            v0, v1, v2, = item
-            if not (type(v0) is C0 and v0.dtype is D0 and v0.requires_grad is False
-                    and v0.shape == S0): return False
-            if not (type(v1) is int and -9223372036854775808 <= v1 <= ...): return False
-            if not (type(v2) is str): return False
-            A0(v0); A1(v1); A2(v2)
-            return True
-
-    Dict keys, dtypes and shapes are bound as globals of the function, never
-    written into its source.
+    For ``(tensor, int, str)`` items it generates ``if type(item) is not tuple or
+    len(item) != 3: return False``, ``v0, v1, v2, = item``, a test per value, then
+    ``A0(v0); A1(v1); A2(v2)``. Keys, dtypes and shapes are bound as globals of the
+    function, never written into its source.
     """
     env: dict[str, Any] = {
         "NDARRAYS": (np.ndarray, np.memmap),
@@ -466,3 +419,180 @@ def compile_fast_path(
     source = "def fast(item):\n" + "".join(f"    {line}\n" for line in [*lines, "return True"])
     exec(compile(source, "<SharedDataset fast path>", "exec"), env)
     return env["fast"]  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class LeafType:
+    """What a leaf's values were in the items (Note [What comes back]).
+
+    ``kind`` is a :class:`Leaf`'s, or ``bfloat16`` (a tensor stored as its bits);
+    ``ragged``: a values column, then a ``.shape`` column; ``dtype``: an array's own
+    dtype where not native; ``collated``: the gathered batch is what the default
+    collate makes of the values.
+    """
+
+    kind: str
+    ragged: bool = False
+    cls: type | None = None
+    requires_grad: bool = False
+    dtype: np.dtype | None = None
+    collated: bool = False
+
+    @classmethod
+    def of(cls, leaf: Leaf) -> LeafType:
+        """The type of ``leaf``'s values, once every item is read."""
+        kind = "bfloat16" if leaf.torch_dtype is torch.bfloat16 else leaf.kind
+        plain = leaf.tensor_type is None and not leaf.requires_grad
+        if leaf.ragged:
+            collated = False
+        elif kind in ("tensor", "bfloat16"):
+            collated = plain
+        elif kind == "ndarray":
+            collated = leaf.array_dtype is None
+        elif kind == "npscalar":
+            collated = _scalars_collate(leaf.dtype)
+        else:
+            collated = kind in ("int", "float", "bool")
+        return cls(
+            kind, leaf.ragged, leaf.tensor_type, leaf.requires_grad, leaf.array_dtype, collated
+        )
+
+
+def _scalars_collate(dtype: np.dtype) -> bool:
+    """Whether the default collate makes a tensor of ``dtype`` of numpy scalars of it."""
+    try:
+        got = torch.as_tensor([dtype.type(0)])
+    except (TypeError, RuntimeError):  # np.uint64: "an integer is required"
+        return False
+    return got.dtype == torch.from_numpy(np.zeros(0, dtype)).dtype
+
+
+def restore(t: LeafType, value: Any) -> Any:
+    """A leaf value as the item had it, from what its column gives (a row, or a view of one).
+
+    Example:
+        >>> p = restore(LeafType("tensor", cls=torch.nn.Parameter), torch.ones(2))
+        >>> type(p).__name__, p.requires_grad
+        ('Parameter', False)
+        >>> restore(LeafType("ndarray", dtype=np.dtype(">i4")), torch.arange(2)).dtype.str
+        '>i4'
+    """
+    kind = t.kind
+    if kind == "tensor" or kind == "bfloat16":
+        if kind == "bfloat16":  # stored as its bits (int16)
+            value = value.view(torch.bfloat16)
+        if t.cls is None and not t.requires_grad:
+            return value
+        if type(value) is SharedTensor:
+            # a view of a worker's batch: torch would move its storage into a segment
+            # of its own, in place, from under the batch's memfd: a copy of its own
+            value = value.as_subclass(torch.Tensor).clone()
+        if t.cls is not None:
+            value = value.as_subclass(t.cls)
+        return value.requires_grad_() if t.requires_grad else value  # a leaf tensor
+    if kind == "ndarray":
+        array = value.numpy()
+        return array if t.dtype is None else array.astype(t.dtype)
+    if kind == "npscalar":
+        return value.numpy()[()]
+    if kind in ("int", "float", "bool"):
+        return value.item()
+    if kind in ("intlist", "floatlist"):
+        return value.tolist()
+    if kind == "pickle":
+        return pickle.loads(value)
+    return value  # str, bytes
+
+
+# A batch's rows, and its row 0 alone (Note [Samples made when first used] in
+# crossing/_collate.py): module-level, a batch that crosses as its columns pickles them.
+
+
+def unbind_rows(batch: torch.Tensor) -> list[Any]:
+    return list(batch.unbind(0))
+
+
+def first_row(batch: torch.Tensor) -> Any:
+    return batch[0]
+
+
+def item_rows(batch: torch.Tensor) -> list[Any]:
+    return batch.tolist()  # type: ignore[no-any-return]
+
+
+def first_item(batch: torch.Tensor) -> Any:
+    return batch[0].item()
+
+
+def array_rows(batch: torch.Tensor) -> list[Any]:
+    array = batch.numpy()  # ndarray views (0-d arrays for a batch of 0-d arrays)
+    return [array[i, ...] for i in range(len(array))]
+
+
+def first_array(batch: torch.Tensor) -> Any:
+    return batch.numpy()[0, ...]
+
+
+def scalar_rows(batch: torch.Tensor) -> list[Any]:
+    return list(batch.numpy())
+
+
+def first_scalar(batch: torch.Tensor) -> Any:
+    return batch.numpy()[0]
+
+
+_ROWS: dict[str, tuple[Callable[[Any], list[Any]], Callable[[Any], Any]]] = {
+    "tensor": (unbind_rows, first_row),
+    "bfloat16": (unbind_rows, first_row),
+    "ndarray": (array_rows, first_array),
+    "npscalar": (scalar_rows, first_scalar),
+    "int": (item_rows, first_item),
+    "float": (item_rows, first_item),
+    "bool": (item_rows, first_item),
+}
+
+
+def leaf_batches(
+    types: list[LeafType], batched: list[Any]
+) -> tuple[list[Any], list[bool], list[Callable[[Any], Any]], list[Callable[[Any], Any] | None]]:
+    """Each leaf's batch from its columns' gathered batches (in column order).
+
+    Per leaf: its batch (the gathered tensor where that is the default collate's
+    result, else the list of its restored rows), whether it is that tensor, the
+    function that cuts it into rows and the one that makes row 0 alone (None: row 0).
+
+    Example:
+        >>> types = [LeafType("int", collated=True), LeafType("str")]
+        >>> batched = [torch.tensor([4, 2]), ["a", "b"]]
+        >>> values, stacked, splits, firsts = leaf_batches(types, batched)
+        >>> stacked, splits[0](values[0]), firsts[0](values[0]), splits[1](values[1])
+        ([True, False], [4, 2], 4, ['a', 'b'])
+    """
+    values: list[Any] = []
+    stacked: list[bool] = []
+    splits: list[Callable[[Any], Any]] = []
+    firsts: list[Callable[[Any], Any] | None] = []
+    columns = iter(batched)
+    for t in types:
+        batch = next(columns)
+        if t.collated:
+            split, first = _ROWS[t.kind]
+            values.append(batch.view(torch.bfloat16) if t.kind == "bfloat16" else batch)
+            stacked.append(True)
+            splits.append(split)
+            firsts.append(first)
+            continue
+        if t.ragged:  # 1-D views of each row's values, and the rows' shapes
+            shapes = next(columns).tolist()
+            rows = [restore(t, v.reshape(s)) for v, s in zip(batch, shapes)]
+        elif isinstance(batch, torch.Tensor):  # fixed rows the default collate takes one by one
+            rows = [restore(t, v) for v in batch.unbind(0)]
+        elif t.kind in ("str", "bytes"):
+            rows = batch
+        else:
+            rows = [restore(t, v) for v in batch]
+        values.append(rows)
+        stacked.append(False)
+        splits.append(as_is)
+        firsts.append(None)
+    return values, stacked, splits, firsts

@@ -1,19 +1,10 @@
 """Sparse rows: a CSR matrix kept as ``indptr``/``indices``/``data`` in shared memory.
 
-A ``"sparse"`` column is one row of a sparse matrix per sample (a cell of a
-single-cell count matrix: its genes' counts). The matrix stays compressed in
-shared memory, in scipy's CSR layout: ``indptr`` (int64, ``rows + 1``), the
-column ``indices`` of the nonzeros (the file's integer type) and their ``data``
-values; it is never densified whole. A row comes back, as
-:class:`SparseSpec.output` says:
-
-* ``"dense"``: a 1-D tensor of ``shape[0]`` values, zeros filled in (a batch: a
-  ``(batch, columns)`` tensor, what the default collate stacks);
-* ``"coo"``: a 1-D ``torch.sparse_coo`` tensor (a batch: one 2-D sparse COO
-  tensor of ``(batch, columns)``, the rows stacked as ``torch.stack`` does;
-  torch's own ``default_collate`` refuses sparse tensors).
-
-Duplicate column indices within a row add up, as scipy's ``toarray`` does.
+The matrix is never densified whole. A row comes back as ``SparseSpec.output``
+says: ``"dense"``, a 1-D tensor (a batch: ``(batch, columns)``), or ``"coo"``, a 1-D
+``torch.sparse_coo`` tensor (a batch: one 2-D sparse COO tensor, rows stacked as
+``torch.stack`` does; torch's ``default_collate`` refuses sparse tensors).
+Duplicate column indices within a row add up, as in scipy's ``toarray``.
 """
 
 from __future__ import annotations
@@ -25,24 +16,19 @@ import numpy as np
 import torch
 
 from ..storage import SharedArray, SharedTensor, shared_tensor
-from ._columns import COLUMN_KINDS, Alloc, Column, ColumnSpec
+from ._columns import COLUMN_KINDS, Alloc, Column, ColumnSpec, row_elements, torch_dtype
 
-__all__ = ["SPARSE_OUTPUTS", "SparseColumn", "SparseSpec", "row_elements"]
+__all__ = ["SPARSE_OUTPUTS", "SparseColumn", "SparseSpec"]
 
 SPARSE_OUTPUTS = ("dense", "coo")
-"""What a sparse row comes back as: a dense tensor, or a ``torch.sparse_coo`` one."""
 
 
 @dataclass(frozen=True)
 class SparseSpec(ColumnSpec):
     """A :class:`ColumnSpec` for a ``"sparse"`` column.
 
-    ``shape`` is ``(columns,)`` (a row's length once dense), ``dtype`` the values'
-    type, ``values`` the number of nonzeros.
-
-    Attributes:
-        index_dtype: the type of the column indices (as the file stores them).
-        output: ``"dense"`` or ``"coo"`` (see the module docstring).
+    ``shape`` is ``(columns,)``, ``dtype`` the values', ``values`` the nonzeros;
+    ``index_dtype`` the file's type of column indices; ``output`` ``"dense"`` or ``"coo"``.
     """
 
     index_dtype: str = "int64"
@@ -53,37 +39,19 @@ class SparseSpec(ColumnSpec):
         return f"sparse {self.dtype} {self.shape} as {self.output}"
 
 
-def row_elements(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions ``[starts[r], stops[r])`` of every row ``r`` in one array, and each one's row.
-
-    Example:
-        >>> pos, row = row_elements(np.array([5, 0, 2]), np.array([7, 0, 3]))
-        >>> pos.tolist(), row.tolist()
-        ([5, 6, 2], [0, 0, 2])
-    """
-    lengths = stops - starts
-    total = int(lengths.sum())
-    rows = np.repeat(np.arange(len(starts), dtype=np.int64), lengths)
-    first = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-    return first + np.arange(total, dtype=np.int64), rows
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype)).dtype
-
-
 class SparseColumn(Column):
     """Rows of a CSR matrix in shared memory, each dense or ``torch.sparse_coo``.
 
     Example:
-        >>> data = np.array([1.0, 2.0, 5.0], np.float32)
-        >>> col = SparseColumn.from_csr("X", [0, 2, 2, 3], [1, 3, 0], data, 4)
+        >>> csr = {"indptr": [0, 2, 2, 3], "indices": [1, 3, 0], "data": np.float32([1, 2, 5])}
+        >>> col = SparseColumn.over(SparseSpec("X", 3, np.float32, (4,), "sparse", 3), csr)
         >>> col.get(0)
         tensor([0., 1., 0., 2.])
         >>> col.gather(torch.tensor([2, 1]))
         tensor([[5., 0., 0., 0.],
                 [0., 0., 0., 0.]])
-        >>> coo = SparseColumn.from_csr("X", [0, 2, 2, 3], [1, 3, 0], data, 4, "coo")
+        >>> spec = SparseSpec("X", 3, np.float32, (4,), "sparse", 3, output="coo")
+        >>> coo = SparseColumn.over(spec, csr)
         >>> coo.get(0).to_dense(), coo.gather(torch.tensor([0, 2])).to_dense()
         (tensor([0., 1., 0., 2.]), tensor([[0., 1., 0., 2.],
                 [5., 0., 0., 0.]]))
@@ -100,11 +68,10 @@ class SparseColumn(Column):
         self._data = arrays["data"].numpy()
         self._width = int(spec.shape[0])
         self._dense = spec.output == "dense"
-        self._dtype = _torch_dtype(self._data.dtype)
+        self._dtype = torch_dtype(self._data.dtype)
 
     @staticmethod
-    def layout(spec: ColumnSpec) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """``indptr`` (int64, rows + 1), ``indices`` and ``data`` (one per nonzero)."""
+    def layout(spec: ColumnSpec) -> dict[str, Any]:
         index_dtype = spec.index_dtype if isinstance(spec, SparseSpec) else "int64"
         return {
             "indptr": ((spec.rows + 1,), np.dtype(np.int64)),
@@ -112,12 +79,7 @@ class SparseColumn(Column):
             "data": ((spec.values,), spec.dtype),
         }
 
-    # -- one row, a batch ------------------------------------------------------------
-    def get(self, index: int) -> torch.Tensor:
-        """Row ``index``: dense, or a 1-D sparse COO tensor."""
-        return self.gather(torch.tensor([index]))[0]
-
-    def batch_parts(self, indices: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def batch_parts(self, indices: torch.Tensor) -> list[Any]:
         """Dense: the ``(batch, columns)`` tensor; COO: its indices and values."""
         if self._dense:
             return [((len(indices), self._width), self._dtype)]
@@ -125,20 +87,18 @@ class SparseColumn(Column):
         nnz = int((self._indptr[idx + 1] - self._indptr[idx]).sum())
         return [((2, nnz), torch.int64), ((nnz,), self._dtype)]
 
-    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> torch.Tensor:
+    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
         """Rows ``indices`` as one ``(batch, columns)`` tensor, dense or sparse COO.
 
-        With ``alloc`` (in a DataLoader worker) the batch is built in the worker's
-        batch memfd (Note [How a batch leaves a worker] in ``crossing/_outbox.py``); a
-        COO batch is then a sparse :class:`~shareddata.SharedTensor`, whose indices and
-        values cross by handle.
+        With ``alloc`` (in a worker) a COO batch is a sparse :class:`SharedTensor`,
+        whose indices and values cross by handle.
         """
         parts = self.batch_parts(indices)
         if alloc is not None:
-            outs = alloc(parts)
-        else:
-            outs = [torch.empty(shape, dtype=dtype) for shape, dtype in parts]
-        return self.gather_into(indices, outs)
+            return self.gather_into(indices, alloc(parts))
+        return self.gather_into(
+            indices, [torch.empty(shape, dtype=dtype) for shape, dtype in parts]
+        )
 
     def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor:
         """:meth:`gather` into the buffers of :meth:`batch_parts`."""
@@ -172,38 +132,6 @@ class SparseColumn(Column):
         if isinstance(outs[0], SharedTensor):  # in a worker's memfd: it crosses by handle
             return shared_tensor(batch, outs[0].__dict__["_shared"])
         return batch
-
-    def split(self, batch: torch.Tensor) -> list[torch.Tensor]:
-        """Each row of a batch: a view (dense) or a 1-D sparse COO tensor."""
-        return list(batch.unbind(0))
-
-    @classmethod
-    def from_csr(
-        cls,
-        name: str,
-        indptr: Any,
-        indices: Any,
-        data: Any,
-        width: int,
-        output: str = "dense",
-    ) -> SparseColumn:
-        """A column over a copy of a CSR matrix's arrays (for tests and small data)."""
-        arrays = {
-            "indptr": np.asarray(indptr, np.int64),
-            "indices": np.asarray(indices),
-            "data": np.asarray(data),
-        }
-        spec = SparseSpec(
-            name,
-            len(arrays["indptr"]) - 1,
-            arrays["data"].dtype,
-            (width,),
-            "sparse",
-            len(arrays["data"]),
-            index_dtype=str(arrays["indices"].dtype),
-            output=output,
-        )
-        return cls(spec, {k: SharedArray.from_array(a).readonly() for k, a in arrays.items()})
 
 
 COLUMN_KINDS.setdefault(SparseColumn.kind, SparseColumn)

@@ -25,8 +25,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from .._text import format_bytes
 from ..columns._columns import BytesColumn, Column, ColumnSpec
-from ..columns._items import rebuild
-from ..columns._restore import LeafType, leaf_batches, restore
+from ..columns._items import LeafType, leaf_batches, rebuild, restore
 from ..crossing._batch import Row, RowList, RowTuple
 from ..crossing._outbox import into_one_batch
 from ..distributed import SAMPLE_ITEMS, NodeShard, sample_digest
@@ -67,7 +66,7 @@ class SharedDataset(ColumnDataset):
     kept as pickled bytes in a shared buffer. Dicts may have item 0's keys in any
     order: every item comes back in item 0's order, the one the default collate
     uses. An ``np.memmap`` comes back as an ``ndarray`` in memory. Note [What comes
-    back] in ``columns/_restore.py`` has the details.
+    back] in ``columns/_items.py`` has the details.
 
     Args:
         dataset: a map-style dataset (``__len__`` and ``__getitem__``).
@@ -192,7 +191,7 @@ class SharedDataset(ColumnDataset):
         return rebuild(self._schema, leaf_values)
 
     def _values(self, batched: list[Any]) -> BatchValues:
-        """The leaves' batches (Note [What comes back] in ``columns/_restore.py``)."""
+        """The leaves' batches (Note [What comes back] in ``columns/_items.py``)."""
         values, stacked, splits, firsts = leaf_batches(self._types, batched)
         return BatchValues(
             self._leaf_names, values, stacked, splits, firsts, self._leaf_nesting,

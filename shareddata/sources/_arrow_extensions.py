@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..columns._uuid import UuidColumn
+from ..columns._columns import UuidColumn
 from ..errors import InvalidArgumentError, SourceReadError
 from ._arrow_types import ArrowKind, classify, pyarrow_module, unsupported
 

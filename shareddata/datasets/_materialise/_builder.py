@@ -25,6 +25,7 @@ from ...columns._items import (
     INT64_MAX,
     INT64_MIN,
     Leaf,
+    LeafType,
     check_leaf,
     compile_fast_path,
     describe_value,
@@ -35,7 +36,6 @@ from ...columns._items import (
     numeric_list,
     plain_tensor,
 )
-from ...columns._restore import LeafType
 from ...errors import ItemMismatchError, ItemValueError, UnpicklableItemError
 from ...storage import SharedArray
 from ...storage._writer import VarStore

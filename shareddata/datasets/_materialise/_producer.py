@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ...columns._restore import LeafType
+from ...columns._items import LeafType
 from ...errors import InvalidArgumentError
 from ...storage._capacity import private_peak
 from .._load import Allocator, Part, progress_bar
