@@ -7,6 +7,7 @@ Example:
     {'data': tensor([0., 1.])}
 """
 
+from . import errors
 from .crossing import IndexBatchSampler
 from .datasets import (
     ArrowDataset,
@@ -17,76 +18,26 @@ from .datasets import (
     SharedList,
 )
 from .distributed import NodeShardSampler
-from .errors import (
-    ArgumentTypeError,
-    AttachError,
-    BatchSendError,
-    ColumnLengthError,
-    DuplicationError,
-    EmptySelectionError,
-    InconclusiveError,
-    IndexOutOfRangeError,
-    IndexTypeError,
-    InvalidArgumentError,
-    ItemMismatchError,
-    ItemValueError,
-    LocalRankError,
-    LocalRankTimeoutError,
-    MissingColumnError,
-    MissingDependencyError,
-    MissingFileError,
-    NullValuesError,
-    ShardingNotSupportedError,
-    SharedDataError,
-    SharedMemoryFullError,
-    SourceReadError,
-    TooManyOpenFilesError,
-    UnpicklableItemError,
-    UnsupportedDtypeError,
-)
+from .errors import *  # noqa: F403  (every exception class: the tree in errors.py)
 from .memory import MemoryReport, ProcessMemory, verify
 from .storage import SharedArray, SharedTensor
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgumentTypeError",
     "ArrowDataset",
-    "AttachError",
-    "BatchSendError",
-    "ColumnLengthError",
-    "DuplicationError",
-    "EmptySelectionError",
     "HDF5Dataset",
-    "InconclusiveError",
     "IndexBatchSampler",
-    "IndexOutOfRangeError",
-    "IndexTypeError",
-    "InvalidArgumentError",
-    "ItemMismatchError",
-    "ItemValueError",
-    "LocalRankError",
-    "LocalRankTimeoutError",
     "MemoryReport",
-    "MissingColumnError",
-    "MissingDependencyError",
-    "MissingFileError",
     "NodeShardSampler",
-    "NullValuesError",
     "NumpyDataset",
     "ParquetDataset",
     "ProcessMemory",
-    "ShardingNotSupportedError",
     "SharedArray",
-    "SharedDataError",
     "SharedDataset",
     "SharedList",
-    "SharedMemoryFullError",
     "SharedTensor",
-    "SourceReadError",
-    "TooManyOpenFilesError",
-    "UnpicklableItemError",
-    "UnsupportedDtypeError",
     "__version__",
     "verify",
 ]
+__all__ += errors.__all__

@@ -1,24 +1,23 @@
 """``python -m shareddata demo``: the same data and workers, a naive Dataset vs shareddata.
 
-The demo writes a synthetic ``.npy`` file, then runs one DataLoader over it twice
-under :func:`shareddata.verify`: first over :class:`NaiveDataset` (the array held
-as an attribute, which ``spawn``/``forkserver`` pickle into every worker), then over
-:class:`shareddata.NumpyDataset`. It prints how many times each holds the data, the
-memory saved and the time to the first batch, and explains every column it prints.
+A synthetic ``.npy`` file is read by one DataLoader twice under
+:func:`shareddata.verify`: over :class:`NaiveDataset` (the array held as an attribute,
+which ``spawn``/``forkserver`` pickle into every worker), then over
+:class:`shareddata.NumpyDataset`; the demo prints how many times each holds the data,
+the memory saved and the time to the first batch, and explains every column.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import multiprocessing
 import os
-import shutil
 import tempfile
 import textwrap
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,21 +25,19 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ._text import format_bytes, plural
+from .datasets import NumpyDataset
 from .memory import MemoryReport, verify
 
-__all__ = ["DemoOptions", "NaiveDataset", "run_demo"]
+__all__ = ["NaiveDataset", "run_demo"]
 
 ROW_FLOATS = 1024  # one sample: 1024 float32, 4 KiB
 
 
 class NaiveDataset(Dataset[torch.Tensor]):
-    """What most training code does: a numpy array held as an attribute.
+    """What most training code does: a numpy array (``np.load(path)``) held as an attribute.
 
     Under ``spawn``/``forkserver`` the DataLoader pickles it, array and all, into
     every worker: each worker holds its own copy.
-
-    Args:
-        path: a ``.npy`` file, read whole into this process's memory.
     """
 
     def __init__(self, path: str) -> None:
@@ -64,7 +61,7 @@ class _TimedLoader(DataLoader):  # type: ignore[type-arg]
     first_batch_s: float | None = None
 
     def __iter__(self) -> Any:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # before iter(), which starts the workers
         return _TimedIterator(super().__iter__(), self, t0)
 
 
@@ -72,9 +69,7 @@ class _TimedIterator:
     """Passes batches (and every attribute verify() looks at) through, timing the first."""
 
     def __init__(self, inner: Any, loader: _TimedLoader, t0: float) -> None:
-        self._inner = inner
-        self._loader = loader
-        self._t0 = t0
+        self._inner, self._loader, self._t0 = inner, loader, t0
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -89,80 +84,59 @@ class _TimedIterator:
         return getattr(self._inner, name)
 
 
-@dataclass(frozen=True)
-class DemoOptions:
-    """The demo's knobs (the command line's flags)."""
-
-    size: int
-    workers: int
-    start_method: str
-    batch_size: int
-    batches: int | None
-    plot: str | None = None
-
-
-@dataclass
-class _Run:
-    label: str
-    report: MemoryReport
-    load_s: float
-    first_batch_s: float
-    wall_s: float
-
-
-def run_demo(options: DemoOptions) -> int:
-    """Run the demo, printing as it goes; returns the exit code (0).
+def run_demo(options: argparse.Namespace) -> int:
+    """Run the demo with the command line's options, printing as it goes; returns 0.
 
     Raises:
-        MissingDependencyError: ``plot`` is set and matplotlib is not installed.
+        MissingDependencyError: ``options.plot`` is set and matplotlib is not installed.
     """
     if options.plot:  # fail now, not after the runs, when matplotlib is missing
-        from .memory._plot import figure_class
+        from .memory._plot import figure_class, save
 
         figure_class()
     rows = max(1, options.size // (ROW_FLOATS * 4))
     nbytes = rows * ROW_FLOATS * 4
-    who = f"{plural(options.workers, options.start_method + ' worker')}"
-    intro = (
+    who = plural(options.workers, options.start_method + " worker")
+    _print_wrapped(
         f"One {format_bytes(nbytes)} dataset ({rows:,} rows of {ROW_FLOATS} float32), read by "
         f"{who}: first as a plain numpy Dataset, then as shareddata.NumpyDataset."
     )
-    print(textwrap.fill(intro, width=88))
     if options.start_method == "forkserver":
         _start_forkserver()
     seen: set[str] = set()
-    tmp = tempfile.mkdtemp(prefix="shareddata-demo-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="shareddata-demo-", ignore_cleanup_errors=True) as tmp:
         path = os.path.join(tmp, "features.npy")
         _write(path, rows)
         naive = _run(options, "[1/2] naive numpy Dataset", lambda: NaiveDataset(path), seen)
-        from .datasets import NumpyDataset
-
         shared = _run(options, "[2/2] shareddata.NumpyDataset", lambda: NumpyDataset(path), seen)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print()
-    _print_processes(naive.report, shared.report)
+    _print_processes(naive[0], shared[0])
     print()
     _print_summary(naive, shared)
     print()
-    _print_verdict(options, nbytes, naive, shared)
+    (a, a_s), (b, b_s) = naive, shared
+    _print_wrapped(
+        f"Verdict: with {who}, the naive Dataset holds the {format_bytes(nbytes)} dataset "
+        f"{a.duplication:.2f}x (the main process and every worker have a copy); shareddata "
+        f"holds it {b.duplication:.2f}x. Memory saved: {format_bytes(a.total_pss - b.total_pss)} "
+        f"({format_bytes(a.total_pss)} -> {format_bytes(b.total_pss)}, "
+        f"{a.total_pss / max(b.total_pss, 1):.2f}x less). First batch after {a_s:.1f} s vs "
+        f"{b_s:.1f} s."
+    )
     if options.plot:
-        from .memory._plot import save
-
-        panels = [
-            (f"naive numpy Dataset, {who}", naive.report),
-            (f"shareddata, {who}", shared.report),
-        ]
+        panels = [(f"naive numpy Dataset, {who}", a), (f"shareddata, {who}", b)]
         print(f"chart written to {save(panels, options.plot)}")
     return 0
 
 
-def _start_forkserver() -> None:
-    """Start the forkserver now: set-up, not charged to the first run's workers.
+def _print_wrapped(text: str) -> None:
+    print(textwrap.fill(text, width=88))
 
-    As in a training script, whose ``__main__`` (which the forkserver preloads) imports
-    torch, the workers fork from a server that has imported it once.
+
+def _start_forkserver() -> None:
+    """Start the forkserver, importing torch once, now: set-up, not charged to a run.
+
+    As a training script's ``__main__`` (which the forkserver preloads) imports torch.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "shareddata"])
@@ -183,10 +157,10 @@ def _write(path: str, rows: int) -> None:
     print(f"wrote the file in {time.perf_counter() - t0:.1f} s")
 
 
-def _run(options: DemoOptions, label: str, make: Any, seen: set[str]) -> _Run:
+def _run(options: Any, label: str, make: Any, seen: set[str]) -> tuple[MemoryReport, float]:
+    """One run: its report and the seconds from loading to the first batch."""
     print(f"{label}: loading, starting {plural(options.workers, 'worker')} ...", flush=True)
-    # torch warns of too many workers when the loader is made and at every iter():
-    # record the warnings and show each once
+    # torch warns of too many workers at the loader and at every iter(): show each once
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
@@ -208,9 +182,11 @@ def _run(options: DemoOptions, label: str, make: Any, seen: set[str]) -> _Run:
     first_batch_s = load_s + (loader.first_batch_s or 0.0)
     del loader, dataset
     gc.collect()
-    wall_s = time.perf_counter() - t0
-    print(f"  held {report.duplication:.2f}x; measured in {wall_s:.1f} s", flush=True)
-    return _Run(label.split("] ", 1)[-1], report, load_s, first_batch_s, wall_s)
+    print(
+        f"  held {report.duplication:.2f}x; measured in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    return report, first_batch_s
 
 
 def _mib(nbytes: int) -> str:
@@ -219,29 +195,26 @@ def _mib(nbytes: int) -> str:
 
 def _print_processes(naive: MemoryReport, shared: MemoryReport) -> None:
     """Both runs' processes side by side, matched by role."""
-    roles = list(dict.fromkeys([p.role for p in naive.processes + shared.processes]))
+    roles = dict.fromkeys(p.role for p in naive.processes + shared.processes)
     by_role = [{p.role: p for p in r.processes} for r in (naive, shared)]
-    cells = ("private", "shared", "PSS")
     print("memory per process, in MiB:")
     print(f"{'':<12}{'naive numpy Dataset':>27}{'shareddata':>27}")
-    print(f"{'process':<12}" + "".join(f"{c:>9}" for c in cells) * 2)
+    print(f"{'process':<12}" + "".join(f"{c:>9}" for c in ("private", "shared", "PSS")) * 2)
     for role in roles:
-        line = f"{role:<12}"
-        for rows in by_role:
-            p = rows.get(role)
-            values = ("-", "-", "-") if p is None else (_mib(p.uss), _mib(p.shared), _mib(p.pss))
-            line += "".join(f"{v:>9}" for v in values)
-        print(line)
+        cells = [
+            ("-", "-", "-") if p is None else (_mib(p.uss), _mib(p.shared), _mib(p.pss))
+            for p in (rows.get(role) for rows in by_role)
+        ]
+        print(f"{role:<12}" + "".join(f"{v:>9}" for three in cells for v in three))
     totals = [
-        v
-        for r in (naive, shared)
-        for v in (
+        (
             _mib(sum(p.uss for p in r.processes)),
             _mib(sum(p.shared for p in r.processes)),
             _mib(r.total_pss),
         )
+        for r in (naive, shared)
     ]
-    print(f"{'total':<12}" + "".join(f"{v:>9}" for v in totals))
+    print(f"{'total':<12}" + "".join(f"{v:>9}" for three in totals for v in three))
     print("  private: pages only this process maps (USS): a copy of the data, or pages of the")
     print("           shared copy that no other process has read yet")
     print("  shared:  pages it maps together with other processes: the one shared copy, libraries")
@@ -249,35 +222,16 @@ def _print_processes(naive: MemoryReport, shared: MemoryReport) -> None:
     print("           summed over the processes, every page counts once")
 
 
-def _print_summary(naive: _Run, shared: _Run) -> None:
+def _print_summary(naive: tuple[MemoryReport, float], shared: tuple[MemoryReport, float]) -> None:
+    (a, a_s), (b, b_s) = naive, shared
     print(f"{'':<22}{'naive Dataset':>15}{'shareddata':>15}")
-    pairs = [
-        ("dataset held", f"{naive.report.duplication:.2f}x", f"{shared.report.duplication:.2f}x"),
-        (
-            "total memory (PSS)",
-            format_bytes(naive.report.total_pss),
-            format_bytes(shared.report.total_pss),
-        ),
-        ("first batch after", f"{naive.first_batch_s:.1f} s", f"{shared.first_batch_s:.1f} s"),
-    ]
-    for name, a, b in pairs:
-        print(f"{name:<22}{a:>15}{b:>15}")
+    for name, x, y in [
+        ("dataset held", f"{a.duplication:.2f}x", f"{b.duplication:.2f}x"),
+        ("total memory (PSS)", format_bytes(a.total_pss), format_bytes(b.total_pss)),
+        ("first batch after", f"{a_s:.1f} s", f"{b_s:.1f} s"),
+    ]:
+        print(f"{name:<22}{x:>15}{y:>15}")
     print("  dataset held: copies of the data in RAM over all processes, net of code, libraries")
     print("                and each worker's memory without data (1.00x = one copy)")
     print("  total memory: the sum of the PSS column above")
     print("  first batch:  from loading the file to the first batch in the main process")
-
-
-def _print_verdict(options: DemoOptions, nbytes: int, naive: _Run, shared: _Run) -> None:
-    saved = naive.report.total_pss - shared.report.total_pss
-    ratio = naive.report.total_pss / max(shared.report.total_pss, 1)
-    verdict = (
-        f"Verdict: with {plural(options.workers, options.start_method + ' worker')}, the naive "
-        f"Dataset holds the {format_bytes(nbytes)} dataset {naive.report.duplication:.2f}x "
-        f"(the main process and every worker have a copy); shareddata holds it "
-        f"{shared.report.duplication:.2f}x. Memory saved: {format_bytes(saved)} "
-        f"({format_bytes(naive.report.total_pss)} -> {format_bytes(shared.report.total_pss)}, "
-        f"{ratio:.2f}x less). First batch after {naive.first_batch_s:.1f} s vs "
-        f"{shared.first_batch_s:.1f} s."
-    )
-    print(textwrap.fill(verdict, width=88))

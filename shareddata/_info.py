@@ -1,12 +1,8 @@
 """``python -m shareddata info FILE``: what a dataset class would load from a file, and room.
 
-:func:`open_sources` makes the source reader that the dataset class reading ``FILE``
-makes (``sd.HDF5Dataset``, ``sd.ParquetDataset``, ``sd.NumpyDataset``; a folder may be
-read by both of the last two). :func:`info` sizes its columns with the load's own code
-(``source.specs()`` and ``check_lengths``, so a folder that does not load fails here
-with the same error) and prints the files read, each column's dtype, row shape and
-bytes, and the room this machine has for them. Nothing is loaded: sizing reads
-metadata (and variable-length Parquet columns once, as the load sizes them).
+Sized with the load's own code (``source.specs()``, ``check_lengths``), so a file that
+does not load fails here with the same error; nothing is loaded (metadata, and
+variable-length Parquet columns read once, as the load sizes them).
 """
 
 from __future__ import annotations
@@ -14,54 +10,33 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ._text import format_bytes, plural
 from .columns._columns import ColumnSpec
 from .datasets._load import READ_CHUNK_BYTES, check_lengths
 from .errors import MissingColumnError, MissingFileError
+from .sources.hdf5 import HDF5Source
+from .sources.npy import NumpySource
+from .sources.parquet import parquet_source
 from .storage._capacity import available_memory, margin
 
 __all__ = ["FORMATS", "CommandError", "info", "names", "open_sources"]
 
-
-_HDF5 = (".h5", ".hdf5", ".hdf", ".he5", ".h5ad", ".nc", ".nc4")
-_PARQUET = (".parquet", ".pq")
-_NUMPY = (".npy", ".npz")
 FORMATS = (
     ".npy, .npz, .h5/.hdf5 (.h5ad, netCDF-4 .nc), .parquet, or a folder of .npy or .parquet files"
 )
+# the dataset class that reads a path: the suffixes it takes, the source it makes
+_READERS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "sd.HDF5Dataset": ((".h5", ".hdf5", ".hdf", ".he5", ".h5ad", ".nc", ".nc4"), HDF5Source),
+    "sd.ParquetDataset": ((".parquet", ".pq"), parquet_source),
+    "sd.NumpyDataset": ((".npy", ".npz"), NumpySource),
+}
 
 
 class CommandError(Exception):
     """A usage error: printed as one ``error:`` line, exit code 2."""
-
-
-def _hdf5(path: str, names: Sequence[str] | None) -> Any:
-    from .sources.hdf5 import HDF5Source
-
-    return HDF5Source(path, names)
-
-
-def _parquet(path: str, names: Sequence[str] | None) -> Any:
-    from .sources.parquet import parquet_source
-
-    return parquet_source(path, names)
-
-
-def _numpy(path: str, names: Sequence[str] | None) -> Any:
-    from .sources.npy import NumpySource
-
-    return NumpySource(path, names)
-
-
-# the dataset class that reads a path, and the source it makes (with its defaults)
-_READERS: dict[str, tuple[tuple[str, ...], Callable[[str, Sequence[str] | None], Any]]] = {
-    "sd.HDF5Dataset": (_HDF5, _hdf5),
-    "sd.ParquetDataset": (_PARQUET, _parquet),
-    "sd.NumpyDataset": (_NUMPY, _numpy),
-}
 
 
 def open_sources(path: str, names: Sequence[str] | None = None) -> list[tuple[str, Any]]:
@@ -69,11 +44,7 @@ def open_sources(path: str, names: Sequence[str] | None = None) -> list[tuple[st
 
     A file is read by the class of its extension; a folder by ``sd.NumpyDataset`` (its
     ``.npy`` files) and ``sd.ParquetDataset`` (its ``.parquet`` files, sub-folders too),
-    by each that finds files of its kind there, by the source's own rules.
-
-    Args:
-        path: a ``.npy``/``.npz``/``.h5``/``.parquet`` file or a folder of them.
-        names: the columns (HDF5: keys) to select; ``None`` selects all.
+    by each that finds files of its kind there.
 
     Raises:
         CommandError: ``path`` does not exist or is in no format shareddata reads.
@@ -115,38 +86,38 @@ def _files(source: Any, path: str) -> str:
         files = [path]
     if os.path.isdir(path):
         files = [os.path.relpath(f, path) for f in files]
-    shown = ", ".join(files[:8])
-    return shown + (f", ... ({len(files)} files)" if len(files) > 8 else "")
-
-
-# -- info ----------------------------------------------------------------------------------
+    return ", ".join(files[:8]) + (f", ... ({len(files)} files)" if len(files) > 8 else "")
 
 
 def _dtype(spec: ColumnSpec) -> str:
-    if spec.kind == "tensor":
-        return str(spec.dtype)
     if spec.kind in ("ragged", "sparse"):
         return f"{spec.kind} {spec.dtype}"
-    return spec.kind  # "str", "bytes"
+    return str(spec.dtype) if spec.kind == "tensor" else spec.kind  # "str", "bytes"
 
 
 def _row_shape(spec: ColumnSpec) -> str:
     if spec.kind == "tensor":
         return str(tuple(spec.shape))
-    if spec.kind == "sparse":  # rows of a CSR matrix
-        mean = spec.values / spec.rows if spec.rows else 0.0
-        return f"{tuple(spec.shape)}, {mean:.1f} nonzeros on average"
-    unit = {"str": "bytes", "bytes": "bytes"}.get(spec.kind, "values")
     mean = spec.values / spec.rows if spec.rows else 0.0
-    return f"varies, {mean:.1f} {unit} on average"
+    if spec.kind == "sparse":  # rows of a CSR matrix
+        return f"{tuple(spec.shape)}, {mean:.1f} nonzeros on average"
+    return f"varies, {mean:.1f} {'bytes' if spec.kind in ('str', 'bytes') else 'values'} on average"
 
 
 def info(args: argparse.Namespace) -> int:
-    """The ``info`` command: describe what loading ``args.file`` would hold; 1 if it does not fit.
+    """A file's columns, dtypes, rows and bytes, and whether it fits in memory.
 
-    Raises:
-        SharedDataError: loading ``args.file`` would fail with it (columns of different
-            lengths, a missing column, a corrupt file).
+    Describe what the dataset class that reads FILE would load, without loading it
+    (metadata, and a sizing read of variable-length Parquet columns): the files read,
+    each column's dtype, row shape and size in shared memory, the total, and the room
+    this machine has for it. Reads {formats}. Exit code 1 when it does not fit, 2 where
+    the load would fail (the same error).
+
+    Examples:
+        python -m shareddata info data.h5
+        python -m shareddata info data.h5 --keys images,labels
+        python -m shareddata info train.parquet --columns text,label
+        python -m shareddata info features/   # a folder of .npy files
     """
     selected = names(args.keys) if args.keys else None
     sources = open_sources(args.file, selected)

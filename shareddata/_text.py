@@ -10,13 +10,7 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_size(text: str) -> int:
-    """Parse a size as the command line takes it, in bytes.
-
-    Args:
-        text: a number with an optional binary unit: ``"512MiB"``, ``"1.5g"``, ``"4096"``.
-
-    Returns:
-        The number of bytes.
+    """Bytes in ``text``, a number with an optional binary unit (``512MiB``, ``1.5g``).
 
     Raises:
         ValueError: ``text`` is not a size.

@@ -1,8 +1,7 @@
-"""The exceptions shareddata raises.
+"""The exceptions shareddata raises: each a :class:`SharedDataError` and a builtin.
 
-Every error is an instance of :class:`SharedDataError` *and* of the built-in type
-a caller would expect, so existing ``except FileNotFoundError:`` clauses keep
-working::
+So an existing ``except FileNotFoundError:`` keeps working. Messages name the file,
+column or key, the value seen, and the fix::
 
     SharedDataError (Exception)
     ├── MissingFileError        (+ FileNotFoundError)  a source path does not exist
@@ -30,11 +29,11 @@ working::
     │   └── LocalRankTimeoutError (+ TimeoutError)     waited too long for another rank
     └── BatchSendError          (+ RuntimeError)       a worker's batch cannot be pickled
 
-An error raised on local rank 0 while it loads a node-shared dataset is raised again
-on the other local ranks with the same class (looked up here by name); a class from
-elsewhere arrives as :class:`LocalRankError` naming it.
-
-Messages name the file, column or key, the value seen, and the fix.
+``DuplicationError`` and ``InconclusiveError`` carry the measured
+:class:`shareddata.MemoryReport` as ``.report``. An error raised on local rank 0
+while it loads a node-shared dataset is raised again on the other local ranks with
+the same class (looked up here by name); a class from elsewhere arrives as
+:class:`LocalRankError` naming it.
 """
 
 from __future__ import annotations
@@ -94,15 +93,15 @@ class NullValuesError(SharedDataError, ValueError):
 
 
 class EmptySelectionError(SharedDataError, ValueError):
-    """A selection (``columns=[]``, an empty mapping) names no data at all.
-
-    A dataset of no columns would have no rows, and a training loop over it would
-    run no batches without a word; the message lists what the source has instead.
-    """
+    """A selection (``columns=[]``, an empty mapping) names no data at all."""
 
 
 class UnsupportedDtypeError(SharedDataError, TypeError):
     """A column's type cannot be stored in shared memory as it is."""
+
+
+class UnpicklableItemError(UnsupportedDtypeError):
+    """An item (``SharedList``) or a field kept pickled (``SharedDataset``) cannot be pickled."""
 
 
 class SourceReadError(SharedDataError, OSError):
@@ -122,19 +121,11 @@ class AttachError(SharedDataError, OSError):
 
 
 class TooManyOpenFilesError(SharedDataError, OSError):
-    """This process reached its limit of open descriptors (``RLIMIT_NOFILE``, ``ulimit -n``).
-
-    Every shared segment holds one descriptor; the message names the limit and the fix.
-    Its ``errno`` is ``EMFILE`` (or ``ENFILE`` for the system-wide limit).
-    """
+    """The open-descriptor limit (``ulimit -n``) is reached; ``errno`` EMFILE or ENFILE."""
 
 
 class DuplicationError(SharedDataError, AssertionError):
-    """:func:`shareddata.verify` measured the dataset held more often than allowed.
-
-    Attributes:
-        report: the :class:`shareddata.MemoryReport` that failed.
-    """
+    """:func:`shareddata.verify` measured the dataset held more often than allowed."""
 
     def __init__(self, message: str, report: Any = None) -> None:
         super().__init__(message)
@@ -142,17 +133,7 @@ class DuplicationError(SharedDataError, AssertionError):
 
 
 class InconclusiveError(SharedDataError, AssertionError):
-    """:func:`shareddata.verify` cannot tell whether the dataset is held once.
-
-    The part of the dataset whose copies are not counted exactly is within the
-    resolution of the estimate (a copy of it would not show), or the loader has
-    workers and none could be measured. Not a pass: the message says what would
-    decide (a larger dataset, workers, a shareddata dataset).
-
-    Attributes:
-        report: the :class:`shareddata.MemoryReport` measured
-            (``report.status == "inconclusive"``).
-    """
+    """:func:`shareddata.verify` cannot tell (a copy would be within its resolution): no pass."""
 
     def __init__(self, message: str, report: Any = None) -> None:
         super().__init__(message)
@@ -183,10 +164,6 @@ class ItemValueError(SharedDataError, ValueError):
     """An item holds a value its column cannot store (an int beyond int64, invalid text)."""
 
 
-class UnpicklableItemError(UnsupportedDtypeError):
-    """An item (``SharedList``) or a field kept pickled (``SharedDataset``) cannot be pickled."""
-
-
 class ShardingNotSupportedError(SharedDataError, NotImplementedError):
     """``shard="node"`` was asked of a source that cannot read a range of rows."""
 
@@ -200,10 +177,7 @@ class LocalRankTimeoutError(LocalRankError, TimeoutError):
 
 
 class BatchSendError(SharedDataError, RuntimeError):
-    """A DataLoader worker could not send a batch to the main process (it cannot be pickled).
-
-    Raised in the main process, for that batch, instead of a loader waiting forever.
-    """
+    """A DataLoader worker's batch cannot be pickled: raised in the main process for it."""
 
 
 def missing_dependency(package: str, extra: str, cause: BaseException | None = None) -> None:

@@ -1,19 +1,17 @@
-"""Keep "no duplication" as a test in your own project.
+"""Keep "no duplication" as a test in your own project, with :func:`shareddata.verify`.
 
-Two ways, both on :func:`shareddata.verify`, which works on any ``DataLoader``:
+:func:`assert_shared` works in any test runner; the pytest fixture
+``shared_memory_check`` does the same and also puts every measured table in pytest's
+report (shown for a failing test, and for passing ones with ``pytest -rP``). Enable it
+in your ``conftest.py``::
 
-- :func:`assert_shared`, a plain function for any test runner;
-- the pytest fixture ``shared_memory_check``, which does the same and also puts
-  every measured table in pytest's report (shown for a failing test, and for passing
-  ones with ``pytest -rP``). Enable it in your ``conftest.py``::
+    pytest_plugins = ["shareddata.testing"]
 
-      pytest_plugins = ["shareddata.testing"]
+(or ``from shareddata.testing import shared_memory_check`` in a test module), then::
 
-  (or ``from shareddata.testing import shared_memory_check`` in a test module), then::
-
-      def test_my_loader_shares_its_data(shared_memory_check):
-          report = shared_memory_check(make_loader(num_workers=4), batches=20)
-          assert report.num_workers == 4
+    def test_my_loader_shares_its_data(shared_memory_check):
+        report = shared_memory_check(make_loader(num_workers=4), batches=20)
+        assert report.num_workers == 4
 
 Example:
     >>> import numpy as np, shareddata as sd
@@ -44,24 +42,12 @@ def assert_shared(
     batches: int | None = None,
     dataset_bytes: int | None = None,
 ) -> MemoryReport:
-    """Fail (``AssertionError``) when ``loader``'s processes hold the dataset more than once.
+    """Fail when ``loader``'s processes hold the dataset more than ``max_duplication`` times.
 
-    A thin wrapper of :func:`shareddata.verify` for tests: the error raised,
-    :class:`shareddata.DuplicationError`, is an ``AssertionError`` whose message
-    carries the whole per-process table, so pytest shows what was measured, and
-    begins with the verdict in words (``FAIL: the dataset is duplicated ...: <fix>``).
-
-    A shareddata dataset is judged exactly at any size (its pages are counted
-    mapping by mapping), and so are the copies ``spawn`` workers receive and the
-    pages ``fork`` workers copy of a plain dataset's arrays. Other copies are
-    estimated from the processes' growth, and growth within ``report.resolution``
-    (the working memory iterating adds: a few MiB per process and the batches in
-    flight) is not counted, so a correct loader never fails on noise; nor do copies
-    counted exactly of 64 KiB a process or less (a dataset that makes its items on
-    the fly). Where a copy could hide within a resolution, the check cannot tell and
-    fails with :class:`shareddata.InconclusiveError` (an ``AssertionError`` too),
-    saying what would decide: never a pass. ``loader`` may be any iterable loader
-    whose workers are child processes (see :func:`shareddata.verify`).
+    :func:`shareddata.verify` for tests: it raises :class:`shareddata.DuplicationError`,
+    or :class:`shareddata.InconclusiveError` when the measurement cannot tell (never a
+    pass), both ``AssertionError``: the message, the verdict in words then the whole
+    per-process table, is what pytest shows.
 
     Args:
         loader: the DataLoader your training code builds (with its workers).
@@ -116,21 +102,11 @@ class SharedMemoryCheck:
         batches: int | None = None,
         dataset_bytes: int | None = None,
     ) -> MemoryReport:
-        """Measure ``loader`` like :func:`assert_shared`; record the report either way.
-
-        Args:
-            loader: the DataLoader to check, with its workers.
-            max_duplication: the limit (default: the one this check was made with).
-            batches: batches to iterate before measuring (default: one epoch).
-            dataset_bytes: the dataset's size, if it cannot be worked out.
-
-        Returns:
-            The report.
+        """Measure ``loader`` like :func:`assert_shared` (limit: this check's by default).
 
         Raises:
-            DuplicationError: the dataset is held more often than the limit (an
-                ``AssertionError``, so pytest reports a failure, not an error).
-            InconclusiveError: the measurement cannot tell (an ``AssertionError``).
+            DuplicationError: the dataset is held more often than the limit.
+            InconclusiveError: the measurement cannot tell.
         """
         limit = self.max_duplication if max_duplication is None else max_duplication
         try:
@@ -151,10 +127,9 @@ class SharedMemoryCheck:
 
 
 def _fixture(request: Any) -> SharedMemoryCheck:
-    def add_section(title: str, text: str) -> None:
-        request.node.add_report_section("call", title, text)
-
-    return SharedMemoryCheck(add_section)
+    return SharedMemoryCheck(
+        lambda title, text: request.node.add_report_section("call", title, text)
+    )
 
 
 try:

@@ -18,8 +18,8 @@ from torch.utils.data import Dataset, get_worker_info
 from .._text import format_bytes
 from ..columns._columns import Column, ColumnSpec, TensorColumn
 from ..columns._items import nest_paths, rebuild
-from ..crossing._batch import Samples, collate_columns
-from ..crossing._outbox import worker_buffers
+from ..crossing._collate import Samples, collate_columns
+from ..crossing._transport import worker_buffers
 from ..errors import ArgumentTypeError, IndexOutOfRangeError, InvalidArgumentError
 from ._indexing import index_shape, index_tensor, lenient_collate, rows_by_index
 from ._load import Source, check_lengths
@@ -319,7 +319,7 @@ class ColumnDataset(Closable, Dataset):
         if not shared:
             return [c.gather(idx) for c in columns]
         # Leaving a worker: every numeric column of the batch (fixed-shape and ragged)
-        # in one memfd (Note [How a batch leaves a worker] in crossing/_outbox.py).
+        # in one memfd (Note [How a batch leaves a worker] in crossing/_transport.py).
         parts = [c.batch_parts(idx) for c in columns]
         outs = iter(worker_buffers([p for ps in parts for p in ps]))
         return [c.gather_into(idx, [next(outs) for _ in ps]) for c, ps in zip(columns, parts)]
@@ -329,7 +329,7 @@ class ColumnDataset(Closable, Dataset):
 
         The default collate gives the same batch as fetching each sample alone,
         and without a ``transform`` it takes each column's batch as gathered, with no
-        second copy (Note [The default collate's shortcut] in ``crossing/_batch.py``).
+        second copy (Note [The default collate's shortcut] in ``crossing/_collate.py``).
         """
         # In a worker the gathered batch is built in shared memory: it is the batch
         # that travels to the main process (and a private temporary per batch would

@@ -26,8 +26,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from .._text import format_bytes
 from ..columns._columns import BytesColumn, Column, ColumnSpec
 from ..columns._items import LeafType, leaf_batches, rebuild, restore
-from ..crossing._batch import Row, RowList, RowTuple
-from ..crossing._outbox import into_one_batch
+from ..crossing._collate import Row, RowList, RowTuple
+from ..crossing._transport import into_one_batch
 from ..distributed import SAMPLE_ITEMS, NodeShard, sample_digest
 from ..errors import (
     ArgumentTypeError,
@@ -377,7 +377,7 @@ class SharedList(Closable, Sequence):
 
         In a DataLoader worker the tensors of the batch's items are copied into one
         batch memfd, which leaves the worker as one handle (``into_one_batch`` in
-        ``crossing/_outbox.py``), not as one shared segment per tensor; items that are
+        ``crossing/_transport.py``), not as one shared segment per tensor; items that are
         dicts, tuples and lists come as ``Row``, ``RowTuple`` and ``RowList`` (plain
         ``dict``, ``tuple`` and ``list`` to their user), which the default collate
         collates into one memfd too (Note [Collating into one memfd] in

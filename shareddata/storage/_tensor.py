@@ -13,7 +13,7 @@ a reducer of ours; torch's own types keep torch's reducers, untouched.
 
 A :class:`SharedTensor` carries a *reference* to the memory its storage covers
 (``_shared``): a :class:`SegmentRef` for a segment (a ``SharedArray``, a dataset's
-column) or a worker's batch reference (``crossing/_outbox.py``). It pickles as that
+column) or a worker's batch reference (``crossing/_transport.py``). It pickles as that
 reference plus its dtype, offset, shape and stride: any view, slice or
 non-contiguous view crosses with its layout, and the reference is pickled once per
 message however many tensors share it (the pickler's memo), so a batch's samples
@@ -155,7 +155,7 @@ def _keep_views(out: Any, tensors: Any, args: Any, new: bool = False) -> Any:
     if not new:
         return type(out)(shared_tensor(t, ref) if type(t) is torch.Tensor else t for t in out)
     # a view per row of a batch (``unbind``): the loop a worker's samples pay for, per
-    # row (Note [Samples made when first used] in crossing/_batch.py). The rows share
+    # row (Note [Samples made when first used] in crossing/_collate.py). The rows share
     # one base; when that base holds ``ref`` they hold none of their own (a dict each)
     views = retype_new_views(list(tensors), SharedTensor)
     base = view_base(views[0])
