@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 import socket
@@ -104,24 +105,24 @@ def _host_identity() -> str:
     return "/".join(parts)
 
 
-_GROUP_CONTEXT: dict[tuple[int, int], NodeContext] = {}
-
-
 def _context_from_group() -> NodeContext | None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cached = _GROUP_CONTEXT.get((rank, world))
-    if cached is not None:
-        return cached
+    return _group_context(dist.get_rank(), dist.get_world_size())
+
+
+@functools.cache
+def _group_context(rank: int, world: int) -> NodeContext:
+    import torch.distributed as dist
+
     mine = (_host_identity(), f"{os.getpid()}-{time.time_ns()}")
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)  # collective: every rank builds the dataset
     hosts = list(dict.fromkeys(host for host, _ in everyone))
     same = [r for r, (host, _) in enumerate(everyone) if host == mine[0]]
-    ctx = NodeContext(
+    return NodeContext(
         local_rank=same.index(rank),
         local_world_size=len(same),
         node=hosts.index(mine[0]),
@@ -130,8 +131,6 @@ def _context_from_group() -> NodeContext | None:
         world_size=world,
         job=f"group|{everyone[0][1]}",
     )
-    _GROUP_CONTEXT[(rank, world)] = ctx
-    return ctx
 
 
 def node_context() -> NodeContext | None:
