@@ -18,11 +18,11 @@ IPC floor (workers return a new batch without reading anything):
 - ``memfd, fresh each batch`` (before): shareddata's worker batch with its pool
   off, a new memfd per batch (the kernel zeroes every page at first touch);
 - ``memfd, reused`` (after): a batch memfd is reused once nothing maps it
-  (Note [Reusing a batch's pages] in ``shareddata/crossing/_outbox.py``);
+  (Note [Reusing a batch's pages] in ``shareddata/crossing/_transport.py``);
 - ``samples, identity collate``: ``collate_fn=lambda b: b`` over a NumpyDataset:
   the list of 256 samples, never looked at in the worker, crosses as its gathered
   columns and is made into samples in the main process (Note [Samples made when
-  first used] in ``shareddata/crossing/_batch.py``; before, 512 tensor views of one memfd,
+  first used] in ``shareddata/crossing/_collate.py``; before, 512 tensor views of one memfd,
   each pickled: Note [Tensors over our memory cross by handle] in
   ``shareddata/storage/_tensor.py``);
 - ``samples, tuple(zip(*batch))``: torchvision detection's collate: two tuples of

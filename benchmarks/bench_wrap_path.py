@@ -54,7 +54,8 @@ def _counting() -> dict[str, int]:
 
     counts: dict[str, int] = {}
     inbox = None
-    for name in ("shareddata.crossing._inbox", "shareddata._transport"):
+    for name in ("shareddata.crossing._transport", "shareddata.crossing._inbox",
+                 "shareddata._transport"):  # fmt: skip
         try:
             inbox = __import__(name, fromlist=["receive"])
             break

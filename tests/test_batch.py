@@ -270,7 +270,7 @@ def _reuse_loader(data, **kwargs):
 
 
 def test_a_worker_reuses_the_memory_of_batches_the_main_process_dropped():
-    # Note [Reusing a batch's pages] in crossing/_outbox.py
+    # Note [Reusing a batch's pages] in crossing/_transport.py
     data = np.arange(4096 * 64, dtype=np.float32).reshape(4096, 64)
     it = iter(_reuse_loader(data, shuffle=True))
     inodes = set()

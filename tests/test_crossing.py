@@ -187,13 +187,13 @@ def _count_receptions(monkeypatch):
     """Count in RECEIVED how the main process receives each shared segment."""
     from torch.multiprocessing import reductions
 
-    from shareddata.crossing import _inbox
+    from shareddata.crossing import _transport
     from shareddata.storage import _tensor
 
     for module, name in [
         (reductions, "rebuild_storage_fd"),  # a torch segment, sent as a descriptor
         (reductions, "rebuild_storage_filename"),  # a torch segment, sent by name
-        (_inbox, "receive"),  # a worker's batch memfd
+        (_transport, "receive"),  # a worker's batch memfd
         (_tensor, "_rebuild_segment_storage"),  # a dataset's segment
     ]:
         monkeypatch.setattr(module, name, _counting(module, name))
@@ -585,14 +585,14 @@ def test_a_smaller_batch_gathered_into_a_reused_memfd_still_crosses_by_handle():
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from shareddata.crossing import _outbox
+    from shareddata.crossing import _transport
 
-    first = _outbox.worker_empty((1000, 256), torch.float32)
+    first = _transport.worker_empty((1000, 256), torch.float32)
     inode = _inode(first)
     received = pickle.loads(ForkingPickler.dumps(first))
     del first, received
     gc.collect()
-    smaller = _outbox.worker_empty((500, 256), torch.float32).fill_(3)
+    smaller = _transport.worker_empty((500, 256), torch.float32).fill_(3)
     assert _inode(smaller) == inode  # the pooled memfd, reused
     got = pickle.loads(ForkingPickler.dumps(smaller))
     assert _mapped_from(got) == "memfd:shareddata-batch" and _inode(got) == inode

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import shareddata as sd
-from shareddata.crossing import _inbox, _outbox
+from shareddata.crossing import _transport
 from shareddata.storage import _handoff
 
 
@@ -46,7 +46,7 @@ def _run_bounded(fn, seconds=30):
 def _received_batch(value):
     """A batch as the main process receives it from a worker (in-process round trip),
     and the worker's memfd of it (whose released counter the receiver counts)."""
-    batch = _outbox.worker_empty((64, 64), torch.float32).fill_(value)
+    batch = _transport.worker_empty((64, 64), torch.float32).fill_(value)
     memfd = batch.__dict__["_shared"].memfd
     return pickle.loads(ForkingPickler.dumps(batch)), memfd
 
@@ -60,20 +60,20 @@ def test_a_collection_inside_the_release_path_frees_a_batch_without_deadlock(mon
     cycle.append(cycle)
     del a
     b, memfd_b = _received_batch(2.0)
-    real_unmap, collected = _inbox.unmap, []
+    real_unmap, collected = _transport.unmap, []
 
     def unmap_and_collect(address, length):
         if not collected:
             collected.append(gc.collect())  # frees A here, lock held
         real_unmap(address, length)
 
-    monkeypatch.setattr(_inbox, "unmap", unmap_and_collect)
-    monkeypatch.setattr(_inbox, "IDLE_BYTES", 0)  # every release unmaps: the hook runs
+    monkeypatch.setattr(_transport, "unmap", unmap_and_collect)
+    monkeypatch.setattr(_transport, "IDLE_BYTES", 0)  # every release unmaps: the hook runs
     del cycle, b
-    _run_bounded(_inbox.release_queued)
+    _run_bounded(_transport.release_queued)
     assert collected, "the release path never ran"
     assert memfd_b.released()
-    _run_bounded(_inbox.release_queued)  # what the collection queued, done next time
+    _run_bounded(_transport.release_queued)  # what the collection queued, done next time
     assert memfd_a.released()
 
 

@@ -11,7 +11,7 @@ from conftest import START_METHODS, fd_links, open_fds
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import shareddata as sd
-from shareddata.crossing import _batch as sd_batch
+from shareddata.crossing import _collate as sd_batch
 
 
 class Images(Dataset):
@@ -925,7 +925,7 @@ class Alone(Dataset):
 
 def test_items_that_are_a_tensor_alone_leave_a_worker_as_one_memfd(monkeypatch):
     # the samples are the gathered column's rows (SharedTensors in a worker): the
-    # default collate takes the column for them (collate_shared in crossing/_batch.py)
+    # default collate takes the column for them (collate_shared in crossing/_collate.py)
     import test_crossing as crossing
     from torch.utils.data import default_collate
 

@@ -1,8 +1,9 @@
-"""Crossing processes: tensors over shareddata's memory pickled as handles, batches out of workers.
+"""Crossing processes: batches out of workers, their default collate, batches of indices.
 
-- ``_outbox``: a worker's batch in one memfd of its own, reused once released;
-- ``_inbox``: the main process receives a batch by mapping that memfd;
-- ``_batch``: a batch's samples made when first used, and the default collate's shortcut;
+- ``_transport``: a worker's batch in one memfd, reused once released; the main
+  process maps it;
+- ``_collate``: a batch's samples made when first used, the default collate's
+  shortcut, and collating in a worker into one memfd;
 - ``_sampler``: whole batches of indices (``IndexBatchSampler``).
 """
 

@@ -1,70 +1,94 @@
-"""The default collate in a DataLoader worker, into one batch memfd.
+"""The default collate of shareddata's batches: its shortcut, and into one memfd in a worker.
+
+Note [The default collate's shortcut]
+-------------------------------------
+``ColumnDataset.__getitems__`` gathers each column once and returns :class:`Row` (a
+``dict``), :class:`RowTuple` or :class:`RowList` samples in a :class:`Samples` list
+that keeps the gathered columns; these types are registered in torch's
+``default_collate_fn_map`` (the documented way). When ``default_collate`` meets them,
+:func:`collate_rows` checks that the batch is still exactly the list ``__getitems__``
+made (same length, same sample objects, each with the same value objects, nested
+ones leaf by leaf): then the gathered columns ARE the collated batch (in a worker,
+already in shared memory), returned with ``default_collate``'s structure. Otherwise
+(a ``collate_fn`` that filtered, reordered, replaced or added values, samples mixed
+from several batches) it collates as ``default_collate`` does for plain dicts and
+tuples. Values changed in place are views of the gathered batch, so the batch has the
+change either way. A column whose batch is not what ``default_collate`` makes of its
+values (rows of varying length, Note [What comes back] in ``columns/_items.py``) has
+its rows collated.
+
+Note [Samples made when first used]
+-----------------------------------
+Cutting a batch into per-row views and ``Row`` dicts costs several times the gather,
+and with the default collate nobody looks at them. So a :class:`Samples` list starts
+empty: ``default_collate`` reads ``batch[0]`` and ``len(batch)``, and the first sample
+is made alone and kept; any other use (every ``list`` method is wrapped) makes all of
+them first, so a ``collate_fn`` sees the list ``__getitems__`` always returned. A list
+nobody looked at pickles as its gathered columns (a few tensors, not one per row and
+column); any other as the plain list. C code that reads a ``list`` subclass's items
+directly (``[x] + samples``) is covered by ``__radd__`` and by making the other
+operand's samples; CPython's other fast paths take exact lists only.
 
 Note [Collating into one memfd]
 -------------------------------
-In a worker, torch's default collate puts each tensor it stacks in a ``/dev/shm``
-segment of its own (``collate_tensor_fn`` allocates it shared), and a tensor it makes
-of numbers (``torch.tensor(labels)``) crosses the same way when it is pickled: a dict
-batch of images and labels leaves as two torch segments, each fetched over a socket
-(Note [How a batch leaves a worker] in ``_outbox.py``). Where the default collate
-reaches one of shareddata's types whose columns cannot simply be taken (samples
-changed before the collate, ``SharedList`` items, a list of ``SharedTensor`` s, a
-column of rows), it collates in two passes of torch's own ``collate``. The first
-runs with the registry's tensor and number functions replaced by ones that note the
-shape and dtype of what each would make (numbers are made then: they are small);
-one memfd is allocated for all of them (:func:`~._outbox.worker_buffers`); the
-second pass, the same traversal, stacks and copies into it, with ``out=`` as torch
-stacks in a worker. Everything else is torch's, run as it is: the containers,
-``str``, numpy arrays (their tensors come back to the replaced function), the
-errors; an entry of the registry that is not torch's own (the user's) runs once,
-with the registry as given, and its result is kept, unless it says what it does:
-:func:`through` (it only collates what it holds, with the registry it is given) or
-:func:`stacking` (it stacks as torch does; ``lenient``: rows of different shapes
-stay the list of them, copied into the same memfd: what ``ds[indices]`` gives,
-Note [A batch by index] in ``datasets/_indexing.py``). A tensor that torch would not
-stack into plain memory of ours (a subclass, another device, a nested tensor) goes
-through torch's function, with its result or its error. The batch is the one
-``default_collate`` makes, its tensors views of one memfd. When only some columns
-of a gathered batch need collating (a column of rows beside columns gathered into a
-memfd already), the gathered ones are copied into the same new memfd if it is made
-at all (:func:`collate_beside`): a copy costs less than a second descriptor.
+In a worker torch's default collate puts each tensor it stacks or makes in a
+``/dev/shm`` segment of its own. Where it reaches shareddata's types whose columns
+cannot simply be taken, :func:`collate_in_one_memfd` runs torch's own ``collate``
+twice: first with the registry's tensor and number functions replaced by ones that
+note the shape and dtype of what each would make, then, after one memfd is allocated
+for all (``worker_buffers``), filling it with ``out=`` as torch stacks in a worker.
+Everything else is torch's, run as it is (containers, ``str``, numpy arrays, the
+errors); an entry that is not torch's (the user's) runs once, with the registry given,
+and its result is kept, unless marked :func:`through` (it only collates what it holds)
+or :func:`stacking` (it stacks as torch does; ``lenient``: rows of different shapes
+stay their list, copied into the same memfd). A tensor torch would not stack into
+plain memory (a subclass, another device, nested) goes through torch's function.
+Gathered columns beside collated ones are copied into the same memfd
+(:func:`collate_beside`): a copy costs less than a second descriptor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import get_worker_info
 
 from .._compat import (
+    collate,
     collate_float_fn,
     collate_int_fn,
     collate_numpy_array_fn,
     collate_numpy_scalar_fn,
     collate_str_fn,
     collate_tensor_fn,
+    default_collate_fn_map,
 )
+from ..columns._columns import as_is
+from ..columns._items import rebuild, unbind_rows, unnest
 from ..storage import SharedTensor
-from ._outbox import worker_buffers
+from ._transport import worker_buffers, worker_empty
 
-__all__ = ["collate_beside", "collate_in_one_memfd", "stacking", "through"]
+__all__ = [
+    "Row", "RowList", "RowTuple", "Samples", "collate_beside", "collate_columns",
+    "collate_in_one_memfd", "collate_rows", "collate_shared", "schema_of", "stacking", "through",
+]  # fmt: skip
 
+FnMap = dict[Any, Callable[..., Any]]
+
+# -- Note [Collating into one memfd] ----------------------------------------------------
+# registry functions that stack as torch's does (-> lenient), replaced in both passes;
+# those that make numbers; those run as they are (they make no tensor themselves)
 _STACKING: dict[Callable[..., Any], bool] = {collate_tensor_fn: False}
-"""Registry functions that stack tensors as torch's does (-> whether rows of different
-shapes are left as the list of them instead): replaced in a worker's two passes."""
 _NUMBERS = (collate_numpy_scalar_fn, collate_float_fn, collate_int_fn)
 _AS_THEY_ARE: set[Callable[..., Any]] = {collate_numpy_array_fn, collate_str_fn}
-"""Registry functions run in both passes as they are: they make no tensor themselves and
-collate what they hold with the registry they are given."""
 _OURS = (torch.Tensor, SharedTensor)
 
 
 def stacking(fn: Callable[..., Any], lenient: bool = False) -> Callable[..., Any]:
-    """Mark a registry function that stacks tensors as ``collate_tensor_fn`` does.
-
-    ``lenient``: rows of different shapes give the list of them.
-    """
+    """Mark a registry function that stacks as ``collate_tensor_fn`` (``lenient``: see Note)."""
     _STACKING[fn] = lenient
     return fn
 
@@ -75,14 +99,8 @@ def through(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def collate_in_one_memfd(
-    top: Callable[[dict[Any, Callable[..., Any]]], Any], fn_map: dict[Any, Callable[..., Any]]
-) -> Any:
+def collate_in_one_memfd(top: Callable[[FnMap], Any], fn_map: FnMap) -> Any:
     """``top(map)`` run twice: the tensors it makes with ``map`` go into one memfd.
-
-    ``top`` collates a batch calling torch's ``collate`` with the registry it is given
-    (``fn_map`` with its tensor and number functions replaced): Note [Collating into
-    one memfd].
 
     Example:
         >>> from shareddata._compat import collate, default_collate_fn_map
@@ -98,16 +116,9 @@ def collate_in_one_memfd(
 
 
 def collate_beside(
-    top: Callable[[dict[Any, Callable[..., Any]]], Any],
-    fn_map: dict[Any, Callable[..., Any]],
-    tensors: list[torch.Tensor],
+    top: Callable[[FnMap], Any], fn_map: FnMap, tensors: list[torch.Tensor]
 ) -> tuple[Any, list[torch.Tensor]]:
-    """:func:`collate_in_one_memfd`, and ``tensors`` copied into the same memfd if it makes one.
-
-    For a batch whose columns were gathered into a memfd of their own, and whose
-    other columns make tensors when collated: one memfd for the batch, not two
-    (a copy of the gathered columns costs less than a second descriptor to fetch).
-    """
+    """:func:`collate_in_one_memfd`, and ``tensors`` copied into the same memfd if it makes one."""
     plan = _Plan(fn_map)
     made = top(plan.registry(filling=False))
     if not plan.parts:  # no tensor: the first pass made the batch
@@ -129,16 +140,16 @@ def _stack(batch: Any, *, collate_fn_map: Any = None) -> Any:
 class _Plan:
     """The tensors of one batch: noted by the first pass, made by the second."""
 
-    def __init__(self, fn_map: dict[Any, Callable[..., Any]]) -> None:
+    def __init__(self, fn_map: FnMap) -> None:
         self.fn_map = fn_map
         self.parts: list[tuple[tuple[int, ...], torch.dtype]] = []
         self.entries: list[Any] = []  # per call of a replaced function, in call order
         self.buffers: list[torch.Tensor] = []
         self.at = 0
 
-    def registry(self, filling: bool) -> dict[Any, Callable[..., Any]]:
+    def registry(self, filling: bool) -> FnMap:
         """``fn_map`` (same keys, same order) with the functions this pass replaces."""
-        out: dict[Any, Callable[..., Any]] = {}
+        out: FnMap = {}
         for key, fn in self.fn_map.items():
             if fn in _STACKING:
                 out[key] = self._fill_tensors if filling else self._noting(_STACKING[fn])
@@ -155,7 +166,7 @@ class _Plan:
         self.at += 1
         return entry
 
-    # first pass ---------------------------------------------------------------------
+    # first pass
     def _noting(self, lenient: bool) -> Callable[..., Any]:
         def note(batch: Any, *, collate_fn_map: Any = None) -> Any:
             return self._note_tensors(batch, collate_fn_map, lenient)
@@ -210,7 +221,7 @@ class _Plan:
         entry[:] = ["made", made]
         return made
 
-    # second pass --------------------------------------------------------------------
+    # second pass
     def _fill_tensors(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
         entry = self._next()
         if type(entry) is int:
@@ -242,3 +253,363 @@ class _Plan:
         # it raised in the first pass (a caller went on: a lenient collate): again
         _, fn, fn_map = entry
         return fn(batch, collate_fn_map=fn_map)
+
+
+# -- Note [The default collate's shortcut] ----------------------------------------------
+class Row(dict):  # type: ignore[type-arg]
+    """One sample of a gathered batch, ``{column: value}``: a plain ``dict`` to its user."""
+
+    __slots__ = ()
+
+
+class RowTuple(tuple):  # type: ignore[type-arg]
+    """One sample of a gathered batch, values in column order: a ``tuple`` to its user."""
+
+    __slots__ = ()
+
+
+class RowList(list):  # type: ignore[type-arg]
+    """One sample of a gathered batch whose items are lists: a ``list`` to its user."""
+
+    __slots__ = ()
+
+
+def schema_of(nesting: Any, tuples: bool) -> Any:
+    """The schema samples are made from (None: flat); with ``tuples`` a dict's values."""
+    if nesting is not None and tuples and nesting[0] == "dict":
+        return ("tuple", [child for _, child in nesting[1]])
+    return nesting
+
+
+class Samples(list):  # type: ignore[type-arg]
+    """The samples of one batch, made at their first use from the gathered columns.
+
+    A plain list of ``Row`` (``RowTuple`` if ``tuples``) to its users (Note [Samples
+    made when first used]).
+
+    Args:
+        names: column names, in sample order.
+        batched: per column, the gathered batch.
+        stacked: per column, whether ``batched`` is what the default collate makes.
+        splits: per column, what cuts its batch into one value per row.
+        n: the number of rows (used when there are no columns).
+        nesting: nested samples' schema (Note [Nested items] in ``columns/_items.py``).
+        tuples: ``RowTuple`` samples rather than ``Row``.
+        firsts: per column, what makes row 0's value alone (None: from ``splits``).
+        portable: ``splits`` and ``firsts`` are module-level: pickled with the columns.
+
+    Example:
+        >>> import torch
+        >>> b = torch.arange(6).reshape(3, 2)
+        >>> s = Samples(["x"], [b], [True], [torch.unbind], 3)
+        >>> s[1], type(s[1]).__name__
+        ({'x': tensor([2, 3])}, 'Row')
+        >>> from torch.utils.data import default_collate
+        >>> default_collate(s)["x"] is b
+        True
+    """
+
+    __slots__ = (
+        "batched", "names", "nesting", "stacked", "_splits", "_firsts", "_portable",
+        "_n", "_tuples", "_pending", "_first", "_first_values", "_values", "_rows",
+    )  # fmt: skip
+
+    names: list[str]
+    batched: list[Any]
+    stacked: list[bool]
+    nesting: Any
+
+    def __init__(
+        self,
+        names: list[str],
+        batched: list[Any],
+        stacked: list[bool],
+        splits: Sequence[Callable[[Any], Sequence[Any]]],
+        n: int,
+        nesting: Any = None,
+        tuples: bool = False,
+        firsts: Sequence[Callable[[Any], Any] | None] | None = None,
+        portable: bool = False,
+    ) -> None:
+        super().__init__()
+        self.names, self.batched, self.stacked = names, batched, stacked
+        self.nesting = schema_of(nesting, tuples)
+        self._splits, self._n, self._tuples = splits, n, tuples
+        self._firsts, self._portable = firsts, portable
+        self._pending = True
+        self._first: Any = None
+        self._first_values: list[Any] = []
+        self._values: list[list[Any]] = []
+        self._rows: tuple[Any, ...] = ()
+
+    def _make(self, per_row: Any) -> list[Any]:
+        """Samples from per-row value tuples (one value per column, column order)."""
+        nesting, names = self.nesting, self.names
+        if nesting is not None:
+            tag = nesting[0]
+            if tag == "leaf":  # the items are values alone
+                return [r[nesting[1]] for r in per_row]
+            made = {"dict": Row, "tuple": RowTuple, "list": RowList}[tag]
+            return [made(rebuild(nesting, r)) for r in per_row]
+        if self._tuples:
+            return list(map(RowTuple, per_row))
+        if len(names) == 1:
+            name = names[0]
+            return [Row({name: r[0]}) for r in per_row]
+        return [Row(zip(names, r)) for r in per_row]
+
+    def _force(self) -> None:
+        """Make every sample (once), keeping the first one if it was handed out."""
+        if not self._pending:
+            return
+        self._pending = False
+        values = [list(split(b)) for split, b in zip(self._splits, self.batched)]
+        if self._first is not None:
+            for column, value in zip(values, self._first_values):
+                column[0] = value
+        rows = self._make(zip(*values) if values else [()] * self._n)
+        if self._first is not None:
+            rows[0] = self._first
+        self._values, self._rows = values, tuple(rows)
+        list.extend(self, rows)
+
+    def __len__(self) -> int:
+        return self._n if self._pending else list.__len__(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        if self._pending and type(index) is int and index == 0 and self._n:
+            # what default_collate looks at first: the first sample alone
+            if self._first is None:
+                firsts = self._firsts or [None] * len(self.batched)
+                self._first_values = [
+                    first(b) if first is not None else b[0] if stacked else split(b)[0]
+                    for split, first, b, stacked in zip(
+                        self._splits, firsts, self.batched, self.stacked
+                    )
+                ]
+                self._first = self._make([tuple(self._first_values)])[0]
+            return self._first
+        self._force()
+        return list.__getitem__(self, index)
+
+    def __radd__(self, other: Any) -> Any:
+        # ``[x] + samples``: list's own concatenation would read the unmade samples
+        self._force()
+        return list.__add__(other, list(self)) if isinstance(other, list) else NotImplemented
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self._pending and self._first is None:
+            # never looked at (``collate_fn=lambda b: b``): cross as the gathered
+            # columns, a few tensors instead of one per row and column; the samples
+            # are made where they are first used (Note [Samples made when first used])
+            portable = (self._splits, self._firsts) if self._portable else (None, None)
+            args = (self.names, self.batched, self.stacked, self._n, self.nesting, self._tuples)
+            return _from_columns, (*args, *portable)
+        return list, (list(self),)
+
+    def intact(self) -> bool:
+        """Whether this list still holds exactly the samples it made, as they were made."""
+        if self._pending:  # nothing but the first sample was handed out
+            if self._first is None:
+                return True
+            rows: Sequence[Any] = (self._first,)
+            values: Sequence[Sequence[Any]] = [[v] for v in self._first_values]
+        else:
+            rows, values = self._rows, self._values
+            if list.__len__(self) != len(rows) or not all(map(operator.is_, self, rows)):
+                return False
+        if self.nesting is not None:
+            out: list[Any] = [None] * len(self.names)
+            return all(
+                unnest(row, self.nesting, out) and all(o is v[j] for o, v in zip(out, values))
+                for j, row in enumerate(rows)
+            )
+        if rows and isinstance(rows[0], Row):  # (RowTuple samples are immutable)
+            if not all(len(r) == len(self.names) for r in rows):
+                return False
+            try:  # KeyError: a sample lost a key
+                return all(
+                    all(map(operator.is_, map(operator.itemgetter(name), rows), column))
+                    for name, column in zip(self.names, values)
+                )
+            except KeyError:
+                return False
+        return True
+
+
+def _from_columns(
+    names: list[str],
+    batched: list[Any],
+    stacked: list[bool],
+    n: int,
+    nesting: Any,
+    tuples: bool,
+    splits: Any = None,
+    firsts: Any = None,
+) -> Samples:
+    """Unpickle :class:`Samples` that crossed as their columns (still to be made)."""
+    portable = splits is not None
+    if splits is None:
+        splits = [unbind_rows if s else as_is for s in stacked]
+    return Samples(names, batched, stacked, splits, n, nesting, tuples, firsts, portable)
+
+
+def _forcing(name: str) -> Callable[..., Any]:
+    method = getattr(list, name)
+
+    def forced(self: Samples, *args: Any, **kwargs: Any) -> Any:
+        self._force()
+        for arg in args:  # ``samples + other_samples`` reads the other's items directly
+            if isinstance(arg, Samples):
+                arg._force()
+        return method(self, *args, **kwargs)
+
+    forced.__name__ = forced.__qualname__ = name
+    return forced
+
+
+# Every other list operation makes the samples first (Note [Samples made when first used]).
+for _name in (
+    "__iter__", "__reversed__", "__contains__", "__setitem__", "__delitem__",
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "__add__", "__iadd__", "__mul__", "__rmul__", "__imul__", "__repr__",
+    "append", "extend", "insert", "pop", "remove", "index", "count", "clear", "copy",
+    "sort", "reverse",
+):  # fmt: skip
+    setattr(Samples, _name, _forcing(_name))
+
+
+def collate_rows(batch: Sequence[Any], *, collate_fn_map: FnMap | None = None) -> Any:
+    """``default_collate`` for :class:`Row` / :class:`RowTuple` / :class:`RowList` samples."""
+    if isinstance(batch, Samples) and batch.intact():
+        return collate_columns(
+            batch.names, batch.batched, batch.stacked, batch.nesting, batch._tuples, collate_fn_map
+        )
+    if collate_fn_map is None:
+        collate_fn_map = default_collate_fn_map
+    if get_worker_info() is not None:  # leaving a worker: Note [Collating into one memfd]
+        return collate_in_one_memfd(lambda fns: _collate_samples(batch, fns), collate_fn_map)
+    return _collate_samples(batch, collate_fn_map)
+
+
+def _collate_samples(batch: Sequence[Any], collate_fn_map: FnMap) -> Any:
+    """``default_collate`` of samples that are dicts, tuples or lists."""
+    elem = batch[0]
+    if isinstance(elem, dict):
+        return {
+            key: collate([d[key] for d in batch], collate_fn_map=collate_fn_map) for key in elem
+        }
+    size = len(elem)
+    if any(len(e) != size for e in batch):
+        raise RuntimeError("each element in list of batch should be of equal size")
+    return [collate(s, collate_fn_map=collate_fn_map) for s in zip(*batch)]
+
+
+@stacking
+def collate_shared(batch: Sequence[Any], *, collate_fn_map: FnMap | None = None) -> Any:
+    """``default_collate`` for :class:`SharedTensor` s (a worker's views of its batch).
+
+    The gathered column for an intact :class:`Samples` of tensors alone; in a worker,
+    the tensors stacked into one memfd; elsewhere torch's own stack.
+    """
+    if (
+        isinstance(batch, Samples)
+        and batch.nesting == ("leaf", 0)
+        and batch.stacked[0]
+        and batch.intact()
+    ):
+        return batch.batched[0]
+    elem = batch[0]
+    if (
+        get_worker_info() is not None
+        and elem.layout is torch.strided
+        and elem.device.type == "cpu"
+        and not elem.is_nested
+    ):  # stacked as torch stacks in a worker (its errors too), into a memfd of ours
+        out = worker_empty((len(batch), *elem.shape), elem.dtype)
+        torch.stack(list(batch), 0, out=out.as_subclass(torch.Tensor))
+        return out
+    return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+
+
+def collate_columns(
+    names: Sequence[str],
+    batched: Sequence[Any],
+    stacked: Sequence[bool],
+    nesting: Any,
+    tuples: bool,
+    collate_fn_map: FnMap | None = None,
+    lenient: bool = False,
+) -> Any:
+    """What ``default_collate`` makes of samples, from their columns as gathered.
+
+    A stacked column is taken as it is; the others' rows are collated (from a tuple or
+    list sample as a tuple, from a dict as a list). ``lenient``: a column that
+    ``default_collate`` cannot collate stays the list of its rows.
+    """
+    schema = schema_of(nesting, tuples)
+    if schema is None and all(stacked):  # every column as gathered
+        return list(batched) if tuples else dict(zip(names, batched))
+    if collate_fn_map is None:
+        collate_fn_map = default_collate_fn_map
+    in_sequence = _in_sequence(names, schema, tuples)
+    rows = {
+        k: (tuple if k in in_sequence else list)(b)
+        for k, (b, done) in enumerate(zip(batched, stacked))
+        if not done
+    }
+
+    def collate_rows_of(fns: FnMap) -> dict[int, Any]:
+        out = {}
+        for k, column in rows.items():
+            try:
+                out[k] = collate(column, collate_fn_map=fns)
+            except (RuntimeError, TypeError):
+                if not lenient:
+                    raise
+                out[k] = list(column)
+        return out
+
+    columns = list(batched)
+    if rows and get_worker_info() is not None:  # leaving a worker: one memfd in all
+        done = [k for k, b in enumerate(batched) if k not in rows]
+        collated, moved = collate_beside(
+            collate_rows_of, collate_fn_map, [batched[k] for k in done]
+        )
+        for k, b in zip(done, moved):
+            columns[k] = b
+    else:
+        collated = collate_rows_of(collate_fn_map)
+    for k, b in collated.items():
+        columns[k] = b
+    if schema is not None:
+        return rebuild(schema, columns, batch=True)
+    return columns if tuples else dict(zip(names, columns))
+
+
+def _in_sequence(names: Sequence[str], schema: Any, tuples: bool) -> set[int] | range:
+    """The columns whose values sit in a tuple or list of the samples (not in a dict)."""
+    if schema is None:
+        return range(len(names)) if tuples else set()
+    found: set[int] = set()
+
+    def visit(node: Any, in_sequence: bool) -> None:
+        tag, body = node
+        if tag == "leaf":
+            if in_sequence:
+                found.add(body)
+        elif tag == "dict":
+            for _, child in body:
+                visit(child, False)
+        else:
+            for child in body:
+                visit(child, True)
+
+    visit(schema, False)
+    return found
+
+
+default_collate_fn_map[Row] = collate_rows
+default_collate_fn_map[RowTuple] = collate_rows
+default_collate_fn_map[RowList] = collate_rows
+default_collate_fn_map[SharedTensor] = collate_shared

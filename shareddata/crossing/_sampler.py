@@ -17,14 +17,10 @@ __all__ = ["IndexBatchSampler"]
 
 
 class BatchIndices(torch.Tensor):
-    """A batch of indices that a DataLoader sends to its worker by value.
+    """A batch of indices sent to a worker by value, not in a ``/dev/shm`` segment.
 
-    torch sends a plain tensor to a worker through shared memory: a new ``/dev/shm``
-    segment per batch, whose descriptor the worker then fetches from the main
-    process over a socket (Note [How a batch leaves a worker] in ``_outbox.py``
-    measures the same round trip the other way). For a few KiB of indices, copying
-    the values into the pickle is far cheaper. Every operation on it returns a
-    plain tensor.
+    For a few KiB, copying the values into the pickle is far cheaper than torch's
+    segment and socket round trip. Every operation on it returns a plain tensor.
     """
 
     __torch_function__ = disabled_torch_function  # type: ignore[assignment]
@@ -41,10 +37,8 @@ def _indices_from(
 
 
 def _reduce_indices(t: BatchIndices) -> Any:
-    # the values as one bytearray: pickling a numpy array costs ~4x more (its dtype
-    # and reconstruction), in the main process's feeder thread for every batch; no
-    # as_subclass (numpy() reads a BatchIndices as is), and the sampler's own batches
-    # (one row of int64) pickle no dtype or shape
+    # one bytearray (a numpy array pickles ~4x slower, in the feeder thread); the
+    # sampler's own batches (one row of int64) pickle no dtype or shape
     values = (t if t.is_contiguous() else t.contiguous()).numpy()
     if t.dtype is torch.int64 and values.ndim == 1:
         return _indices_from, (bytearray(values),)
@@ -58,31 +52,21 @@ ForkingPickler.register(BatchIndices, _reduce_indices)
 class IndexBatchSampler(Sampler[torch.Tensor]):
     """Yields each batch of indices as one int64 tensor, with no per-sample Python work.
 
-    Use it as the ``sampler`` of a DataLoader with ``batch_size=None``: the dataset
-    then receives a tensor of indices and gathers every column once
-    (``dataset[indices]``), and the DataLoader neither samples nor collates per
-    sample. Batches are the same shape as the default collate's.
-
-    The shuffle follows torch's random state, as ``DataLoader(shuffle=True)``'s
-    ``RandomSampler`` does: without ``seed``, the sampler draws its base seed from
-    ``generator`` (torch's default generator if ``None``) when it is first
-    iterated, so ``torch.manual_seed(s)`` before that makes a run reproducible and
-    runs differ otherwise. Each epoch then has its own order, derived from the base
-    seed and the epoch number (epoch 1 of one seed is not epoch 0 of another).
-
-    It is ``Stateful`` for torchdata's ``StatefulDataLoader``: :meth:`state_dict`
-    holds the base seed, the epoch under way and the batches it has given, and a
-    loader resumed from it gives exactly the remaining batches, then the next epochs.
+    The ``sampler`` of a DataLoader with ``batch_size=None``: the dataset gathers each
+    column once per batch (``dataset[indices]``). Without ``seed``, the base seed is
+    drawn from ``generator`` (torch's default) at the first pass, as ``RandomSampler``
+    does, so ``torch.manual_seed`` makes runs reproducible; each epoch's order comes
+    from the base seed and the epoch. ``Stateful`` for torchdata's
+    ``StatefulDataLoader``: a loader resumed from :meth:`state_dict` gives exactly the
+    remaining batches, then the next epochs.
 
     Args:
         data_source: the dataset (or its length).
         batch_size: samples per batch.
         shuffle: a new random order every epoch (see :meth:`set_epoch`).
         drop_last: drop the last incomplete batch.
-        seed: base seed of the shuffle, the same on every run; ``None`` (the
-            default) draws it from ``generator``.
-        generator: the ``torch.Generator`` the base seed is drawn from when ``seed``
-            is ``None`` (default: torch's default generator).
+        seed: base seed of the shuffle; ``None`` draws it from ``generator``.
+        generator: the ``torch.Generator`` to draw the base seed from.
 
     Example:
         >>> import numpy as np, shareddata as sd
@@ -132,10 +116,7 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         self._resume: list[int] | None = None  # a loaded pass, continued by the next iter()
 
     def set_epoch(self, epoch: int) -> None:
-        """Fix the shuffle to that of ``epoch``, as for ``DistributedSampler``.
-
-        Without calls to it, every pass over the sampler takes the next epoch's order.
-        """
+        """Fix the shuffle to that of ``epoch`` (without it, each pass takes the next epoch)."""
         self.epoch = epoch
         self._epoch_set = True
 
@@ -147,11 +128,9 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
     def __iter__(self) -> Iterator[torch.Tensor]:
         # Note [A pass starts when it is first read]: a DataLoader with workers calls
         # iter() twice per epoch and reads only the second iterator, so a pass takes its
-        # epoch, or a loaded position, when its first batch is read; iter() only marks
-        # that a new pass is coming (what state_dict reports until then). But a loaded
+        # epoch, or a loaded position, when its first batch is read. But a loaded
         # position at the END of a pass is taken by iter() itself: StatefulDataLoader
-        # restores a finished epoch into an iterator that it reads (with workers) or not
-        # (without), then starts the next epoch with a new iter().
+        # restores a finished epoch into an iterator it may not read, then calls iter().
         self._pass = None
         if self._resume is not None and self._resume[1] >= len(self):
             self._pass, self._resume = self._resume, None
@@ -179,18 +158,13 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
             yield batch.as_subclass(BatchIndices)  # sent to workers by value
 
     def state_dict(self) -> dict[str, Any]:
-        """The position: base seed, the epoch under way and the batches it has given.
-
-        Before a pass starts it is that of the pass to come (or the one loaded).
-        """
+        """The position: base seed, the epoch under way (or to come), the batches given."""
         epoch, given = self._resume or self._pass or (self.epoch, 0)
         seed = self._base_seed() if self.shuffle else self.seed
         return {"seed": seed, "epoch": epoch, "batches": given}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`: the next pass gives the rest of its epoch.
-
-        The passes after it take the next epochs (or those :meth:`set_epoch` gives).
 
         Raises:
             InvalidArgumentError: ``state`` is not such a state, or counts more batches
@@ -218,9 +192,7 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
-    """The seed of ``epoch``'s order: a hash of both, so no two (seed, epoch) pairs share one.
-
-    (``seed + epoch`` would give seed 0's epoch 1 the order of seed 1's epoch 0.)
+    """The seed of ``epoch``'s order: a hash, so no two (seed, epoch) pairs share one.
 
     Example:
         >>> epoch_seed(0, 1) == epoch_seed(1, 0)

@@ -90,7 +90,7 @@ def tiny_dev_shm():
         from torch.utils.data import DataLoader, TensorDataset
         ds = sd.NumpyDataset(np.ones((256, 256, 256), np.uint8))  # 64 KiB rows
         announce()
-        # shareddata's batches leave workers in memfds, not /dev/shm (crossing/_outbox.py)
+        # shareddata's batches leave workers in memfds, not /dev/shm (crossing/_transport.py)
         ours = DataLoader(ds, batch_size=64, num_workers=2, multiprocessing_context="fork")
         print("@@OURS", sum(len(b["data"]) for b in ours), flush=True)
         # torch's own batches (default collate of a TensorDataset) go through /dev/shm
@@ -274,7 +274,7 @@ def test_rlimit_nofile_256_default_sharing_strategy(rlimit_run):
     # torch would pass each of a batch's 50 tensors as its own descriptor (4 workers x 2
     # prefetched batches x 50 > 256: "received 0 items of ancdata"); a batch gathered by
     # shareddata leaves its worker as one memfd for all its columns
-    # (Note [How a batch leaves a worker] in shareddata/crossing/_outbox.py)
+    # (Note [How a batch leaves a worker] in shareddata/crossing/_transport.py)
     run = rlimit_run
     assert run.returncode == 0, run.describe()
     assert run.value("@@DEFAULT") == "OK True", run.describe()

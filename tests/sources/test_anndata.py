@@ -313,10 +313,10 @@ def _identity(batch):
 def test_a_batch_of_sparse_rows_leaves_a_worker_as_one_memfd(files, monkeypatch, sparse):
     from torch.multiprocessing import reductions
 
-    from shareddata.crossing import _inbox
+    from shareddata.crossing import _transport
 
     calls = []
-    for module, name in [(reductions, "rebuild_storage_fd"), (_inbox, "receive")]:
+    for module, name in [(reductions, "rebuild_storage_fd"), (_transport, "receive")]:
         original = getattr(module, name)
 
         def counted(*args, _name=name, _original=original):

@@ -117,7 +117,7 @@ def profile_collate_path(
     """
     from torch.utils.data import default_collate
 
-    from shareddata.crossing._batch import Row
+    from shareddata.crossing._collate import Row
 
     threads = torch.get_num_threads()
     torch.set_num_threads(n_threads)

@@ -1,84 +1,59 @@
-"""How a DataLoader worker puts a batch in shared memory that the main process maps.
+"""A DataLoader worker's batch in one memfd of its own, and the main process mapping it.
 
 Note [How a batch leaves a worker]
 ----------------------------------
-torch carries a tensor out of a worker in a ``/dev/shm`` segment that it creates
-and faults in up front, and pickles it as a file descriptor that the main process
-then fetches from the worker over a socket (``multiprocessing.resource_sharer``):
-a connection, an authentication handshake, and a thread of the worker that must
-take the GIL from the worker's busy main thread (``benchmarks/bench_ipc.py``
-measures it).
-
-A batch that shareddata gathers in a worker goes instead into a memfd
-(``memfd_create`` + ``ftruncate``: no page is touched until the gather writes it):
-every numeric column of the batch in ONE memfd, as :class:`SharedTensor` s over one
-storage -- fixed-shape columns stacked, a variable-length column's rows side by
-side, each row a view; a ``SharedList`` batch's items, unpickled afresh per row,
-have their tensors copied into one memfd the same way (:func:`into_one_batch`).
-However many rows are ragged, a batch leaves the worker as one descriptor, never
-one torch ``/dev/shm`` segment per row (``tests/test_crossing.py`` counts them for
-every dataset kind). The tensors carry the memfd's :class:`BatchRef`, which pickles
-as the memfd's handle ``(pid, fd, device, inode, ...)`` plus the byte range (Note
-[Tensors over our memory cross by handle] in ``storage/_tensor.py``); the reference is
-pickled once per message, however many tensors of the batch it carries. The main
-process opens ``/proc/<pid>/fd/<fd>`` itself, checks device and inode, maps it, and
-counts the batch *received* (``crossing/_inbox.py``). The worker keeps each batch's
-descriptor until every send of it is received, however many are in flight
-(``prefetch_factor`` batches per worker, each of them possibly many memfds: a
-``collate_fn`` that returns samples made one by one, such as slices of a dataset,
-carries one memfd per sample); only received batches that stay pinned are closed,
-beyond ``MAX_UNACKNOWLEDGED``, which their receivers do not notice. Only beyond
-``MAX_UNRECEIVED`` (a quarter of the descriptor limit) is an unreceived batch
-closed, and a receiver that comes later gets :class:`~shareddata.AttachError`. A
-batch that is received stays valid after its worker exits: the main process's
-mapping holds the pages. Nothing is ever named in ``/dev/shm``, so a small
-``/dev/shm`` (Docker's 64 MiB) does not limit the batch size, and a killed process
-leaves nothing behind.
+torch carries a tensor out of a worker in a ``/dev/shm`` segment that it faults in up
+front, and pickles it as a descriptor that the main process fetches over a socket
+(``multiprocessing.resource_sharer``: a connection, a handshake, and a worker thread
+that must take the GIL from the busy main thread; ``benchmarks/bench_ipc.py``). A
+batch that shareddata gathers in a worker goes instead into ONE memfd (no page touched
+until the gather writes it): every numeric column as :class:`SharedTensor` s over one
+storage, a variable-length column's rows side by side, a ``SharedList`` batch's
+tensors copied in (:func:`into_one_batch`). The tensors carry a :class:`BatchRef`,
+pickled once per message as the memfd's handle ``(pid, fd, device, inode, ...)`` plus
+the byte range; the main process opens ``/proc/<pid>/fd/<fd>``, checks device and
+inode, maps it and counts the batch *received*. The worker keeps each descriptor
+until every send is received; of received batches still pinned it keeps
+``MAX_UNACKNOWLEDGED`` (closing older ones, which receivers do not notice), of
+unreceived ones ``MAX_UNRECEIVED`` (a later receiver of a closed one gets
+:class:`~shareddata.AttachError`). A received batch outlives its worker. Nothing is
+named in ``/dev/shm``: a small ``/dev/shm`` does not limit batches, a kill leaves
+nothing behind.
 
 Note [Reusing a batch's pages]
 ------------------------------
-A fresh memfd costs its first touch: the kernel allocates and zeroes every page as
-the gather writes it, several times the gather itself for large batches. So a
-worker reuses the memfd of a batch that nobody holds any more. The memfd ends,
-after its data, with a *released* and a *received* counter. Each time the worker
-pickles the batch's reference it counts one send; the main process counts the
-batch received when it maps it, and released when nothing holds any part of it
-(``crossing/_inbox.py``). The worker keeps, per memfd, the one storage that its
-batches' tensors view, by a weak reference to the numpy array the storage was made
-from: ``torch.from_numpy`` holds that array for as long as the storage lives, so the
-array is gone exactly when no tensor, view or storage in the worker holds any part
-of the batch (and when torch moved the storage into a segment of its own, which no
-longer needs the memfd). The worker puts a batch in its pool once that array is
-gone and the released counter equals its sends: until then the batch is *pinned*.
-No counter private to torch or CPython decides it; a batch whose holders cannot be
-told is never reused. The pool holds at most ``POOL`` memfds; the worker keeps its own
-mapping of them up to ``IDLE_BYTES`` in all (the rest unmapped, in no process's
-PSS: ``verify`` measures data, not transport). The next batch goes into a pooled
-memfd that is large enough: one still mapped costs no system call; one unmapped is
-mapped again with ``MADV_POPULATE_WRITE`` (its pages exist). A batch that is never
-released (the user keeps it, or sends it on) is never reused: its memfd is closed
-once it is the oldest beyond the cap, and the main process's mapping keeps its
-pages.
+A fresh memfd costs its first touch (the kernel zeroes every page), so a worker reuses
+the memfd of a batch that nobody holds. The memfd ends, after its data, with a
+*released* and a *received* counter: the worker counts each pickle of the batch's
+reference as a send; the receiver counts it received when it maps it and released
+when nothing holds any part of it. The worker watches, by a weak reference, the numpy
+array its batch's storage was made from: ``torch.from_numpy`` holds it as long as the
+storage lives, so it is gone exactly when no tensor, view or storage in the worker
+holds the batch (or torch moved the storage into a segment of its own). Once it is
+gone and released equals sends, the memfd goes to the pool (at most ``POOL``; mapped
+up to ``IDLE_BYTES`` in all, the rest unmapped); until then it is *pinned*. No counter
+private to torch or CPython decides it. A batch never released is never reused.
 
-Note [What one crossing costs]
-------------------------------
-Once both ends have a memfd mapped, a batch crosses with no system call of ours
-and few Python objects: the DataLoader's own per-batch cost (its queues, pickling,
-``record_function``) is a floor that no transport goes below, so every object made
-per batch shows. The worker reuses the memfd's mapping and the layout
-of the batch's parts; a batch's reference pickles flat (the memfd's handle as ints
-and the byte range) and each tensor as its dtype's name, offset, shape and stride;
-the receiver takes the idle mapping's array, slices it and watches the slice with
-a weak reference. The process id is read once per process. Figures before and
-after: ``benchmarks/results/ipc.md``.
+Note [Releasing a received batch]
+---------------------------------
+A received batch is a storage over this process's mapping of the worker's memfd. When
+nothing holds it, a weak reference's callback on the array under the storage queues
+its release (a garbage collection may run it inside any code, whatever lock that
+holds); the next :func:`receive` or :func:`release_queued` carries it out under the
+inbox's lock: one more on the released counter, and the mapping kept *idle* (at most
+``IDLE_BYTES``, oldest unmapped first), so the next batch in that memfd is received
+with no system call (opening, mapping and unmapping cost ~140 us per batch). A fork
+child of the receiver unmaps the idle mappings and never counts a release.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import math
 import os
+import resource
 import weakref
 from typing import Any, cast
 
@@ -86,7 +61,8 @@ import numpy as np
 import torch
 
 from .._compat import torch_reduce_storage
-from ..storage import SharedTensor, shared_tensor
+from ..errors import AttachError, TooManyOpenFilesError
+from ..storage import shared_tensor
 from ..storage._capacity import named_os_errors
 from ..storage._linux import (
     MADV_POPULATE_WRITE,
@@ -98,27 +74,135 @@ from ..storage._linux import (
     unmap,
 )
 from ..storage._tensor import describe_failure, raise_send_error
-from . import _inbox
-from ._inbox import IDLE_BYTES, MAX_UNRECEIVED
 
 __all__ = [
-    "MAX_UNACKNOWLEDGED",
-    "MAX_UNRECEIVED",
-    "POOL",
-    "into_one_batch",
-    "worker_buffers",
-    "worker_empty",
-]
+    "IDLE_BYTES", "MAX_UNACKNOWLEDGED", "MAX_UNRECEIVED", "POOL", "into_one_batch",
+    "receive", "release_queued", "worker_buffers", "worker_empty",
+]  # fmt: skip
 
+MAX_UNRECEIVED = max(256, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+"""Batches not yet received that a worker keeps open (bounds its descriptors)."""
 MAX_UNACKNOWLEDGED = 64
 """Received batches still pinned that a worker keeps open; older ones are closed."""
 POOL = 4
 """Released batch memfds a worker keeps for reuse (Note [Reusing a batch's pages])."""
+IDLE_BYTES = 4 << 20
+"""Bytes of released batch mappings a process keeps, to map their memfds again."""
 _ALIGN = 64
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _COUNTER = 8  # bytes of the released counter and the received counter (uint32 each)
+_PID = os.getpid()
+
+# -- receiving (Note [Releasing a received batch]) ----------------------------------------
+_LOCK = ForkSafeLock()
+# (pid, fd, device, inode) of a worker's memfd -> (address, length, array) of our idle
+# mapping; oldest first. A live inode is never renumbered, so a key names one file.
+_IDLE: dict[tuple[int, ...], tuple[int, int, np.ndarray]] = {}
+_idle_bytes = 0
+# id of a weak reference to a received storage's array -> (the reference, the pid that
+# received it, key, address, length, counter_at, the whole mapping's array)
+_LIVE: dict[int, tuple[Any, ...]] = {}
+_QUEUED: collections.deque[int] = collections.deque()  # ids of references whose arrays died
 
 
+def receive(
+    pid: int, fd: int, device: int, inode: int, total: int, counter_at: int, start: int, nbytes: int
+) -> torch.UntypedStorage:
+    """Unpickle a storage of a worker's batch: map the worker's memfd (or reuse our mapping)."""
+    global _idle_bytes
+    key = (pid, fd, device, inode)
+    with _LOCK:
+        _release_queued()
+        idle = _IDLE.pop(key, None)
+        if idle is not None:
+            _idle_bytes -= idle[1]
+    if idle is not None and idle[1] >= total:  # mapped here before: no system call
+        address, length, mapped = idle
+    else:
+        if idle is not None:
+            unmap(idle[0], idle[1])
+        address, length = _map_batch(pid, fd, (device, inode), total), total
+        mapped = array_at(address, length)
+    # mapped: the worker may close its descriptor now
+    received = ctypes.c_uint32.from_address(address + counter_at + 4)
+    with _LOCK:
+        received.value += 1
+    view = mapped[start : start + nbytes]
+    ref = weakref.ref(view, _queue_release)  # the storage below alone holds ``view``
+    _LIVE[id(ref)] = (ref, _PID, key, address, length, counter_at, mapped)
+    return torch.from_numpy(view).untyped_storage()
+
+
+def _queue_release(ref: Any) -> None:
+    # in a fork child of the receiver (the batch is its parent's) only unmap, at once
+    live = _LIVE.get(id(ref))
+    if live is not None and live[1] != _PID:
+        del _LIVE[id(ref)]
+        unmap(live[3], live[4])
+    else:
+        _QUEUED.append(id(ref))
+
+
+def release_queued() -> None:
+    """Carry out the releases that garbage collection queued (any thread may call it)."""
+    if _QUEUED:
+        with _LOCK:
+            _release_queued()
+
+
+def _release_queued() -> None:
+    """Release every queued mapping; the caller holds ``_LOCK``."""
+    global _idle_bytes
+    unmaps: list[tuple[int, int]] = []
+    while _QUEUED:
+        live = _LIVE.pop(_QUEUED.popleft(), None)
+        if live is None:
+            continue
+        _, _, key, address, length, counter_at, mapped = live
+        ctypes.c_uint32.from_address(address + counter_at).value += 1
+        if key not in _IDLE and length <= IDLE_BYTES:
+            _IDLE[key] = (address, length, mapped)
+            _idle_bytes += length
+            while _idle_bytes > IDLE_BYTES:
+                oldest = _IDLE.pop(next(iter(_IDLE)))
+                _idle_bytes -= oldest[1]
+                unmaps.append((oldest[0], oldest[1]))
+        else:
+            unmaps.append((address, length))
+    for mapping in unmaps:  # (unmapping with the lock held is safe: it takes no other lock)
+        unmap(mapping[0], mapping[1])
+
+
+def _map_batch(pid: int, fd: int, ident: tuple[int, int], total: int) -> int:
+    """Map ``total`` bytes of the memfd ``fd`` of process ``pid``; its address."""
+    path = f"/proc/{pid}/fd/{fd}"
+    what = f"a batch from DataLoader worker {pid}"
+    try:
+        with named_os_errors(what):
+            new_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except TooManyOpenFilesError:
+        raise
+    except OSError as e:
+        raise AttachError(
+            f"cannot receive a batch from DataLoader worker {pid}: opening {path} failed ({e}). "
+            "The worker exited before the batch was received, or /proc is restricted "
+            "(receiving needs the same user and ptrace read access to the worker)."
+        ) from e
+    try:
+        if file_identity(new_fd) != tuple(ident):
+            raise AttachError(
+                f"cannot receive a batch from DataLoader worker {pid}: {path} now refers to "
+                f"another file: the worker made more than {MAX_UNRECEIVED} batch memfds that "
+                "were not received and closed the oldest. Receive batches as they come, or "
+                "lower prefetch_factor."
+            )
+        with named_os_errors(what, total):
+            return map_fd(new_fd, total)
+    finally:
+        os.close(new_fd)
+
+
+# -- sending (Note [How a batch leaves a worker]) -----------------------------------------
 class BatchRef:
     """One use of a worker's memfd, as its tensors reference it; pickles as its handle.
 
@@ -136,7 +220,7 @@ class BatchRef:
             with _OUTBOX_LOCK:
                 if memfd.ref is self and memfd.fd is not None:
                     memfd.sends += 1
-                    return _inbox.receive, (*memfd.handle, 0, self.nbytes)
+                    return receive, (*memfd.handle, 0, self.nbytes)
             # closed (kept here beyond the cap): send a copy, the way torch sends a storage
             copy = torch.empty(self.nbytes, dtype=torch.uint8)
             copy.copy_(torch.from_numpy(array_at(self.address, self.nbytes)))
@@ -176,11 +260,7 @@ class _Memfd:
         self.sends = 0
 
     def use(self, data: int, total: int, populate: bool) -> torch.UntypedStorage:
-        """Make this memfd hold a new batch of ``data`` bytes: mapped, counters at zero.
-
-        Returns the new batch's storage over its data, which this object does not hold
-        (:meth:`gone_here`). A memfd still mapped here costs no system call.
-        """
+        """Hold a new batch of ``data`` bytes: mapped, counters at zero; its storage."""
         fd = cast(int, self.fd)  # a memfd in use or in the pool is open
         if self.address and self.length < total:
             self.unmap()
@@ -198,7 +278,6 @@ class _Memfd:
         storage = torch.from_numpy(array).untyped_storage()
         self.alive = weakref.ref(array)
         self.ref = BatchRef(self)  # a new use: views of an older one never match it
-        # the counters of this use of the memfd start at zero (a pooled one was counted)
         self.counter.value = self.received.value = 0  # type: ignore[union-attr]
         self.sends = 0
         return storage
@@ -211,13 +290,8 @@ class _Memfd:
         """Whether every mapping of this batch in a receiver is gone."""
         return self.sends == 0 or self.counter.value >= self.sends  # type: ignore[union-attr]
 
-    def all_received(self) -> bool:
-        """Whether every send of this batch has reached its receiver."""
-        return self.received.value >= self.sends  # type: ignore[union-attr]
-
     def unmap(self) -> None:
         """Drop this worker's mapping (nothing here may hold the batch any more)."""
-        # only once the batch is gone here (or its memfd closed and its views gone)
         self.counter = self.received = self.ref = self.alive = None
         if self.address:
             unmap(self.address, self.length)
@@ -233,22 +307,13 @@ class _Outbox:
     """The batches this worker process has made and not yet seen released, and its pool."""
 
     def __init__(self) -> None:
-        # no mapping of a sent batch is kept here: a batch in flight counts once, where held
         self.pending: collections.deque[_Memfd] = collections.deque()
         self.mapped: set[_Memfd] = set()  # every memfd whose mapping here may live
-        # released, to be reused; their mappings here kept up to IDLE_BYTES in all
-        self.pool: list[_Memfd] = []
+        self.pool: list[_Memfd] = []  # released, to be reused; mapped up to IDLE_BYTES
         self.pool_mapped = 0
 
     def reap(self) -> None:
-        """Pool or close every batch that is done with (and close the oldest beyond the caps).
-
-        A batch is done once nothing in this worker holds it any more and every
-        mapping of it in the receiver is released: its memfd goes to the pool (or is
-        closed when the pool is full). Beyond ``MAX_UNACKNOWLEDGED`` pending, the
-        oldest received ones are closed (their receivers keep their mappings);
-        beyond ``MAX_UNRECEIVED``, the oldest whatever they are.
-        """
+        """Pool (or close) every batch done with; close the oldest beyond the caps."""
         excess = len(self.pending) - MAX_UNACKNOWLEDGED + 1  # room for the next batch
         force = len(self.pending) - MAX_UNRECEIVED + 1
         keep: collections.deque[_Memfd] = collections.deque()
@@ -264,9 +329,8 @@ class _Outbox:
                 else:
                     memfd.unmap()
                     memfd.close()
-            elif i < force or (excess > 0 and memfd.all_received()):
-                # pinned too long: close it; receivers keep their mappings (one that
-                # has not received it yet, only beyond MAX_UNRECEIVED, gets AttachError)
+            elif i < force or (excess > 0 and memfd.received.value >= memfd.sends):  # type: ignore[union-attr]
+                # pinned too long: close it; receivers keep their mappings
                 excess -= 1
                 memfd.close()
                 if gone_here:
@@ -282,19 +346,17 @@ class _Outbox:
 
     def take(self, size: int) -> _Memfd | None:
         """The smallest pooled memfd of at least ``size`` bytes, or None."""
-        best = None
-        for memfd in self.pool:
-            if memfd.size >= size and (best is None or memfd.size < best.size):
-                best = memfd
-        if best is not None:
-            self.pool.remove(best)
-            self.pool_mapped -= best.length
+        fits = [m for m in self.pool if m.size >= size]
+        if not fits:
+            return None
+        best = min(fits, key=lambda m: m.size)
+        self.pool.remove(best)
+        self.pool_mapped -= best.length
         return best
 
 
 _OUTBOX: _Outbox | None = None
 _OUTBOX_LOCK = ForkSafeLock()
-_PID = os.getpid()
 # (shapes and dtypes of a batch's parts) -> (per part: element offset and bytes; data bytes)
 _LAYOUTS: dict[tuple[Any, ...], tuple[list[tuple[int, int]], int]] = {}
 
@@ -318,12 +380,10 @@ def _layout(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[tupl
 
 
 def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """Empty tensors for the parts (columns) of one batch, all in one memfd.
+    """Empty :class:`SharedTensor` s for the parts of one batch, all in one memfd.
 
-    One descriptor per batch, however many columns it has. The memfd ends with the
-    batch's counters (Note [Reusing a batch's pages]); the memfd is a fresh one, or
-    one of this worker's released batches. The tensors are :class:`SharedTensor` s
-    (but empty ones, which are plain).
+    The memfd is a fresh one or one of this worker's released batches (empty parts
+    are plain tensors).
 
     Example:
         >>> import pickle
@@ -340,7 +400,7 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
     if data == 0:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in parts]
     total = data + _COUNTER
-    _inbox.release_queued()  # batches this process received and dropped (a pool's chain)
+    release_queued()  # batches this process received and dropped (a pool's chain)
     with _OUTBOX_LOCK:
         box = _OUTBOX
         if box is None:  # first batch of this process
@@ -373,15 +433,13 @@ def worker_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def into_one_batch(items: list[Any]) -> list[Any]:
-    """``items`` with every plain tensor in them moved into one batch memfd of this worker.
+    """``items`` with every plain CPU tensor in them moved into one batch memfd.
 
-    For values that are made afresh per row (``SharedList`` unpickles each item):
-    left alone, each tensor would leave the worker as a shared segment of its own
-    (torch's path), one or more per row. Tensors inside dicts, lists and tuples
-    (named ones too) are copied side by side into one memfd and replaced by views
-    of it, so the batch crosses as one handle however many rows and tensors it has.
-    Other objects, and tensors torch must send itself (``requires_grad``, sparse, a
-    subclass, not on the CPU), are kept as they are.
+    For values made afresh per row (``SharedList`` unpickles each item), whose tensors
+    would each leave the worker in a segment of their own. Tensors in dicts, lists,
+    tuples and namedtuples are copied side by side and replaced by views; other
+    objects, and tensors torch must send itself (``requires_grad``, sparse, a
+    subclass, not on the CPU), are kept.
 
     Example:
         >>> rows = [{"a": torch.arange(3), "b": (torch.ones(2), "x")}, [torch.zeros(1)]]
@@ -390,11 +448,16 @@ def into_one_batch(items: list[Any]) -> list[Any]:
         ((SharedTensor([1., 1.]), 'x'), 1)
     """
     found: list[torch.Tensor] = []
-    _collect(items, found)
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    _replace(items, note)  # a first pass only notes them
     if not found:
         return items
     outs = iter(worker_buffers([(tuple(t.shape), t.dtype) for t in found]))
-    return _replace(items, lambda t: _copy_into(next(outs), t))
+    return _replace(items, lambda t: _copy_into(next(outs), t))  # type: ignore[no-any-return]
 
 
 def _copy_into(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -402,31 +465,15 @@ def _copy_into(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _movable(obj: Any) -> bool:
-    return (
+def _replace(obj: Any, move: Any) -> Any:
+    if (
         type(obj) is torch.Tensor
         and obj.layout is torch.strided
         and obj.device.type == "cpu"
         and not obj.requires_grad
         and not obj.is_quantized
         and obj.numel() > 0
-    )
-
-
-def _collect(obj: Any, found: list[torch.Tensor]) -> None:
-    if _movable(obj):
-        found.append(obj)
-    elif type(obj) is dict:
-        for value in obj.values():
-            _collect(value, found)
-    elif type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
-        for value in obj:
-            _collect(value, found)
-
-
-def _replace(obj: Any, move: Any) -> Any:
-    # the same traversal order as _collect
-    if _movable(obj):
+    ):
         return move(obj)
     if type(obj) is dict:
         return {key: _replace(value, move) for key, value in obj.items()}
@@ -440,11 +487,15 @@ def _replace(obj: Any, move: Any) -> Any:
 
 
 def _after_fork_in_child() -> None:
-    global _PID, _OUTBOX
+    global _PID, _OUTBOX, _idle_bytes
     _PID = os.getpid()
     _OUTBOX = None  # the parent's batches are not this process's to send or reuse
+    _QUEUED.clear()  # nor its received batches to release
+    for idle in _IDLE.values():  # nor its idle mappings: unmapped, their files can go
+        unmap(idle[0], idle[1])
+    _IDLE.clear()
+    _idle_bytes = 0
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-_ = (np, SharedTensor)  # re-exported types used in annotations by callers
+atexit.register(_LIVE.clear)  # at exit nothing is released: the mappings go with the process
