@@ -138,16 +138,11 @@ def classify(value: Any, path: str) -> Leaf | None:
         return Leaf(path, "ndarray", dtype.newbyteorder("="), value.shape, array_dtype=own)
     if isinstance(value, np.generic) and value.dtype.kind not in _PICKLED:
         return Leaf(path, "npscalar", value.dtype.newbyteorder("="))
-    if isinstance(value, bool):
-        return Leaf(path, "bool", np.dtype(np.bool_))
-    if isinstance(value, int):
-        return Leaf(path, "int", np.dtype(np.int64))
-    if isinstance(value, float):
-        return Leaf(path, "float", np.dtype(np.float64))
-    if type(value) is str:
-        return Leaf(path, "str", np.dtype(np.uint8))
-    if type(value) is bytes:
-        return Leaf(path, "bytes", np.dtype(np.uint8))
+    for number, dtype in ((bool, np.bool_), (int, np.int64), (float, np.float64)):
+        if isinstance(value, number):
+            return Leaf(path, number.__name__, np.dtype(dtype))
+    if type(value) in (str, bytes):
+        return Leaf(path, type(value).__name__, np.dtype(np.uint8))
     if type(value) is list:  # numbers: a ragged column; anything else: pickled whole
         kind = numeric_list(value)
         return Leaf(path, "pickle" if kind is None else kind or "intlist", np.dtype(np.uint8))

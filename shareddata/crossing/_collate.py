@@ -151,36 +151,29 @@ class _Plan:
         """``fn_map`` (same keys, same order) with the functions this pass replaces."""
         out: FnMap = {}
         for key, fn in self.fn_map.items():
-            if fn in _STACKING:
-                out[key] = self._fill_tensors if filling else self._noting(_STACKING[fn])
-            elif fn in _NUMBERS:
-                out[key] = self._fill_numbers if filling else self._numbers(fn)
-            elif fn in _AS_THEY_ARE:
+            if fn in _AS_THEY_ARE:
                 out[key] = fn
+            elif filling:  # the second pass replays the first's calls, in order
+                out[key] = self._fill
+            elif fn in _STACKING:
+                out[key] = self._noting(_STACKING[fn])
+            elif fn in _NUMBERS:
+                out[key] = self._numbers(fn)
             else:
-                out[key] = self._replayed if filling else self._kept(fn)
+                out[key] = self._kept(fn)
         return out
-
-    def _next(self) -> Any:
-        entry = self.entries[self.at]
-        self.at += 1
-        return entry
 
     # first pass
     def _noting(self, lenient: bool) -> Callable[..., Any]:
         def note(batch: Any, *, collate_fn_map: Any = None) -> Any:
-            return self._note_tensors(batch, collate_fn_map, lenient)
-
-        return note
-
-    def _note_tensors(self, batch: Any, collate_fn_map: Any, lenient: bool) -> Any:
-        elem = batch[0]
-        if (
-            type(elem) in _OURS
-            and elem.layout is torch.strided
-            and elem.device.type == "cpu"
-            and not elem.is_nested
-        ):
+            elem = batch[0]
+            if not (
+                type(elem) in _OURS
+                and elem.layout is torch.strided
+                and elem.device.type == "cpu"
+                and not elem.is_nested
+            ):
+                return self._call(collate_tensor_fn, batch, collate_fn_map)
             shape = elem.shape
             if any(t.shape != shape for t in batch):
                 if not lenient:  # torch's error, with nothing allocated
@@ -192,7 +185,8 @@ class _Plan:
             self.entries.append(len(self.parts))
             self.parts.append(((len(batch), *shape), elem.dtype))
             return None  # made by the second pass
-        return self._call(collate_tensor_fn, batch, collate_fn_map)
+
+        return note
 
     def _numbers(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def note(batch: Any, *, collate_fn_map: Any = None) -> Any:
@@ -222,33 +216,24 @@ class _Plan:
         return made
 
     # second pass
-    def _fill_tensors(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
-        entry = self._next()
+    def _fill(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
+        entry = self.entries[self.at]
+        self.at += 1
         if type(entry) is int:
             out = self.buffers[entry]
             torch.stack(batch, 0, out=out.as_subclass(torch.Tensor))  # as torch does in a worker
             return out
-        if entry[0] == "rows":
+        tag = entry[0]
+        if tag == "rows":
             rows = self.buffers[entry[1] : entry[1] + len(batch)]
             for out, row in zip(rows, batch):
                 out.as_subclass(torch.Tensor).copy_(row)
             return rows
-        return self._replay(entry, batch)
-
-    def _fill_numbers(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
-        entry = self._next()
-        if entry[0] == "copy":
+        if tag == "copy":
             out = self.buffers[entry[1]]
             out.as_subclass(torch.Tensor).copy_(entry[2])
             return out
-        return self._replay(entry, batch)
-
-    def _replayed(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
-        return self._replay(self._next(), batch)
-
-    @staticmethod
-    def _replay(entry: list[Any], batch: Any) -> Any:
-        if entry[0] == "made":
+        if tag == "made":
             return entry[1]
         # it raised in the first pass (a caller went on: a lenient collate): again
         _, fn, fn_map = entry
