@@ -4,6 +4,7 @@ Each command prints what it found in words; usage errors (a missing file, a file
 shareddata cannot read, a ``MODULE:FUNCTION`` that does not give a DataLoader) are
 one line on stderr and exit code 2. ``verify`` exits 1 when the data is duplicated
 and 3 when it cannot tell; ``info`` exits 1 when the file does not fit in memory.
+A command's ``--help`` is its function's docstring and the arguments it registers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import multiprocessing
 import os
 import sys
 import textwrap
@@ -18,12 +20,51 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from torch.utils.data import DataLoader
+
 from . import _info
+from ._demo import run_demo
 from ._info import CommandError, open_sources
 from ._text import format_bytes, parse_size, plural
 from .errors import DuplicationError, InconclusiveError, SharedDataError
+from .memory import verify
+from .storage._sweep import sweep
 
 __all__ = ["build_parser", "main", "open_sources"]
+
+Command = Callable[[argparse.Namespace], int]
+_COMMANDS: dict[str, tuple[Command, tuple[Any, ...]]] = {}
+
+
+def _command(name: str, *arguments: Any) -> Callable[[Command], Command]:
+    """Register a command's function and its arguments (``_arg``), in --help's order."""
+
+    def register(run: Command) -> Command:
+        _COMMANDS[name] = (run, arguments)
+        return run
+
+    return register
+
+
+def _arg(*flags: str, **options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    return flags, options
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
 
 
 def _split_target(target: str) -> tuple[str, str, str]:
@@ -83,8 +124,6 @@ def load_factory(target: str) -> Any:
 
 
 def _make_loader(target: str) -> Any:
-    from torch.utils.data import DataLoader
-
     loader = load_factory(target)
     if isinstance(loader, DataLoader):
         return loader
@@ -106,6 +145,87 @@ def _make_loader(target: str) -> Any:
     return loader
 
 
+@_command(
+    "demo",
+    _arg("--size", type=_size, default="256MiB", help="dataset size (KiB, MiB, GiB)"),
+    _arg("--workers", type=_positive, default=2, help="DataLoader num_workers"),
+    _arg(
+        "--start-method",
+        choices=["spawn", "forkserver", "fork"],
+        default="spawn",
+        help="how workers start; forkserver and spawn pickle the naive Dataset into each worker, "
+        "fork shares it until written",
+    ),
+    _arg("--batch-size", type=_positive, default=64, help="samples per batch"),
+    _arg(
+        "--batches",
+        type=_positive,
+        default=8,
+        help="batches to read before measuring (each worker has started by then)",
+    ),
+    _arg(
+        "--plot",
+        metavar="PNG",
+        help="also write a bar chart of both runs' memory per process (needs matplotlib)",
+    ),
+)
+def _demo(args: argparse.Namespace) -> int:
+    """A naive Dataset vs shareddata: memory held and time to the first batch.
+
+    Write a synthetic float32 dataset to a temporary .npy file and read it with
+    DataLoader workers twice: as a plain numpy Dataset (the array is pickled into every
+    worker) and as shareddata.NumpyDataset (one copy in shared memory). Prints how many
+    times each holds the data, the memory saved and the time to the first batch.
+
+    Examples:
+        python -m shareddata demo
+        python -m shareddata demo --size 1GiB --workers 4 --start-method forkserver
+        python -m shareddata demo --plot memory.png
+    """
+    return run_demo(args)
+
+
+_command(
+    "info",
+    _arg("file", metavar="FILE", help="the file or folder to describe"),
+    _arg(
+        "--keys",
+        "--columns",
+        dest="keys",
+        action="append",
+        metavar="NAME[,NAME...]",
+        help="only these columns (HDF5: dataset paths such as grp/images); repeatable; "
+        "default: all",
+    ),
+)(_info.info)
+
+
+@_command(
+    "verify",
+    _arg(
+        "target",
+        metavar="MODULE:FUNCTION",
+        help="a function taking no arguments that returns your DataLoader (or the DataLoader "
+        "itself); MODULE may be a file path",
+    ),
+    _arg("--batches", type=_positive, help="batches to read before measuring; default: one epoch"),
+    _arg(
+        "--max-duplication",
+        type=float,
+        default=1.10,
+        help="fail above this many copies of the dataset",
+    ),
+    _arg(
+        "--dataset-size",
+        type=_size,
+        help="the dataset's size (e.g. 2GiB); default: dataset.nbytes or an estimate",
+    ),
+    _arg(
+        "--json",
+        action="store_true",
+        help="print the report as JSON on stdout (the verdict goes to stderr)",
+    ),
+)
 def _verify(args: argparse.Namespace) -> int:
     """Run your DataLoader and check that the dataset is held once.
 
@@ -119,10 +239,6 @@ def _verify(args: argparse.Namespace) -> int:
         python -m shareddata verify train:make_loader --batches 50 --max-duplication 1.2
         python -m shareddata verify src/data.py:loader --json > memory.json
     """
-    import multiprocessing
-
-    from .memory import verify
-
     loader = _make_loader(args.target)
     if loader.num_workers > 0:  # the forkserver preloads __main__, here shareddata: MODULE
         module_name = _split_target(args.target)[1]
@@ -156,24 +272,12 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.passed else {"duplicated": 1, "inconclusive": 3}[report.status]
 
 
-def _demo(args: argparse.Namespace) -> int:
-    """A naive Dataset vs shareddata: memory held and time to the first batch.
-
-    Write a synthetic float32 dataset to a temporary .npy file and read it with
-    DataLoader workers twice: as a plain numpy Dataset (the array is pickled into every
-    worker) and as shareddata.NumpyDataset (one copy in shared memory). Prints how many
-    times each holds the data, the memory saved and the time to the first batch.
-
-    Examples:
-        python -m shareddata demo
-        python -m shareddata demo --size 1GiB --workers 4 --start-method forkserver
-        python -m shareddata demo --plot memory.png
-    """
-    from ._demo import run_demo  # imports torch: only for the demo
-
-    return run_demo(args)
-
-
+@_command(
+    "clean",
+    _arg("--dry-run", action="store_true", help="only list what would go"),
+    _arg("--dir", default="/dev/shm", help="the shared-memory folder"),
+    _arg("--min-age", type=float, default=5.0, help="leave names younger than this (seconds)"),
+)
 def _clean(args: argparse.Namespace) -> int:
     """Remove the shared-memory names that killed DataLoader processes left.
 
@@ -185,8 +289,6 @@ def _clean(args: argparse.Namespace) -> int:
         python -m shareddata clean --dry-run
         python -m shareddata clean
     """
-    from .storage._sweep import sweep
-
     if not os.path.isdir(args.dir):
         raise CommandError(f"{args.dir} is not a folder")
     found = sweep(args.dir, min_age=args.min_age, dry_run=args.dry_run)
@@ -208,23 +310,6 @@ def _clean(args: argparse.Namespace) -> int:
 # -- the parser ----------------------------------------------------------------------------
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
-
-
 class _Formatter(argparse.HelpFormatter):
     """Wraps descriptions, keeps the examples' line breaks, shows set defaults."""
 
@@ -238,98 +323,6 @@ class _Formatter(argparse.HelpFormatter):
         if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
             text += " (default: %(default)s)"
         return text
-
-
-def _arg(*flags: str, **options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
-    return flags, options
-
-
-# each command's arguments; its help, description and examples are its function's docstring
-_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], list[Any]]] = {
-    "demo": (
-        _demo,
-        [
-            _arg("--size", type=_size, default="256MiB", help="dataset size (KiB, MiB, GiB)"),
-            _arg("--workers", type=_positive, default=2, help="DataLoader num_workers"),
-            _arg(
-                "--start-method",
-                choices=["spawn", "forkserver", "fork"],
-                default="spawn",
-                help="how workers start; forkserver and spawn pickle the naive Dataset into "
-                "each worker, fork shares it until written",
-            ),
-            _arg("--batch-size", type=_positive, default=64, help="samples per batch"),
-            _arg(
-                "--batches",
-                type=_positive,
-                default=8,
-                help="batches to read before measuring (each worker has started by then)",
-            ),
-            _arg(
-                "--plot",
-                metavar="PNG",
-                help="also write a bar chart of both runs' memory per process (needs matplotlib)",
-            ),
-        ],
-    ),
-    "info": (
-        _info.info,
-        [
-            _arg("file", metavar="FILE", help="the file or folder to describe"),
-            _arg(
-                "--keys",
-                "--columns",
-                dest="keys",
-                action="append",
-                metavar="NAME[,NAME...]",
-                help="only these columns (HDF5: dataset paths such as grp/images); repeatable; "
-                "default: all",
-            ),
-        ],
-    ),
-    "verify": (
-        _verify,
-        [
-            _arg(
-                "target",
-                metavar="MODULE:FUNCTION",
-                help="a function taking no arguments that returns your DataLoader (or the "
-                "DataLoader itself); MODULE may be a file path",
-            ),
-            _arg(
-                "--batches",
-                type=_positive,
-                help="batches to read before measuring; default: one epoch",
-            ),
-            _arg(
-                "--max-duplication",
-                type=float,
-                default=1.10,
-                help="fail above this many copies of the dataset",
-            ),
-            _arg(
-                "--dataset-size",
-                type=_size,
-                help="the dataset's size (e.g. 2GiB); default: dataset.nbytes or an estimate",
-            ),
-            _arg(
-                "--json",
-                action="store_true",
-                help="print the report as JSON on stdout (the verdict goes to stderr)",
-            ),
-        ],
-    ),
-    "clean": (
-        _clean,
-        [
-            _arg("--dry-run", action="store_true", help="only list what would go"),
-            _arg("--dir", default="/dev/shm", help="the shared-memory folder"),
-            _arg(
-                "--min-age", type=float, default=5.0, help="leave names younger than this (seconds)"
-            ),
-        ],
-    ),
-}
 
 
 def _texts(run: Callable[..., int]) -> dict[str, Any]:
