@@ -1,17 +1,10 @@
-"""The common Dataset over shared columns.
-
-Data flows one way: a source (``sources/``) sizes its columns -> :func:`_load.build`
-allocates every buffer in shared memory and lets the source fill it -> the columns
-(``_columns.py``) index it -> :class:`ColumnDataset` serves samples and batches, and
-pickles into workers as handles (``_storage/``).
-"""
+"""The common Dataset over shared columns: len, samples, batches, pickling as handles."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
@@ -21,7 +14,7 @@ from ..columns._items import nest_paths, rebuild
 from ..crossing._collate import Samples, collate_columns
 from ..crossing._transport import worker_buffers
 from ..errors import ArgumentTypeError, IndexOutOfRangeError, InvalidArgumentError
-from ._indexing import index_shape, index_tensor, lenient_collate, rows_by_index
+from ._indexing import index_shape, index_tensor, is_int, lenient_collate, rows_by_index
 from ._load import Source, check_lengths
 
 __all__ = ["ColumnDataset", "Source"]
@@ -30,11 +23,7 @@ Output = Literal["dict", "tuple"]
 
 
 class BatchValues(NamedTuple):
-    """What the samples of a gathered batch are made of (the arguments of :class:`Samples`).
-
-    A :class:`ColumnDataset`'s values are its columns; a ``SharedDataset``'s are its
-    items' leaves (a ragged leaf is two columns).
-    """
+    """What a gathered batch's samples are made of: columns, or ``SharedDataset``'s leaves."""
 
     names: list[Any]
     batched: list[Any]
@@ -53,35 +42,16 @@ class BatchValues(NamedTuple):
         )  # fmt: skip
 
     def collated(self) -> Any:
-        """The batch ``default_collate`` makes of the samples.
-
-        A column it cannot collate (rows of varying length) stays the list of its rows.
-        """
+        """The samples' ``default_collate``; a column it cannot collate stays a list of rows."""
         return collate_columns(
             self.names, self.batched, self.stacked, self.nesting, self.tuples, lenient=True
         )
 
 
-def is_int(index: Any) -> bool:
-    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-        return True
-    return (
-        isinstance(index, (torch.Tensor, np.ndarray))
-        and index.ndim == 0
-        and (
-            not index.dtype.is_floating_point
-            if isinstance(index, torch.Tensor)
-            else np.issubdtype(index.dtype, np.integer)
-        )
-    )
-
-
 class Closed:
-    """What a closed dataset holds instead of its columns: every use is refused by name.
+    """What a closed dataset holds instead of its columns: any use but ``len()`` is refused.
 
-    ``len()`` still answers; indexing, batches, pickling (a DataLoader's workers) and
-    sizes raise :class:`~shareddata.InvalidArgumentError` (a ``ValueError``, as a
-    closed file's methods do).
+    With :class:`~shareddata.InvalidArgumentError` (a ``ValueError``, as for a closed file).
     """
 
     def __init__(self, owner: str, length: int) -> None:
@@ -110,11 +80,10 @@ class Closable:
     _held = "_columns"  # the attribute that refers to the shared memory
 
     def close(self) -> None:
-        """Let go of the shared memory now; any later use of the dataset is refused.
+        """Let go of the shared memory now (idempotent); any later use is refused.
 
-        The memory is freed once nothing else holds it: samples and batches already
-        taken stay valid, and so do DataLoader workers already started (each holds
-        the memory itself). Idempotent. ``with`` closes the dataset at the block's end.
+        The memory is freed once nothing holds it: samples, batches and workers already
+        started keep theirs. ``with`` closes the dataset at the block's end.
 
         Example:
             >>> import numpy as np, shareddata as sd
@@ -143,22 +112,16 @@ class Closable:
 
 
 class ColumnDataset(Closable, Dataset):
-    """A map-style Dataset over columns in shared memory.
-
-    Subclasses (one per source format) only build the columns; everything a
-    user indexes, batches and pickles is here.
+    """A map-style Dataset over columns in shared memory; subclasses only build the columns.
 
     Args:
-        columns: the columns by name (all of one length), or a function that loads
-            them: every other argument is checked first, so a bad one is refused
-            before anything is loaded.
+        columns: the columns by name (all of one length), or a function loading them
+            (called after every other argument is checked).
         transform: applied to each sample, in the worker, after indexing.
-        output: ``"dict"`` for ``{column: value}`` samples, ``"tuple"`` for values in
-            column order (what ``TensorDataset`` users unpack as ``x, y``).
-        nested: give each column's value at its key path in ``paths`` (``{"s": {"a":
-            ...}}``) instead of under its flat name (Note [Nested items] in
-            ``columns/_items.py``); with ``output="tuple"``, the top-level values in order.
-        paths: each column's key path (default: its name alone); used with ``nested``.
+        output: ``"dict"`` (``{column: value}``) or ``"tuple"`` (values in column order).
+        nested: each value at its key path in ``paths`` (Note [Nested items] in
+            ``columns/_items.py``) instead of under its flat name.
+        paths: each column's key path (default: its name alone).
 
     Attributes:
         node_shard: with ``shard="node"``, the rows of the whole dataset held here
@@ -195,8 +158,7 @@ class ColumnDataset(Closable, Dataset):
         self._nesting = (
             nest_paths(self._names, [self._paths[n] for n in self._names]) if nested else None
         )
-        # index_select checks bounds itself (IndexError, negatives included): when it
-        # gathers every column, _gather skips the separate check (Note in _gather).
+        # index_select checks the bounds itself: see _gather
         self._torch_bounds = bool(columns) and all(
             type(c).gather is TensorColumn.gather for c in columns.values()
         )
@@ -221,11 +183,7 @@ class ColumnDataset(Closable, Dataset):
         return self._len
 
     def segment_identity(self) -> frozenset[tuple[int, int]]:
-        """The (device, inode) of every shared segment this dataset maps.
-
-        Two datasets with equal identities hold one copy of the data (e.g. two local
-        ranks of a node, one attached to the other's columns).
-        """
+        """The (device, inode) of every shared segment mapped: equal for one copy."""
         return frozenset(
             array.segment.handle()[2]
             for column in self._columns.values()
@@ -260,16 +218,9 @@ class ColumnDataset(Closable, Dataset):
         return index_tensor(indices, self._len, type(self).__name__, check)
 
     def __getitem__(self, index: Any) -> Any:
-        """One sample for an int; a batch (values stacked per field) for indices.
+        """One sample for an int; for indices, the default collate of their samples.
 
-        ``ds[[3, 1, 4]]``, ``ds[2:10]``, ``ds[tensor]`` gather every column once and
-        return the batch the default collate makes of those samples (same containers,
-        same values; ``collate_columns`` in ``_batch.py`` is the one place that says
-        how), except that a field it cannot collate (rows of different lengths)
-        stays the list of its rows. A ``transform`` is applied per sample, then the
-        samples are collated. No row (``ds[[]]``) gives an empty batch of the same
-        structure, an n-D index a batch laid out in its shape, as numpy does (Note [A
-        batch by index] in ``_indexing.py``).
+        Note [A batch by index] in ``_indexing.py``.
         """
         if is_int(index):
             i = self._check_index(index)
@@ -299,11 +250,9 @@ class ColumnDataset(Closable, Dataset):
     def _gather(self, indices: Any, shared: bool) -> tuple[torch.Tensor, list[Any]]:
         """The checked indices and each column's gathered batch.
 
-        Where ``index_select`` gathers every column, it is trusted with the bounds:
-        it raises ``IndexError`` for any index outside ``[0, len)``, negatives
-        included, before anything is returned. Only then are the indices checked
-        here (which wraps negatives, or names the bad index), and the batch gathered
-        again. That saves a separate pass over the indices on every batch.
+        Where ``index_select`` gathers every column it checks the bounds itself
+        (negatives included); only if it raises are the indices checked here and
+        gathered again: no separate pass over the indices per batch.
         """
         if self._torch_bounds:
             idx = self._indices(indices, check=False)
@@ -327,32 +276,19 @@ class ColumnDataset(Closable, Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples ``indices``, gathering each column once (what the DataLoader calls).
 
-        The default collate gives the same batch as fetching each sample alone,
-        and without a ``transform`` it takes each column's batch as gathered, with no
-        second copy (Note [The default collate's shortcut] in ``crossing/_collate.py``).
+        Without a ``transform`` the default collate takes each column's batch as
+        gathered (Note [The default collate's shortcut] in ``crossing/_collate.py``);
+        in a worker the batch is gathered into shared memory, as it leaves.
         """
-        # In a worker the gathered batch is built in shared memory: it is the batch
-        # that travels to the main process (and a private temporary per batch would
-        # grow the worker's heap by several MiB, which glibc keeps).
-        shared = get_worker_info() is not None
-        idx, batched = self._gather(indices, shared)
+        idx, batched = self._gather(indices, get_worker_info() is not None)
         if self.transform is None:
             return self._values(batched).samples(len(idx))
         values = [c.split(b) for c, b in zip(self._columns.values(), batched)]
-        if values:
-            samples = [self._pack(row) for row in zip(*values)]
-        else:
-            samples = [self._pack([]) for _ in range(len(idx))]
-        if self.transform is not None:
-            samples = [self.transform(s) for s in samples]
-        return samples
+        rows = zip(*values) if values else [[]] * len(idx)
+        return [self.transform(self._pack(row)) for row in rows]
 
     def _values(self, batched: list[Any]) -> BatchValues:
-        """What the samples of a gathered batch (each column's batch) are made of.
-
-        Subclasses whose samples are not their columns (``SharedDataset``) say it here,
-        so that ``__getitems__`` and ``ds[indices]`` take the same shortcut for them.
-        """
+        """What a gathered batch's samples are made of (``SharedDataset``: its leaves)."""
         stacked = [isinstance(b, torch.Tensor) for b in batched]
         splits: list[Callable[[Any], Any]] = [c.split for c in self._columns.values()]
         tuples = self.output != "dict"
@@ -363,21 +299,17 @@ class ColumnDataset(Closable, Dataset):
             yield self[i]
 
     # -- pickling: handles, never data -------------------------------------------------
+    _pickled: tuple[str, ...] = ()  # a subclass's own attributes that travel too
+
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "columns": self._columns,
-            "transform": self.transform,
-            "output": self.output,
-            "nested": self.nested,
-            "paths": self._paths,
-        }
+        state = {k: getattr(self, k) for k in self._pickled}
+        return {**state, "columns": self._columns, "transform": self.transform,
+                "output": self.output, "nested": self.nested, "paths": self._paths}  # fmt: skip
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        for k in self._pickled:
+            setattr(self, k, state[k])
         ColumnDataset.__init__(
-            self,
-            state["columns"],
-            transform=state["transform"],
-            output=state["output"],
-            nested=state.get("nested", False),
-            paths=state.get("paths"),
-        )
+            self, state["columns"], transform=state["transform"], output=state["output"],
+            nested=state["nested"], paths=state["paths"],
+        )  # fmt: skip

@@ -2,30 +2,22 @@
 
 Note [A batch by index]
 =======================
-``ds[i]`` for an int is one sample. Any other index selects several rows, and
-every kind (``ColumnDataset``'s four, ``SharedDataset``, ``SharedList``) answers it
-the same way:
+``ds[i]`` for an int is one sample. Any other index selects several rows, the same
+way for every kind:
 
-* a list, a slice, a 1-D array or tensor of ints: the batch that the default
-  collate makes of those samples (after the ``transform``), except that a field
-  it cannot collate (tensors or lists of different lengths in different rows, a
-  value of a type it does not know) stays the list of its rows, as the DataLoader
-  would need a ``collate_fn`` for. ``SharedList`` gives the list of its items, as
-  its slices do;
-* no row at all (``ds[[]]``, ``ds[5:5]``): an empty batch of the same structure:
-  each tensor with 0 rows (its dtype and row shape), each list of rows empty. A
-  column dataset without a ``transform`` knows each column's kind (a
-  variable-length column gives an empty list); otherwise the structure is that of a
-  batch of the first, middle and last rows, cut to no row (a field whose rows
-  differ in shape there gives an empty list);
-* an n-D array, tensor or nested list of ints: as numpy indexes, the result's
-  leading dimensions are the index's shape: ``ds[np.array([[1, 2], [3, 4]])]``
-  gives a ``(2, 2, *row)`` tensor per field and nested lists ``[[r1, r2], [r3,
-  r4]]`` of the rest. A nested list whose rows differ in length is refused by name.
+* a list, a slice, a 1-D array or tensor of ints: the batch the default collate
+  makes of those samples (after the ``transform``), except that a field it cannot
+  collate (rows of different lengths, an unknown type) stays the list of its rows.
+  ``SharedList`` gives the list of its items;
+* no row (``ds[[]]``, ``ds[5:5]``): an empty batch of the same structure (tensors
+  with 0 rows, empty lists), taken from the column kinds or from a batch of the
+  first, middle and last rows cut to no row;
+* an n-D array, tensor or nested list of ints: as numpy, the index's shape leads
+  (``ds[np.array([[1, 2], [3, 4]])]`` gives ``(2, 2, *row)`` tensors and nested
+  lists); a ragged nested list is refused.
 
-Booleans, floats and other non-integers are refused (``IndexTypeError``); an index
-beyond the rows is ``IndexOutOfRangeError``. In a DataLoader worker
-(``IndexBatchSampler``) the batch is made in one memfd, lists of rows included (Note
+Booleans and floats are ``IndexTypeError``, an index beyond the rows
+``IndexOutOfRangeError``. In a worker the batch is made in one memfd (Note
 [Collating into one memfd] in ``crossing/_collate.py``).
 """
 
@@ -46,19 +38,13 @@ from ..crossing._collate import collate_in_one_memfd, stacking, through
 from ..errors import IndexOutOfRangeError, IndexTypeError
 from ..storage import SharedTensor
 
-__all__ = ["index_shape", "index_tensor", "lenient_collate", "nest_rows", "rows_by_index"]
+__all__ = ["index_shape", "is_int", "index_tensor", "lenient_collate", "nest_rows", "rows_by_index"]
 
 _NO_MASKS = "boolean masks are not supported as indices; use mask.nonzero()"
 
 
 def index_shape(indices: Any) -> tuple[int, ...] | None:
-    """The shape of an n-D index (not 1-D); ``None`` for a slice or a 1-D index.
-
-    Cheap for the common indices (a list of ints, a 1-D tensor): only a list whose
-    first element is itself a sequence is measured.
-
-    Raises:
-        IndexTypeError: a nested list whose rows differ in length.
+    """The shape of an n-D index; ``None`` for a slice or a 1-D index (cheap for those).
 
     Example:
         >>> index_shape([1, 2]), index_shape(np.zeros((2, 3), int)), index_shape([[1], [2]])
@@ -86,14 +72,10 @@ def _short(obj: Any) -> str:
 
 
 def index_tensor(indices: Any, n: int, label: str, check: bool = True) -> torch.Tensor:
-    """``indices`` as a flat int64 tensor in ``[0, n)``: negatives wrap, others raise.
+    """``indices`` flattened to an int64 tensor in ``[0, n)``: negatives wrap, others raise.
 
-    One bounds check per batch, on a numpy view (cheaper than torch's reductions
-    for a few hundred indices); the common inputs (a list of ints from a
-    ``BatchSampler``, an int64 tensor from ``IndexBatchSampler``) take no other
-    conversion. ``check=False`` skips the bounds (and the wrapping of negatives):
-    only for a gather that checks them itself. An n-D index is flattened
-    (:func:`index_shape` gives its shape).
+    One bounds check on a numpy view; ``check=False`` skips it (and the wrapping)
+    for a gather that checks the bounds itself.
 
     Example:
         >>> index_tensor([3, -1], 5, "x").tolist(), index_tensor(slice(1, 3), 5, "x").tolist()
@@ -126,7 +108,7 @@ def index_tensor(indices: Any, n: int, label: str, check: bool = True) -> torch.
             raise IndexTypeError(_NO_MASKS)
         if array.dtype.kind not in "iu":
             flat = array.reshape(-1)
-            if array.dtype.hasobject and flat.size and all(_is_int(i) for i in flat):
+            if array.dtype.hasobject and flat.size and all(map(is_int, flat)):
                 bad = max(flat, key=abs)  # ints beyond int64, as ds[2**64] says
                 raise IndexOutOfRangeError(f"index {bad} is out of range for {label} of {n} rows")
             raise IndexTypeError(f"indices must be integers, got dtype {array.dtype}")
@@ -150,15 +132,22 @@ def index_tensor(indices: Any, n: int, label: str, check: bool = True) -> torch.
     return idx
 
 
-def _is_int(index: Any) -> bool:
-    return isinstance(index, (int, np.integer)) and not isinstance(index, bool)
+def is_int(index: Any) -> bool:
+    """Whether ``index`` is one integer (a Python or numpy int, a 0-d integer tensor or array)."""
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        return True
+    if not isinstance(index, (torch.Tensor, np.ndarray)) or index.ndim:
+        return False
+    if isinstance(index, torch.Tensor):
+        return not index.dtype.is_floating_point
+    return np.issubdtype(index.dtype, np.integer)
 
 
 # -- collating what the default collate cannot: Note [A batch by index] ---------------------
 
 
 def lenient_collate(samples: Sequence[Any]) -> Any:
-    """``default_collate(samples)``, except that a field it cannot collate is the list of its rows.
+    """``default_collate(samples)``, but a field it cannot collate is the list of its rows.
 
     Example:
         >>> rows = [{"a": torch.zeros(2), "b": torch.ones(1)},
@@ -246,13 +235,9 @@ def rows_by_index(
     shape: tuple[int, ...],
     n: int,
 ) -> Any:
-    """The batch of rows ``idx`` (flat) laid out in ``shape``: Note [A batch by index].
+    """The batch of the checked rows ``idx`` laid out in ``shape`` (Note [A batch by index]).
 
-    Args:
-        getitems: the dataset's ``__getitems__`` (samples after the transform).
-        idx: the rows, checked, flattened.
-        shape: the index's shape (``(0,)`` for an empty 1-D index).
-        n: the dataset's length (an empty batch takes its structure from row 0).
+    ``getitems`` is the dataset's ``__getitems__``; ``n`` its length.
     """
     if idx.numel():
         samples = list(getitems(idx.tolist()))

@@ -1,22 +1,11 @@
 """The one loading path: every dataset kind is sized, allocated, filled, sealed and shared here.
 
-:func:`build` is what ``NumpyDataset``, ``HDF5Dataset``, ``ParquetDataset``,
-``ArrowDataset``, ``SharedDataset`` and ``SharedList`` all call. It owns, in this
-order:
-
-1. node sharing and the identity key: under torchrun only local rank 0 of each node
-   runs the steps below; the other local ranks attach to its columns and never open
-   the files or read the wrapped dataset (:func:`shareddata.distributed.load_on_node`);
-2. ``shard="node"``: the source reads only this node's contiguous rows;
-3. allocation, with its capacity check (:class:`Allocator`: every segment made for
-   the load is freed at once if anything fails, Ctrl-C included);
-4. the fill, through :class:`Buffer` sinks (``buf.rows(a, b)``): a source never
-   waits for pages nor imports storage internals;
-5. sealing (no process can change the columns' files any more) and building the columns.
-
-A source is either a :class:`Source` (exact sizes known before reading: the file
-formats, ``SharedList``) or a :class:`Producer` (sizes known only while reading:
-``SharedDataset``, which asks the :class:`Allocator` for segments as it goes).
+:func:`build`, in order: node sharing (under torchrun only local rank 0 of a node
+loads, the others attach: :func:`shareddata.distributed.load_on_node`);
+``shard="node"``; allocation with its capacity check (:class:`Allocator`, which frees
+everything on failure); the fill, by a :class:`Source` (sizes known before reading)
+or a :class:`Producer` (known while reading: ``SharedDataset``, ``SharedList``);
+sealing.
 """
 
 from __future__ import annotations
@@ -62,19 +51,11 @@ Part = tuple[type[Column], ColumnSpec, dict[str, SharedArray]]
 """One column as a producer made it: its class, spec and filled arrays."""
 
 READ_CHUNK_BYTES = 64 << 20
-"""Private memory a :class:`Source` reads into at most at once, besides its columns.
-
-The ``preadv`` steps of ``sources/_io.py``, the blocks of ``npy.py`` and ``hdf5.py``
-(64 MiB each), a Parquet batch and its row group's pages: counted by the capacity
-check of every file load.
-"""
+"""Private memory a :class:`Source` reads into at once (counted by the capacity check)."""
 
 
 class Columns(dict):  # type: ignore[type-arg]
     """Loaded columns by name; what :func:`build` returns (and pickles across ranks).
-
-    ``ColumnDataset`` reads :attr:`node_shard` from the columns it is given, so
-    every source gets it without plumbing of its own (and it survives pickling).
 
     Attributes:
         node_shard: with ``shard="node"``, the rows of the whole dataset held here.
@@ -86,19 +67,17 @@ class Columns(dict):  # type: ignore[type-arg]
 
 
 class Producer(Protocol):
-    """A source whose sizes are known only while it reads (``SharedDataset``).
+    """A source whose sizes are known only while it reads.
 
-    Same optional ``select_rows``/``total_rows`` as :class:`Source`.
+    Optional ``select_rows``/``total_rows``, as for :class:`Source`.
     """
 
     label: str
 
     def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
-        """Fill columns in segments from ``alloc``; return them and any metadata.
+        """Fill columns in segments from ``alloc``; return them and picklable metadata.
 
-        The metadata (picklable) travels with the columns to the other local ranks.
-        On an error, stop any thread writing to the segments before raising: the
-        loader then frees them.
+        On an error, stop any thread writing to the segments before raising.
         """
         ...
 
@@ -122,11 +101,7 @@ class Allocator:
         reserve: bool = True,
         ahead: bool = False,
     ) -> list[SharedArray]:
-        """Arrays of ``layouts`` in one new segment (see ``_storage.allocate``).
-
-        Raises:
-            SharedMemoryFullError: before anything is allocated, when there is no room.
-        """
+        """Arrays of ``layouts`` in one new segment (``SharedMemoryFullError`` if no room)."""
         arrays = allocate(layouts, self.storage_dir, what=what, reserve=reserve, ahead=ahead)
         if arrays:
             self._segments.append(arrays[0].segment)
@@ -159,7 +134,6 @@ def progress_bar(
         return
     from tqdm.auto import tqdm
 
-    # delay: only loads that take more than ~2 s show a bar
     scaled = {"unit_scale": unit == "B", "unit_divisor": 1024}
     with tqdm(total=total, desc=desc, unit=unit, delay=2, **scaled) as bar:
         yield bar.update
@@ -190,29 +164,20 @@ def build(
 ) -> Columns:
     """Load ``source`` into sealed shared columns, once per node: THE loading path.
 
-    Under torchrun only local rank 0 of each node loads; the other local ranks
-    attach to its columns (Note [How local ranks share one copy] in
-    ``distributed/_node.py``). If anything fails (a read error, Ctrl-C),
+    Under torchrun local rank 0 loads and the others attach (Note [How local ranks
+    share one copy] in ``distributed/_node.py``). If anything fails, Ctrl-C included,
     everything allocated is freed before the error propagates.
 
     Args:
-        source: a :class:`Source` or :class:`Producer`, or a function that makes one
-            (called only where the data is loaded: attaching ranks never open files).
-        key: the dataset's arguments, equal on every local rank (default: the
-            source's type and label); ranks check they build the same dataset. A
-            function returning them is called only when local ranks share.
-        share: ``"node"`` (one copy per node; the default under torchrun) or
-            ``"process"`` (this process loads its own copy).
-        shard: ``"node"`` loads only this node's contiguous share of the rows (the
-            source needs ``select_rows``); ``None`` loads every row.
+        source: a :class:`Source` or :class:`Producer`, or a function making one
+            (called only where the data is loaded).
+        key: the dataset's arguments, which local ranks check are equal (default: the
+            source's type and label); a function is called only when ranks share.
+        share: ``"node"`` or ``"process"`` (:class:`LoadOptions`).
+        shard: ``"node"`` or ``None``.
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
-        progress: show a progress bar for loads longer than ~2 s (on a terminal).
-        timeout: seconds to wait for another local rank (default
-            ``$SHAREDDATA_TIMEOUT``, else 300).
-
-    Returns:
-        The columns, read-only, by name in source order; ``.node_shard`` says which
-        rows they hold with ``shard="node"``, ``.meta`` is a producer's metadata.
+        progress: a progress bar for loads longer than ~2 s.
+        timeout: seconds to wait for another local rank.
 
     Example:
         >>> import numpy as np
@@ -242,11 +207,12 @@ class LoadOptions:
 
     Attributes:
         storage_dir: ``None`` for RAM; a directory for file-backed storage.
-        progress: show a progress bar for loads longer than ~2 s (on a terminal).
+        progress: a progress bar for loads longer than ~2 s (on a terminal).
         share: ``"node"`` (one copy per node; the default under torchrun) or
             ``"process"`` (this process loads its own copy).
         shard: ``"node"`` loads only this node's contiguous share of the rows.
-        timeout: seconds to wait for another local rank.
+        timeout: seconds to wait for another local rank (default
+            ``$SHAREDDATA_TIMEOUT``, else 300).
 
     Example:
         >>> import numpy as np
@@ -266,11 +232,7 @@ class LoadOptions:
     def loader(
         self, source: Source | Producer | Callable[[], Source | Producer], key: Any
     ) -> Callable[[], Columns]:
-        """The load of ``source`` with these options, for ``ColumnDataset`` to call.
-
-        ``ColumnDataset`` checks its own arguments first and calls it after: a bad
-        ``output`` or ``transform`` is refused before anything is read.
-        """
+        """The load of ``source`` with these options (``ColumnDataset`` calls it last)."""
         return functools.partial(build, source, key=key, **dataclasses.asdict(self))
 
 
@@ -291,9 +253,7 @@ def _load_here(
             parts, meta = _fill(source, alloc, progress), None  # type: ignore[arg-type]
         alloc.finish()
     except BaseException:
-        # Free the segments now, although the traceback still refers to the
-        # buffers: Note [Freeing a failed load] in storage/_segment.py.
-        alloc.discard()
+        alloc.discard()  # Note [Freeing a failed load] in storage/_segment.py
         raise
     finally:
         source.close()
@@ -332,11 +292,9 @@ def _fill(source: Source, alloc: Allocator, progress: bool) -> list[Part]:
     layouts = [(spec, COLUMN_KINDS[spec.kind].layout(spec)) for spec in specs]
     flat = [shape_dtype for _, layout in layouts for shape_dtype in layout.values()]
     size = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in flat)
-    # a source reads into private memory at most a chunk at a time (Note [A load is
-    # refused, never killed] in storage/_capacity.py)
+    # Note [A load is refused, never killed] in storage/_capacity.py
     with private_peak(min(size, READ_CHUNK_BYTES)):
-        # pages are allocated while the source fills the first ones: Note [Filling
-        # while the pages are allocated] in storage/_pages.py
+        # Note [Filling while the pages are allocated] in storage/_pages.py
         arrays = iter(alloc(flat, source.label, ahead=True))
         parts: list[Part] = [
             (COLUMN_KINDS[spec.kind], spec, {k: next(arrays) for k in layout})

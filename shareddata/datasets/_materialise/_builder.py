@@ -1,16 +1,16 @@
-"""The builder: items checked against the schema, adapted where they differ, written into columns.
+"""Items checked against the schema, adapted where they differ, written into columns.
 
-The schema comes from the first item (``_items.py``); a later item that does not fit
-is explained (:class:`~shareddata.ItemMismatchError`, :class:`~shareddata.ItemValueError`)
-or adapts the columns (a fixed-size leaf turns ragged, a list turns pickled).
-Fixed-size rows go through a background writer (Note [Writing rows in the
-background] in ``_writer.py``), variable-length values to growing shared files.
+The schema comes from the first item (``columns/_items.py``); a later item that does
+not fit is explained (``ItemMismatchError``, ``ItemValueError``) or adapts the columns
+(a fixed-size leaf turns ragged, a list turns pickled). Fixed-size rows go through
+a background writer (``_writer.py``), variable-length values to growing shared files.
 """
 
 from __future__ import annotations
 
 import math
 import pickle
+import random
 from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any, cast
@@ -36,17 +36,128 @@ from ...columns._items import (
     numeric_list,
     plain_tensor,
 )
-from ...errors import ItemMismatchError, ItemValueError, UnpicklableItemError
+from ...distributed import sample_digest
+from ...errors import InvalidArgumentError, ItemMismatchError, ItemValueError, UnpicklableItemError
 from ...storage import SharedArray
+from ...storage._capacity import private_peak
 from ...storage._writer import VarStore
-from .._load import Allocator, Part
-from ._blocks import Block, BlockReader, identity, unbox
-from ._writer import TRIM_BYTES, HeapTrim, Writer, chunk_rows
+from .._load import Allocator, Part, progress_bar
+from ._writer import (
+    TRIM_BYTES,
+    Block,
+    BlockReader,
+    HeapTrim,
+    Writer,
+    chunk_rows,
+    fetch,
+    identity,
+    unbox,
+)
 
-__all__ = ["Builder"]
+__all__ = ["Builder", "DatasetProducer", "build_columns"]
 
 _VAR_CHUNK_BYTES = 16 << 20  # variable-length bytes of the items held until a flush
 _WORKER_BYTES = 32 << 20  # a forked worker's own pages (copied on write, its interpreter's)
+
+
+def build_columns(
+    dataset: Any,
+    rows: int,
+    alloc: Allocator,
+    update: Callable[[int], None],
+    workers: int = 0,
+    offset: int = 0,
+) -> tuple[list[Part], list[LeafType], Any]:
+    """Materialise ``rows`` items of ``dataset`` from ``offset`` into shared columns.
+
+    Returns the columns' parts, each leaf's type (for ``restore``) and the schema (for
+    ``rebuild``). ``update`` is called with the items added; ``workers``: read by a
+    DataLoader of this many. On failure the writer is stopped and the segments freed.
+    """
+    builder: Builder | None = None
+    try:
+        builder = Builder(fetch(dataset, offset), rows, alloc, workers)
+        with private_peak(builder.outstanding):  # Note [A load is refused, never killed]
+            builder.allocate()
+            if workers > 0:
+                builder.run_workers(dataset, workers, update, offset)
+            else:
+                items = ((i, fetch(dataset, i)) for i in range(offset, offset + rows))
+                builder.run(items, update)
+            parts, kinds = builder.finish()
+    except BaseException:
+        # Note [Freeing a failed load] in storage/_segment.py
+        if builder is not None:
+            builder.discard()
+        raise
+    return parts, kinds, builder.schema
+
+
+class DatasetProducer:
+    """What ``SharedDataset`` hands the loader (a ``Producer``): the dataset's items.
+
+    After them, three items are read twice more (Note [A random item is frozen]);
+    :attr:`varies` is one that differed.
+    """
+
+    varies: int | None = None
+
+    def __init__(self, dataset: Any, num_workers: int) -> None:
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.label = type(dataset).__name__
+        self.start, self.stop = 0, len(dataset)
+
+    def total_rows(self) -> int:
+        """Items of the whole dataset."""
+        return len(self.dataset)
+
+    def select_rows(self, start: int, stop: int) -> None:
+        """Materialise only items ``[start, stop)`` (``shard="node"``)."""
+        self.start, self.stop = start, stop
+
+    def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
+        """The columns' parts and ``(kinds, schema)``, the metadata ``SharedDataset`` needs."""
+        rows = self.stop - self.start
+        if rows == 0:
+            raise InvalidArgumentError(
+                f"this node's share of {self.label} (items {self.start}-{self.stop} of "
+                f"{self.total_rows()}) is empty: there is nothing to share. Use shard=None, or "
+                "fewer nodes than items."
+            )
+        with progress_bar(rows, f"materialising {self.label}", progress, unit="it") as update:
+            parts, kinds, schema = build_columns(
+                self.dataset, rows, alloc, update, self.num_workers, self.start
+            )
+        span = range(self.start, self.stop)
+        for i in sorted({span[0], span[rows // 2], span[-1]}):
+            try:
+                if _digest_of_read(self.dataset, i, 1) != _digest_of_read(self.dataset, i, 2):
+                    self.varies = i
+                    break
+            except Exception:  # the load read it once: no second read, nothing to check
+                break
+        return parts, (kinds, schema)
+
+    def close(self) -> None:
+        """Nothing to release: the dataset belongs to the caller."""
+
+
+# Note [A random item is frozen]: SharedDataset stores one read of every item, so a
+# __getitem__ that augments at random would give one crop forever. Where the items are
+# read, the first, middle and last are read twice more with torch, numpy and Python
+# seeded differently (sample_digest restores the caller's random states), and their
+# digests compared; a difference warns, naming the fix (the random part to transform=).
+
+
+def _digest_of_read(dataset: Any, i: int, seed: int) -> str:
+    def read(_: int) -> Any:
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        return dataset[i]
+
+    return sample_digest(read, 1)
 
 
 class Builder:

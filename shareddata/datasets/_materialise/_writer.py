@@ -1,69 +1,62 @@
-"""Blocks of fixed-size rows written into their segment, by a background thread.
+"""Fixed-size rows written into their segment: by a background thread, or by workers.
 
-``SharedDataset`` hands every ``chunk`` rows of its fixed-size leaves to a
-:class:`Writer` (Note [Writing rows in the background]); DataLoader workers of a
-parallel materialisation write their blocks with a :class:`BlockWriter` of their own
-(Note [Materialising with workers] in ``_blocks.py``).
+The builder hands every ``chunk`` rows to a :class:`Writer` (Note [Writing rows in the
+background]); the DataLoader workers of ``SharedDataset(num_workers=N)`` read and
+write blocks with a :class:`BlockReader` (Note [Materialising with workers]).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ...columns._items import Leaf, host_numpy
+from ...columns._items import Leaf, compile_fast_path, host_numpy
+from ...errors import SharedDataError
 from ...storage import Segment, SharedArray
 from ...storage._capacity import resolve_storage_dir
 from ...storage._linux import MADV_POPULATE_READ, libc, madvise
 from ...storage._writer import pwrite_all
 
-__all__ = ["TRIM_BYTES", "BlockWriter", "HeapTrim", "Writer", "chunk_rows"]
+__all__ = [
+    "TRIM_BYTES", "Block", "BlockReader", "BlockWriter", "HeapTrim", "Writer", "box",
+    "chunk_rows", "fetch", "identity", "unbox",
+]  # fmt: skip
 
 
 # Note [Writing rows in the background]
 # =====================================
-# Filling new shared pages is kernel work: each 4 KiB page of a memfd is allocated
-# when it is first written (``docs/internals.md#allocating-pages``; for a dataset of
-# images, a large part of the time it takes to iterate it once: the ``pages_only``
-# row of ``benchmarks/results/wrap.md``). The builder hides it behind the
-# iteration: the main thread only checks each item and collects its values; every
-# ``chunk`` rows it hands the fixed-size values to a
-# writer thread, which stacks them into a private staging block (``torch.stack``)
-# and ``pwrite``s the block into the segment's file. Both calls release the GIL, so
-# the writer runs on another core while the dataset's ``__getitem__`` runs here.
+# Filling new shared pages is kernel work (``docs/internals.md#allocating-pages``).
+# The builder hides it behind the iteration: the main thread checks each item and
+# collects its values; every ``chunk`` rows a writer thread stacks the fixed-size
+# values into a staging block and ``pwrite``s it into the segment's file (both
+# release the GIL).
 #
-# * The segment is sized, not reserved (``allocate(reserve=False)``; its capacity is
-#   checked before the first item). ``pwrite`` allocates the pages as it fills them,
-#   with no zeroing and no page fault per page, and reports a full memory as
-#   ENOSPC/ENOMEM, raised as SharedMemoryFullError: nothing is ever written through
-#   the mapping, so no SIGBUS is possible.
-# * ``MADV_POPULATE_READ`` then maps each written block into this process, as loading
-#   through the mapping would have: the loading process holds the one copy that the
-#   PSS accounting of ``verify`` expects it to hold before the workers start.
-# * The main thread runs at most two blocks ahead of the writer (a bounded queue).
-# * On any error (an item that does not fit, ``__getitem__`` raising, Ctrl-C) the
-#   writer is stopped and joined BEFORE the segment is discarded, so it never writes
-#   to a descriptor that has been closed (and maybe reused).
+# * The segment is sized, not reserved: ``pwrite`` allocates pages as it fills them
+#   and reports a full memory as ENOSPC (SharedMemoryFullError), never SIGBUS.
+# * ``MADV_POPULATE_READ`` then maps each block here, so the loading process holds
+#   the one copy ``verify``'s PSS accounting expects.
+# * The main thread runs at most two blocks ahead (a bounded queue).
+# * On any error the writer is stopped and joined BEFORE the segment is discarded,
+#   so it never writes to a closed (maybe reused) descriptor.
 
 _BLOCK_BYTES = 4 << 20  # fixed-size bytes per block handed to the writer
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 # Note [Items freed back to the system]
 # =====================================
-# glibc serves an allocation of 128 KiB or more with a mapping of its own, and raises
-# that threshold (up to 32 MiB) to the size of each such block freed: a dataset's
-# items of 1-32 MiB (images, decoded tensors) then come from the heap, and the heap
-# keeps the pages of items already written, which the kernel still charges to the
-# process and its memory cgroup. The builder (and each worker of a parallel
-# materialisation) hands them back with ``malloc_trim`` every ``TRIM_BYTES`` of
-# items, so the private memory of a materialisation stays a few blocks, not a heap of
-# freed items (Note [A load is refused, never killed] in ``storage/_capacity.py``).
-# Where libc has no ``malloc_trim`` (musl), nothing is done.
+# glibc raises its mmap threshold (up to 32 MiB) to each large block freed, so items
+# of 1-32 MiB come from the heap, which keeps their pages after they are written.
+# The builder (and each worker) hands them back with ``malloc_trim`` every
+# ``TRIM_BYTES`` of items, so a materialisation's private memory stays a few blocks
+# (not on musl, which has no ``malloc_trim``).
 TRIM_BYTES = 16 << 20
 _TRIM = getattr(libc(), "malloc_trim", None)
 
@@ -82,13 +75,7 @@ class HeapTrim:
 
 
 def chunk_rows(rows: int, row_bytes: int) -> int:
-    """Rows per block: up to ``_BLOCK_BYTES`` (one row if it is bigger), ~1/64 of a small dataset.
-
-    The main thread waits at the end for the blocks still queued (up to three): small
-    blocks keep that tail short for small datasets, 64+ rows keep the cost per block
-    (a few Python calls) negligible per row. A block never holds more than
-    ``_BLOCK_BYTES`` of rows beyond one, so the private memory of a materialisation,
-    a few blocks (``Builder._private_peak``), stays small beside its data.
+    """Rows per block: up to ``_BLOCK_BYTES`` (at least one row), ~1/64 of a small dataset.
 
     Example:
         >>> chunk_rows(1000, 64), chunk_rows(20, 16 << 20)
@@ -99,11 +86,7 @@ def chunk_rows(rows: int, row_bytes: int) -> int:
 
 
 class BlockWriter:
-    """Writes blocks of fixed-size rows into a segment's file with ``pwrite``.
-
-    The writer thread of the loading process uses one, and so does each DataLoader
-    worker of a parallel materialisation (Note [Materialising with workers]).
-    """
+    """Writes blocks of fixed-size rows into a segment's file with ``pwrite``."""
 
     def __init__(self, segment: Segment, chunk: int, storage_dir: Any, what: str) -> None:
         self.fd = segment.fd
@@ -150,7 +133,7 @@ class BlockWriter:
 class Writer:
     """Writes blocks of fixed-size rows from a background thread, and maps them here.
 
-    See Note [Writing rows in the background].
+    Note [Writing rows in the background].
     """
 
     def __init__(self, segment: Segment, chunk: int, storage_dir: Any, what: str) -> None:
@@ -228,3 +211,143 @@ class Writer:
         start = (self._base + offset) // _PAGE * _PAGE
         if madvise(start, self._base + offset + nbytes - start, MADV_POPULATE_READ):
             self._populate = False  # older kernel: pages map in when first read
+
+
+def fetch(dataset: Any, index: int) -> Any:
+    """Item ``index`` of ``dataset``; an error says which item was being read."""
+    try:
+        return dataset[index]
+    except Exception as e:
+        note = f"while SharedDataset read item {index} of {type(dataset).__name__}"
+        if hasattr(e, "add_note"):  # Python >= 3.11: keep the original exception type
+            e.add_note(note)
+            raise
+        raise SharedDataError(f"{type(e).__name__}: {e} ({note})") from e
+
+
+def identity(x: Any) -> Any:
+    """``x`` itself (the workers' ``collate_fn``: a block is not collated)."""
+    return x
+
+
+# Note [Materialising with workers]
+# =================================
+# ``SharedDataset(ds, num_workers=N)`` reads item 0 here (the schema, the fixed-size
+# segment's size), then hands blocks of ``chunk`` rows to N DataLoader workers
+# (``BlockReader``). When every item of a block fits the schema as it stood when
+# the workers started, the worker ``pwrite``s the fixed-size rows into the segment
+# and sends back only the variable-length values: no tensor crosses, and pages are
+# allocated in parallel. Here the rows are mapped and the values added.
+#
+# Otherwise the worker writes nothing and sends the items back (tensors as numpy
+# arrays, pickled by value); they take the usual path here, which names an error's
+# index and field or adapts the columns. A leaf made ragged since still gets fixed
+# rows from the workers: those are read back from its old array (``orphans``).
+
+
+@dataclass
+class Block:
+    """What a worker sends back for rows ``[start, stop)``."""
+
+    start: int
+    stop: int
+    var: dict[int, list[Any]] | None = None  # every item fitted: the var leaves' values
+    items: list[Any] | None = None  # otherwise: the items (tensors boxed)
+
+
+class _Box:
+    """A tensor carried as a numpy array (pickled by value), or a non-native array."""
+
+    def __init__(self, array: np.ndarray, dtype: np.dtype | None = None) -> None:
+        self.array, self.dtype = array, dtype
+
+
+def box(value: Any) -> Any:
+    """``value`` with its tensors as :class:`_Box` (a block sent back by a worker)."""
+    if type(value) is torch.Tensor and not value.requires_grad and value.dtype in _BOXABLE:
+        return _Box(value.cpu().numpy())  # (a Parameter, a subclass: pickled as they are)
+    if isinstance(value, np.ndarray) and not value.dtype.isnative:
+        return _Box(value.astype(value.dtype.newbyteorder("=")), value.dtype)
+    if type(value) in (tuple, list):
+        return type(value)(box(v) for v in value)
+    if type(value) is dict:
+        return {k: box(v) for k, v in value.items()}
+    return value
+
+
+def unbox(value: Any) -> Any:
+    """``value`` with its :class:`_Box` es as tensors again (:func:`box` undone)."""
+    if type(value) is _Box:
+        if value.dtype is not None:
+            return value.array.astype(value.dtype)
+        return torch.from_numpy(value.array)
+    if type(value) in (tuple, list):
+        return type(value)(unbox(v) for v in value)
+    if type(value) is dict:
+        return {k: unbox(v) for k, v in value.items()}
+    return value
+
+
+_BOXABLE = {
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+}  # fmt: skip
+
+
+class BlockReader:
+    """The dataset the materialising DataLoader's workers read: one block per index."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        schema: Any,
+        leaves: list[Leaf],
+        fixed: dict[int, SharedArray],
+        chunk: int,
+        rows: int,
+        storage_dir: Any,
+        what: str,
+    ) -> None:
+        self.dataset = dataset
+        self.schema = schema
+        self.leaves = [dataclasses.replace(leaf) for leaf in leaves]  # as they are now
+        self.fixed = dict(fixed)
+        self.chunk = chunk
+        self.rows = rows
+        self.storage_dir = storage_dir
+        self.what = what
+        self.offset = 0  # index in ``dataset`` of row 0
+        self._fast: Callable[[Any], bool] | None = None
+        self._sinks: list[list[Any]] = []
+        self._writer: BlockWriter | None = None
+        self._trim = HeapTrim()  # Note [Items freed back to the system] in _writer.py
+
+    def __len__(self) -> int:
+        return -(-self.rows // self.chunk)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fast": None, "_sinks": [], "_writer": None, "_trim": HeapTrim()}
+
+    def __getitem__(self, block: int) -> Block:
+        start = block * self.chunk
+        stop = min(start + self.chunk, self.rows)
+        base = self.offset
+        items = [fetch(self.dataset, base + index) for index in range(start, stop)]
+        if self._fast is None:
+            self._sinks = [[] for _ in self.leaves]
+            self._fast = compile_fast_path(self.schema, self.leaves, self._sinks)
+        if not all(map(self._fast, items)):
+            for sink in self._sinks:
+                sink.clear()
+            return Block(start, stop, items=[box(item) for item in items])
+        with torch.no_grad():
+            for n, target in self.fixed.items():
+                if self._writer is None:
+                    segment, chunk = target.segment, self.chunk
+                    self._writer = BlockWriter(segment, chunk, self.storage_dir, self.what)
+                self._writer.write(start, stop - start, target, self.leaves[n], self._sinks[n])
+                self._trim(target.nbytes // self.rows * (stop - start))
+        var = {n: self._sinks[n].copy() for n in range(len(self.leaves)) if n not in self.fixed}
+        for sink in self._sinks:
+            sink.clear()
+        return Block(start, stop, var=var)
