@@ -71,11 +71,6 @@ def coo_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A sparse COO tensor's indices and values as they are, coalesced or not.
 
     The public ``indices()``/``values()`` refuse an uncoalesced tensor.
-
-    Example:
-        >>> t = torch.sparse_coo_tensor([[0, 0]], [1.0, 2.0], (3,), check_invariants=False)
-        >>> [p.tolist() for p in coo_parts(t)]
-        [[[0, 0]], [1.0, 2.0]]
     """
     return tensor._indices(), tensor._values()
 
@@ -85,13 +80,6 @@ def make_subclass(cls: type, tensor: torch.Tensor) -> Any:
 
     ``as_subclass`` refuses sparse tensors; without this a sparse batch's indices and
     values would leave its memfd through torch's reducer.
-
-    Example:
-        >>> class Mine(torch.Tensor):
-        ...     pass
-        >>> t = torch.sparse_coo_tensor([[0]], [1.0], (2,), check_invariants=False)
-        >>> type(make_subclass(Mine, t)).__name__, make_subclass(Mine, t).layout
-        ('Mine', torch.sparse_coo)
     """
     return torch.Tensor._make_subclass(cls, tensor, tensor.requires_grad)
 
@@ -102,13 +90,6 @@ def retype_new_views(views: list[torch.Tensor], cls: type) -> list[Any]:
     ``__class__`` assignment (~0.1 us) instead of ``as_subclass``'s alias per view
     (~1 us); a subclass without C fields or ``__torch_dispatch__`` has the layout of
     ``torch.Tensor``. Falls back to ``as_subclass`` if a release refuses it.
-
-    Example:
-        >>> class Mine(torch.Tensor):
-        ...     pass
-        >>> rows = retype_new_views(list(torch.arange(6).view(2, 3).unbind(0)), Mine)
-        >>> [type(r).__name__ for r in rows], rows[1].tolist()
-        (['Mine', 'Mine'], [3, 4, 5])
     """
     try:
         for view in views:
@@ -119,13 +100,7 @@ def retype_new_views(views: list[torch.Tensor], cls: type) -> list[Any]:
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The tensor ``tensor`` views, or None: a batch's rows find its memory reference there.
-
-    Example:
-        >>> t = torch.zeros(4)
-        >>> view_base(t[1:]) is t, view_base(t) is None
-        (True, True)
-    """
+    """The tensor ``tensor`` views, or None: a batch's rows find its memory reference there."""
     return tensor._base
 
 

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from ._text import format_bytes, plural
 from .datasets import NumpyDataset
 from .memory import MemoryReport, verify
+from .memory._plot import figure_class, save
 
 __all__ = ["NaiveDataset", "run_demo"]
 
@@ -91,8 +92,6 @@ def run_demo(options: argparse.Namespace) -> int:
         MissingDependencyError: ``options.plot`` is set and matplotlib is not installed.
     """
     if options.plot:  # fail now, not after the runs, when matplotlib is missing
-        from .memory._plot import figure_class, save
-
         figure_class()
     rows = max(1, options.size // (ROW_FLOATS * 4))
     nbytes = rows * ROW_FLOATS * 4
