@@ -138,9 +138,9 @@ def classify(value: Any, path: str) -> Leaf | None:
         return Leaf(path, "ndarray", dtype.newbyteorder("="), value.shape, array_dtype=own)
     if isinstance(value, np.generic) and value.dtype.kind not in _PICKLED:
         return Leaf(path, "npscalar", value.dtype.newbyteorder("="))
-    for number, dtype in ((bool, np.bool_), (int, np.int64), (float, np.float64)):
+    for number, stored in ((bool, np.bool_), (int, np.int64), (float, np.float64)):
         if isinstance(value, number):
-            return Leaf(path, number.__name__, np.dtype(dtype))
+            return Leaf(path, number.__name__, np.dtype(stored))
     if type(value) in (str, bytes):
         return Leaf(path, type(value).__name__, np.dtype(np.uint8))
     if type(value) is list:  # numbers: a ragged column; anything else: pickled whole

@@ -87,6 +87,11 @@ _AS_THEY_ARE: set[Callable[..., Any]] = {collate_numpy_array_fn, collate_str_fn}
 _OURS = (torch.Tensor, SharedTensor)
 
 
+def _plain_cpu(elem: Any) -> bool:
+    """Whether torch would stack tensors like ``elem`` into plain CPU memory of ours."""
+    return elem.layout is torch.strided and elem.device.type == "cpu" and not elem.is_nested
+
+
 def stacking(fn: Callable[..., Any], lenient: bool = False) -> Callable[..., Any]:
     """Mark a registry function that stacks as ``collate_tensor_fn`` (``lenient``: see Note)."""
     _STACKING[fn] = lenient
@@ -167,12 +172,7 @@ class _Plan:
     def _noting(self, lenient: bool) -> Callable[..., Any]:
         def note(batch: Any, *, collate_fn_map: Any = None) -> Any:
             elem = batch[0]
-            if not (
-                type(elem) in _OURS
-                and elem.layout is torch.strided
-                and elem.device.type == "cpu"
-                and not elem.is_nested
-            ):
+            if not (type(elem) in _OURS and _plain_cpu(elem)):
                 return self._call(collate_tensor_fn, batch, collate_fn_map)
             shape = elem.shape
             if any(t.shape != shape for t in batch):
@@ -505,12 +505,8 @@ def collate_shared(batch: Sequence[Any], *, collate_fn_map: FnMap | None = None)
     ):
         return batch.batched[0]
     elem = batch[0]
-    if (
-        get_worker_info() is not None
-        and elem.layout is torch.strided
-        and elem.device.type == "cpu"
-        and not elem.is_nested
-    ):  # stacked as torch stacks in a worker (its errors too), into a memfd of ours
+    if get_worker_info() is not None and _plain_cpu(elem):
+        # stacked as torch stacks in a worker (its errors too), into a memfd of ours
         out = worker_empty((len(batch), *elem.shape), elem.dtype)
         torch.stack(list(batch), 0, out=out.as_subclass(torch.Tensor))
         return out
@@ -576,22 +572,15 @@ def _in_sequence(names: Sequence[str], schema: Any, tuples: bool) -> set[int] | 
     """The columns whose values sit in a tuple or list of the samples (not in a dict)."""
     if schema is None:
         return range(len(names)) if tuples else set()
-    found: set[int] = set()
 
-    def visit(node: Any, in_sequence: bool) -> None:
+    def visit(node: Any, in_sequence: bool) -> set[int]:
         tag, body = node
         if tag == "leaf":
-            if in_sequence:
-                found.add(body)
-        elif tag == "dict":
-            for _, child in body:
-                visit(child, False)
-        else:
-            for child in body:
-                visit(child, True)
+            return {body} if in_sequence else set()
+        children = [child for _, child in body] if tag == "dict" else body
+        return set().union(*(visit(child, tag != "dict") for child in children))
 
-    visit(schema, False)
-    return found
+    return visit(schema, False)
 
 
 default_collate_fn_map[Row] = collate_rows
