@@ -42,7 +42,7 @@ from ..errors import (
 from ..storage._writer import VarStore
 from ._dataset import Closable
 from ._indexing import index_shape, index_tensor, is_int, nest_rows
-from ._load import Allocator, Part, Shard, Share, build, progress_bar
+from ._load import Allocator, LoadOptions, Part, Shard, Share, progress_bar
 
 __all__ = ["ItemPickler", "SharedList"]
 
@@ -93,15 +93,8 @@ class SharedList(Closable, Sequence):
                 f"SharedList needs an iterable of items, got {type(items).__name__}"
             )
         size = len(items) if isinstance(items, Sized) else None
-        columns = build(
-            _Items(items),
-            key=functools.partial(_list_key, items, size),
-            share=share,
-            shard=shard,
-            storage_dir=storage_dir,
-            progress=progress,
-            timeout=timeout,
-        )
+        options = LoadOptions(storage_dir, progress, share, shard, timeout)
+        columns = options.loader(_Items(items), functools.partial(_list_key, items, size))()
         self._column = columns["items"]
         self.node_shard = columns.node_shard
 
@@ -208,25 +201,23 @@ class _Items:
     def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
         """Pickle the items into a shared file; the one bytes column over it."""
         store = self.store = VarStore(np.uint8, alloc.storage_dir, "SharedList's items")
-        it = islice(iter(self.items), self.start, self.stop)
-        dumps, index = ItemPickler().dumps, self.start  # Note [Tensors in SharedList items]
-        total = (self.stop or 0) - self.start if self.stop is not None else 0
-        if not total and isinstance(self.items, Sized):
-            total = len(self.items) - self.start
-        with progress_bar(total, "pickling SharedList", progress, unit="it") as update:
-            step = 16  # items pickled at once: up to 256, fewer when they are big
-            while chunk := list(islice(it, step)):
+        items = islice(iter(self.items), self.start, self.stop)
+        dumps = ItemPickler().dumps  # Note [Tensors in SharedList items]
+        sized = isinstance(self.items, Sized)
+        stop = self.stop if self.stop is not None else len(self.items) if sized else self.start  # type: ignore[arg-type]
+        with progress_bar(stop - self.start, "pickling SharedList", progress, unit="it") as update:
+            for index, item in enumerate(items, self.start):
                 try:
-                    blobs = [dumps(item) for item in chunk]
-                except Exception:
-                    blobs = [_pickle_item(dumps, item, index + j) for j, item in enumerate(chunk)]
-                for blob in blobs:  # one at a time: a block of big pickles is not joined
-                    store.add(blob)
-                index += len(chunk)
-                update(len(chunk))
-                size = sum(map(len, blobs))
-                step = max(1, min(256, step * (4 << 20) // max(size, 1)))
-                del blobs, chunk
+                    blob = dumps(item)
+                except Exception as e:
+                    raise UnpicklableItemError(
+                        f"SharedList item {index} (a {type(item).__name__}) cannot be pickled "
+                        f"({type(e).__name__}: {e}). SharedList stores its items pickled: make "
+                        "the item picklable (no lambdas, open files, locks or local classes), "
+                        "or store what it refers to (a path, a number) instead."
+                    ) from e
+                store.add(blob)
+                update(1)
         values, offsets = store.finish_with_offsets()  # one segment: one descriptor
         alloc.adopt(values.segment)
         count = values.shape[0]
@@ -238,18 +229,6 @@ class _Items:
         if self.store is not None:
             self.store.discard()
             self.store = None
-
-
-def _pickle_item(dumps: Callable[[Any], bytes], item: Any, index: int) -> bytes:
-    try:
-        return dumps(item)
-    except Exception as e:
-        raise UnpicklableItemError(
-            f"SharedList item {index} (a {type(item).__name__}) cannot be pickled "
-            f"({type(e).__name__}: {e}). SharedList stores its items pickled: make the item "
-            "picklable (no lambdas, open files, locks or local classes), or store what it "
-            "refers to (a path, a number) instead."
-        ) from e
 
 
 class ItemPickler:

@@ -15,7 +15,7 @@ from ..columns._items import LeafType, leaf_batches, rebuild, restore
 from ..distributed import sample_digest
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ._dataset import BatchValues, ColumnDataset
-from ._load import Shard, Share, build
+from ._load import LoadOptions, Shard, Share
 from ._materialise import DatasetProducer
 
 __all__ = ["SharedDataset"]
@@ -93,15 +93,8 @@ class SharedDataset(ColumnDataset):
         if rows == 0:
             raise InvalidArgumentError(f"{kind.__name__} is empty: there is nothing to share")
         producer = DatasetProducer(dataset, num_workers)  # reads items only where it loads
-        columns = build(
-            producer,
-            key=functools.partial(_dataset_key, dataset, rows),
-            share=share,
-            shard=shard,
-            storage_dir=storage_dir,
-            progress=progress,
-            timeout=timeout,
-        )
+        options = LoadOptions(storage_dir, progress, share, shard, timeout)
+        columns = options.loader(producer, functools.partial(_dataset_key, dataset, rows))()
         kinds, schema = columns.meta
         self._init(columns, kinds, transform, schema)
         if producer.varies is not None:

@@ -7,6 +7,6 @@ thread, or by DataLoader workers in blocks (Note [Materialising with workers]).
 """
 
 from ...errors import ItemMismatchError, ItemValueError  # their old import location
-from ._builder import DatasetProducer, build_columns
+from ._builder import DatasetProducer
 
-__all__ = ["DatasetProducer", "ItemMismatchError", "ItemValueError", "build_columns"]
+__all__ = ["DatasetProducer", "ItemMismatchError", "ItemValueError"]

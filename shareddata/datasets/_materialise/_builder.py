@@ -13,10 +13,11 @@ import pickle
 import random
 from collections.abc import Callable, Iterable
 from itertools import chain
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from ..._compat import shutdown_dataloader_iterator
 from ...columns._columns import BytesColumn, ColumnSpec, RaggedColumn, StringColumn, TensorColumn
@@ -54,43 +55,10 @@ from ._writer import (
     unbox,
 )
 
-__all__ = ["Builder", "DatasetProducer", "build_columns"]
+__all__ = ["Builder", "DatasetProducer"]
 
 _VAR_CHUNK_BYTES = 16 << 20  # variable-length bytes of the items held until a flush
 _WORKER_BYTES = 32 << 20  # a forked worker's own pages (copied on write, its interpreter's)
-
-
-def build_columns(
-    dataset: Any,
-    rows: int,
-    alloc: Allocator,
-    update: Callable[[int], None],
-    workers: int = 0,
-    offset: int = 0,
-) -> tuple[list[Part], list[LeafType], Any]:
-    """Materialise ``rows`` items of ``dataset`` from ``offset`` into shared columns.
-
-    Returns the columns' parts, each leaf's type (for ``restore``) and the schema (for
-    ``rebuild``). ``update`` is called with the items added; ``workers``: read by a
-    DataLoader of this many. On failure the writer is stopped and the segments freed.
-    """
-    builder: Builder | None = None
-    try:
-        builder = Builder(fetch(dataset, offset), rows, alloc, workers)
-        with private_peak(builder.outstanding):  # Note [A load is refused, never killed]
-            builder.allocate()
-            if workers > 0:
-                builder.run_workers(dataset, workers, update, offset)
-            else:
-                items = ((i, fetch(dataset, i)) for i in range(offset, offset + rows))
-                builder.run(items, update)
-            parts, kinds = builder.finish()
-    except BaseException:
-        # Note [Freeing a failed load] in storage/_segment.py
-        if builder is not None:
-            builder.discard()
-        raise
-    return parts, kinds, builder.schema
 
 
 class DatasetProducer:
@@ -118,18 +86,30 @@ class DatasetProducer:
 
     def produce(self, alloc: Allocator, progress: bool) -> tuple[list[Part], Any]:
         """The columns' parts and ``(kinds, schema)``, the metadata ``SharedDataset`` needs."""
-        rows = self.stop - self.start
+        rows, span = self.stop - self.start, range(self.start, self.stop)
         if rows == 0:
             raise InvalidArgumentError(
                 f"this node's share of {self.label} (items {self.start}-{self.stop} of "
                 f"{self.total_rows()}) is empty: there is nothing to share. Use shard=None, or "
                 "fewer nodes than items."
             )
-        with progress_bar(rows, f"materialising {self.label}", progress, unit="it") as update:
-            parts, kinds, schema = build_columns(
-                self.dataset, rows, alloc, update, self.num_workers, self.start
-            )
-        span = range(self.start, self.stop)
+        dataset, workers, builder = self.dataset, self.num_workers, None
+        try:
+            builder = Builder(fetch(dataset, self.start), rows, alloc, workers)
+            with (
+                private_peak(builder.outstanding),  # Note [A load is refused, never killed]
+                progress_bar(rows, f"materialising {self.label}", progress, unit="it") as update,
+            ):
+                builder.allocate()
+                if workers > 0:
+                    builder.run_workers(dataset, workers, update, self.start)
+                else:
+                    builder.run(((i, fetch(dataset, i)) for i in span), update)
+                parts, kinds = builder.finish()
+        except BaseException:
+            if builder is not None:  # Note [Freeing a failed load] in storage/_segment.py
+                builder.discard()
+            raise
         for i in sorted({span[0], span[rows // 2], span[-1]}):
             try:
                 if _digest_of_read(self.dataset, i, 1) != _digest_of_read(self.dataset, i, 2):
@@ -137,7 +117,7 @@ class DatasetProducer:
                     break
             except Exception:  # the load read it once: no second read, nothing to check
                 break
-        return parts, (kinds, schema)
+        return parts, (kinds, builder.schema)
 
     def close(self) -> None:
         """Nothing to release: the dataset belongs to the caller."""
@@ -163,8 +143,7 @@ def _digest_of_read(dataset: Any, i: int, seed: int) -> str:
 class Builder:
     """Collects the items of a dataset into shared columns, in index order.
 
-    Made from item 0, then :meth:`allocate` (inside ``private_peak(builder.outstanding)``),
-    :meth:`run` or :meth:`run_workers`, and :meth:`finish`.
+    Made from item 0; then :meth:`allocate`, :meth:`run` or :meth:`run_workers`, :meth:`finish`.
     """
 
     what = "SharedDataset's fixed-size fields"
@@ -201,13 +180,9 @@ class Builder:
     def _private_peak(self, row_bytes: int, workers: int) -> int:
         """The private memory this materialisation needs at most, besides its segments.
 
-        Blocks of ``chunk`` rows: one filling the sinks, two queued for the writer, one
-        being written and its staging copy (Note [Writing rows in the background]), and
-        the item being read; each worker holds its block, its staging copy and the
-        blocks it prefetched, and a process of its own. Each variable-length leaf keeps
-        8 bytes of offsets per row (a ragged one its shapes too) and up to
-        ``_VAR_CHUNK_BYTES`` of values pending. Items freed stay in the heap for up to
-        ``TRIM_BYTES`` (Note [Items freed back to the system] in ``_writer.py``).
+        Blocks of ``chunk`` rows (filling, queued, written, staged; a worker's own and
+        prefetched ones), per row the offsets (and shapes) of variable-length leaves,
+        their pending values, and up to ``TRIM_BYTES`` of freed items.
         """
         block = self.chunk * row_bytes
         var = [leaf for leaf in self.leaves if leaf.kind not in FIXED]
@@ -217,13 +192,10 @@ class Builder:
         return blocks + workers * per_worker + self.rows * per_row
 
     def outstanding(self) -> int:
-        """Bytes this materialisation will still take: :attr:`private` and unwritten rows.
+        """Bytes still to take: :attr:`private` and the fixed segment's unwritten rows.
 
-        What every capacity check of the load counts (``private_peak(builder.outstanding)``;
-        Note [A load is refused, never killed] in ``storage/_capacity.py``): the fixed
-        segment is sized, not reserved, so its pages are charged only as rows are
-        written. A leaf made ragged stops taking rows there, unless workers (which
-        keep its old schema) still write them.
+        What the load's capacity checks count (Note [A load is refused, never killed] in
+        ``storage/_capacity.py``); workers still write a leaf made ragged since.
         """
         arrays = [*self.fixed.values(), *(self.orphans.values() if self.workers else ())]
         rows = self.rows - self.start
@@ -262,40 +234,34 @@ class Builder:
         return total
 
     def run(self, items: Iterable[tuple[int, Any]], update: Callable[[int], None]) -> None:
-        """Add every item (indices 0, 1, ... in order), checking each against the schema."""
+        """Add every item, in order, checking each against the schema."""
         fast, pending = self.fast, 0
         for index, item in items:
             if not fast(item):
                 self._add_checked(index, item)
                 fast = self.fast
             pending += 1
-            if pending >= self.chunk:  # the chunk shrinks for big var values: _flush
+            if pending >= self.chunk:  # _flush may shrink the chunk
                 self._flush(pending)
                 update(pending)
                 pending = 0
         if pending:
             self._flush(pending)
             update(pending)
-        self._close_writer()
 
     def run_workers(
         self, dataset: Any, workers: int, update: Callable[[int], None], offset: int = 0
     ) -> None:
-        """Add every item, read and written by ``workers`` DataLoader workers in blocks.
+        """Add every item, read and written by DataLoader workers in blocks.
 
         Note [Materialising with workers].
         """
-        from torch.utils.data import DataLoader, Dataset
-
         snapshot = [(leaf.kind, leaf.ragged) for leaf in self.leaves]
         reader = BlockReader(
             dataset, self.schema, self.leaves, self.fixed, self.chunk,
-            self.rows, self.storage_dir, self.what,
+            self.rows, self.storage_dir, self.what, offset,
         )  # fmt: skip
-        reader.offset = offset
-        loader: DataLoader[Any] = DataLoader(
-            cast("Dataset[Any]", reader), batch_size=None, num_workers=workers, collate_fn=identity
-        )
+        loader = DataLoader(reader, batch_size=None, num_workers=workers, collate_fn=identity)  # type: ignore[arg-type,var-annotated]
         blocks = iter(loader)
         try:
             for block in blocks:
@@ -306,13 +272,9 @@ class Builder:
             # traceback, and a later fork would copy it into new workers.
             shutdown_dataloader_iterator(blocks)
             del blocks
-        self._close_writer()
 
     def discard(self) -> None:
-        """After a failure: stop the writer, then free the fixed-size segment at once.
-
-        Note [Freeing a failed load] in ``storage/_segment.py``.
-        """
+        """After a failure: stop the writer, then free the segments at once."""
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
@@ -320,11 +282,6 @@ class Builder:
             self.segment.discard()
         for store in self.var.values():
             store.discard()
-
-    def _close_writer(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
 
     def _add_checked(self, index: int, item: Any) -> None:
         """The slow path: explain why ``item`` does not fit, or adapt the columns to it."""
@@ -518,12 +475,14 @@ class Builder:
         buffer.extend(data, lengths)
 
     def finish(self) -> tuple[list[Part], list[LeafType]]:
-        """Hand each variable-length file over as its column's values; list every column.
+        """Every column; the variable-length files become segments as they are.
 
-        The values' files become segments as they are; the offsets (and shapes) are
-        copied into one small segment (Note [Variable-length values go to shared
-        memory as they come] in ``storage/_writer.py``).
+        Their offsets (and shapes) are copied into one small segment (Note
+        [Variable-length values go to shared memory as they come] in ``storage/_writer.py``).
         """
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
         layouts: list[tuple[tuple[int, ...], Any]] = []
         values: dict[int, SharedArray] = {}
         for n in sorted(self.var):  # leaf order: the order the columns are built in below
@@ -541,11 +500,7 @@ class Builder:
         taken: set[str] = set()
 
         def unique(name: str) -> str:
-            """``name``, or ``name~2``, ``~3``... where a column has it already.
-
-            Field paths may coincide (``{"a.b": 1, "a": {"b": 2}}``; a ragged ``"r"``'s
-            shapes and a field ``"r.shape"``), and every column must stay its own.
-            """
+            """``name``, or ``name~2``... where paths coincide (``{"a.b": 1, "a": {"b": 2}}``)."""
             made, k = name, 1
             while made in taken:
                 k += 1

@@ -98,36 +98,35 @@ class BlockWriter:
 
     def write(self, start: int, rows: int, target: SharedArray, leaf: Leaf, values: list) -> None:
         """Write ``values`` as rows ``[start, start + rows)`` of ``target``."""
-        row_bytes = target.nbytes // target.shape[0]
-        self._pwrite(self._stage(target, leaf, values, rows), target.offset + start * row_bytes)
+        data = self._stage(target, leaf, values, rows)
+        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+        offset = target.offset + start * (target.nbytes // target.shape[0])
+        where = resolve_storage_dir(self.storage_dir)
+        pwrite_all(self.fd, view, offset, self.size, where, self.what)
 
     def _stage(self, target: SharedArray, leaf: Leaf, values: list[Any], rows: int) -> Any:
-        """The block of ``values`` as one contiguous array."""
-        if leaf.kind == "tensor":
-            stage = self._stages.get(id(target))
-            if stage is None:
-                stage = torch.empty((self.chunk, *leaf.shape), dtype=leaf.torch_dtype)
-                self._stages[id(target)] = stage
-            out = stage[:rows]
-            try:
-                torch.stack(values, out=out)
-            except RuntimeError:  # e.g. tensors on a GPU: copy_ moves them
-                for row, value in zip(out, values):
-                    row.copy_(value)
-            return host_numpy(out)
+        """The block of ``values`` as one contiguous array (in a staging block kept per leaf)."""
+        if leaf.kind not in ("tensor", "ndarray"):
+            return np.asarray(values, dtype=target.dtype)
+        stage: Any = self._stages.get(id(target))
+        if stage is None:
+            shape = (self.chunk, *leaf.shape)
+            tensor = leaf.kind == "tensor"
+            stage = (
+                torch.empty(shape, dtype=leaf.torch_dtype)
+                if tensor
+                else np.empty(shape, leaf.dtype)
+            )
+            self._stages[id(target)] = stage
         if leaf.kind == "ndarray":
-            stage = self._stages.get(id(target))
-            if stage is None:
-                stage = np.empty((self.chunk, *leaf.shape), dtype=leaf.dtype)
-                self._stages[id(target)] = stage
             return np.stack(values, out=stage[:rows])
-        return np.asarray(values, dtype=target.dtype)
-
-    def _pwrite(self, data: np.ndarray, offset: int) -> None:
-        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-        pwrite_all(
-            self.fd, view, offset, self.size, resolve_storage_dir(self.storage_dir), self.what
-        )
+        out = stage[:rows]
+        try:
+            torch.stack(values, out=out)
+        except RuntimeError:  # e.g. tensors on a GPU: copy_ moves them
+            for row, value in zip(out, values):
+                row.copy_(value)
+        return host_numpy(out)
 
 
 class Writer:
@@ -307,6 +306,7 @@ class BlockReader:
         rows: int,
         storage_dir: Any,
         what: str,
+        offset: int = 0,
     ) -> None:
         self.dataset = dataset
         self.schema = schema
@@ -316,7 +316,7 @@ class BlockReader:
         self.rows = rows
         self.storage_dir = storage_dir
         self.what = what
-        self.offset = 0  # index in ``dataset`` of row 0
+        self.offset = offset  # index in ``dataset`` of row 0
         self._fast: Callable[[Any], bool] | None = None
         self._sinks: list[list[Any]] = []
         self._writer: BlockWriter | None = None
