@@ -13,8 +13,15 @@ from ..columns._columns import Column, ColumnSpec, TensorColumn
 from ..columns._items import nest_paths, rebuild
 from ..crossing._collate import Samples, collate_columns
 from ..crossing._transport import worker_buffers
-from ..errors import ArgumentTypeError, IndexOutOfRangeError, InvalidArgumentError
-from ._indexing import index_shape, index_tensor, is_int, lenient_collate, rows_by_index
+from ..errors import ArgumentTypeError, InvalidArgumentError
+from ._indexing import (
+    index_shape,
+    index_tensor,
+    is_int,
+    lenient_collate,
+    out_of_range,
+    rows_by_index,
+)
 from ._load import Source, check_lengths
 
 __all__ = ["ColumnDataset", "Source"]
@@ -204,15 +211,6 @@ class ColumnDataset(Closable, Dataset):
             return item if self.output == "dict" else tuple(item.values())
         return dict(zip(self._names, values)) if self.output == "dict" else tuple(values)
 
-    def _check_index(self, index: Any) -> int:
-        i = int(index)
-        n = self._len
-        if not -n <= i < n:
-            raise IndexOutOfRangeError(
-                f"index {i} is out of range for {type(self).__name__} of {n} rows"
-            )
-        return i + n if i < 0 else i
-
     def _indices(self, indices: Any, check: bool = True) -> torch.Tensor:
         """``indices`` as a flat int64 tensor in ``[0, len)`` (:func:`_indexing.index_tensor`)."""
         return index_tensor(indices, self._len, type(self).__name__, check)
@@ -223,7 +221,10 @@ class ColumnDataset(Closable, Dataset):
         Note [A batch by index] in ``_indexing.py``.
         """
         if is_int(index):
-            i = self._check_index(index)
+            i, n = int(index), self._len
+            if not -n <= i < n:
+                raise out_of_range(i, n, type(self).__name__)
+            i = i + n if i < 0 else i
             sample = self._pack([c.get(i) for c in self._columns.values()])
             return sample if self.transform is None else self.transform(sample)
         shape = index_shape(index)

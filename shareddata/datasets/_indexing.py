@@ -38,7 +38,10 @@ from ..crossing._collate import collate_in_one_memfd, stacking, through
 from ..errors import IndexOutOfRangeError, IndexTypeError
 from ..storage import SharedTensor
 
-__all__ = ["index_shape", "is_int", "index_tensor", "lenient_collate", "nest_rows", "rows_by_index"]
+__all__ = [
+    "index_shape", "index_tensor", "is_int", "lenient_collate", "nest_rows", "out_of_range",
+    "rows_by_index",
+]  # fmt: skip
 
 _NO_MASKS = "boolean masks are not supported as indices; use mask.nonzero()"
 
@@ -109,15 +112,12 @@ def index_tensor(indices: Any, n: int, label: str, check: bool = True) -> torch.
         if array.dtype.kind not in "iu":
             flat = array.reshape(-1)
             if array.dtype.hasobject and flat.size and all(map(is_int, flat)):
-                bad = max(flat, key=abs)  # ints beyond int64, as ds[2**64] says
-                raise IndexOutOfRangeError(f"index {bad} is out of range for {label} of {n} rows")
+                raise out_of_range(max(flat, key=abs), n, label)  # ints beyond int64
             raise IndexTypeError(f"indices must be integers, got dtype {array.dtype}")
         array = array.reshape(-1)
         if array.dtype != np.int64:
             if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
-                raise IndexOutOfRangeError(
-                    f"index {array.max()} is out of range for {label} of {n} rows"
-                )
+                raise out_of_range(array.max(), n, label)
             array = array.astype(np.int64)
         idx = torch.from_numpy(array)
         if not check:
@@ -125,11 +125,15 @@ def index_tensor(indices: Any, n: int, label: str, check: bool = True) -> torch.
     if array.size:
         lo, hi = int(array.min()), int(array.max())
         if lo < -n or hi >= n:
-            bad = lo if lo < -n else hi
-            raise IndexOutOfRangeError(f"index {bad} is out of range for {label} of {n} rows")
+            raise out_of_range(lo if lo < -n else hi, n, label)
         if lo < 0:
             idx = torch.where(idx < 0, idx + n, idx)
     return idx
+
+
+def out_of_range(index: Any, n: int, label: str) -> IndexOutOfRangeError:
+    """The error for ``index`` beyond the ``n`` rows of ``label``."""
+    return IndexOutOfRangeError(f"index {index} is out of range for {label} of {n} rows")
 
 
 def is_int(index: Any) -> bool:

@@ -121,10 +121,6 @@ class SharedList(Closable, Sequence):
             items = into_one_batch(items)
         return items if shape is None else nest_rows(items, shape)
 
-    def __iter__(self) -> Iterator[Any]:
-        for i in range(len(self)):
-            yield self[i]
-
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The items ``indices`` (what a DataLoader calls for a batch).
 
@@ -147,9 +143,6 @@ class SharedList(Closable, Sequence):
         """The (device, inode) of the shared segment holding the items."""
         return frozenset(array.segment.handle()[2] for array in self._column.arrays.values())
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_list, (self._column, self.node_shard))
-
     def __repr__(self) -> str:
         if self.closed:
             return f"SharedList({len(self)} items, closed)"
@@ -161,13 +154,6 @@ _ROWS: dict[type, Callable[[Any], Any]] = {dict: Row, tuple: RowTuple, list: Row
 
 def _same(item: Any) -> Any:
     return item
-
-
-def _rebuild_list(column: BytesColumn, node_shard: NodeShard | None = None) -> SharedList:
-    obj = SharedList.__new__(SharedList)
-    obj._column = column
-    obj.node_shard = node_shard
-    return obj
 
 
 class _Items:

@@ -302,7 +302,7 @@ class Builder:
         if leaf.kind in ("intlist", "floatlist") and type(value) is list and value:
             got = numeric_list(value)
             if got != leaf.kind:
-                if got == "floatlist" and self._only_empty_lists(n):
+                if got == "floatlist" and not self.var[n].nbytes and not any(self.sinks[n]):
                     leaf.kind, leaf.dtype = "floatlist", np.dtype(np.float64)
                     self.var[n].dtype = leaf.dtype
                 else:  # e.g. [] first, then [Box(...)]: keep the lists whole
@@ -327,9 +327,6 @@ class Builder:
                 self._to_ragged(n, leaf)
                 changed = True
         return value, changed
-
-    def _only_empty_lists(self, n: int) -> bool:
-        return not self.var[n].nbytes and not any(self.sinks[n])
 
     def _to_ragged(self, n: int, leaf: Leaf) -> None:
         """The shape of leaf ``n`` varies: keep its values + shapes instead of fixed rows."""

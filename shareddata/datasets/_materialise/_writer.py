@@ -261,30 +261,39 @@ class _Box:
         self.array, self.dtype = array, dtype
 
 
-def box(value: Any) -> Any:
-    """``value`` with its tensors as :class:`_Box` (a block sent back by a worker)."""
+def _tree(leaf: Callable[[Any], Any], value: Any) -> Any:
+    """``value`` with ``leaf`` applied to each value inside its tuples, lists and dicts."""
+    if type(value) in (tuple, list):
+        return type(value)(_tree(leaf, v) for v in value)
+    if type(value) is dict:
+        return {k: _tree(leaf, v) for k, v in value.items()}
+    return leaf(value)
+
+
+def _box(value: Any) -> Any:
     if type(value) is torch.Tensor and not value.requires_grad and value.dtype in _BOXABLE:
         return _Box(value.cpu().numpy())  # (a Parameter, a subclass: pickled as they are)
     if isinstance(value, np.ndarray) and not value.dtype.isnative:
         return _Box(value.astype(value.dtype.newbyteorder("=")), value.dtype)
-    if type(value) in (tuple, list):
-        return type(value)(box(v) for v in value)
-    if type(value) is dict:
-        return {k: box(v) for k, v in value.items()}
     return value
+
+
+def _unbox(value: Any) -> Any:
+    if type(value) is not _Box:
+        return value
+    if value.dtype is not None:
+        return value.array.astype(value.dtype)
+    return torch.from_numpy(value.array)
+
+
+def box(value: Any) -> Any:
+    """``value`` with its tensors as :class:`_Box` (a block sent back by a worker)."""
+    return _tree(_box, value)
 
 
 def unbox(value: Any) -> Any:
     """``value`` with its :class:`_Box` es as tensors again (:func:`box` undone)."""
-    if type(value) is _Box:
-        if value.dtype is not None:
-            return value.array.astype(value.dtype)
-        return torch.from_numpy(value.array)
-    if type(value) in (tuple, list):
-        return type(value)(unbox(v) for v in value)
-    if type(value) is dict:
-        return {k: unbox(v) for k, v in value.items()}
-    return value
+    return _tree(_unbox, value)
 
 
 _BOXABLE = {
@@ -293,34 +302,27 @@ _BOXABLE = {
 }  # fmt: skip
 
 
+@dataclass(eq=False)
 class BlockReader:
     """The dataset the materialising DataLoader's workers read: one block per index."""
 
-    def __init__(
-        self,
-        dataset: Any,
-        schema: Any,
-        leaves: list[Leaf],
-        fixed: dict[int, SharedArray],
-        chunk: int,
-        rows: int,
-        storage_dir: Any,
-        what: str,
-        offset: int = 0,
-    ) -> None:
-        self.dataset = dataset
-        self.schema = schema
-        self.leaves = [dataclasses.replace(leaf) for leaf in leaves]  # as they are now
-        self.fixed = dict(fixed)
-        self.chunk = chunk
-        self.rows = rows
-        self.storage_dir = storage_dir
-        self.what = what
-        self.offset = offset  # index in ``dataset`` of row 0
+    dataset: Any
+    schema: Any
+    leaves: list[Leaf]
+    fixed: dict[int, SharedArray]
+    chunk: int
+    rows: int
+    storage_dir: Any
+    what: str
+    offset: int = 0  # index in ``dataset`` of row 0
+
+    def __post_init__(self) -> None:
+        self.leaves = [dataclasses.replace(leaf) for leaf in self.leaves]  # as they are now
+        self.fixed = dict(self.fixed)
         self._fast: Callable[[Any], bool] | None = None
         self._sinks: list[list[Any]] = []
         self._writer: BlockWriter | None = None
-        self._trim = HeapTrim()  # Note [Items freed back to the system] in _writer.py
+        self._trim = HeapTrim()  # Note [Items freed back to the system]
 
     def __len__(self) -> int:
         return -(-self.rows // self.chunk)
