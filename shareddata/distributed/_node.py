@@ -430,18 +430,12 @@ def load_on_node(
 ) -> T:
     """Run ``load`` once per node; the other local ranks attach to what it returned.
 
-    See Note [How local ranks share one copy].
-
-    Args:
-        load: loads here; takes ``(node, num_nodes)`` for ``shard="node"`` (else
-            ``None``); what it returns is pickled to the other local ranks (handles).
-        share: ``"node"``, ``"process"``, or ``None``: ``"node"`` under torchrun.
-        shard: ``"node"`` to load only this node's rows, or ``None``.
-        key: the dataset's arguments, equal on every local rank (fingerprinted), or a
-            function returning them, called only when local ranks share.
-        close: called instead of ``load`` on ranks that attach (frees the source).
-        timeout: seconds to wait for another local rank (default
-            ``$SHAREDDATA_TIMEOUT`` or 300).
+    ``load`` takes ``(node, num_nodes)`` for ``shard="node"`` (else ``None``) and
+    returns handles, pickled to the other local ranks; ``key``: the dataset's
+    arguments (fingerprinted), or a function returning them, called only when local
+    ranks share; ``close``: called instead of ``load`` on ranks that attach;
+    ``timeout``: else ``$SHAREDDATA_TIMEOUT`` or 300 s. Note [How local ranks share
+    one copy].
     """
     if share not in (None, "node", "process"):
         raise errors.InvalidArgumentError(

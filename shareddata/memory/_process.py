@@ -101,9 +101,8 @@ def measure(pid: int | None = None, role: str = "", segments: Segments = ()) -> 
         raise ProcessLookupError(f"process {pid} does not exist") from err
     except psutil.AccessDenied as err:
         raise PermissionError(f"cannot read the memory of process {pid}: {err}") from err
-    uss = int(getattr(info, "uss", info.rss))
-    pss = int(getattr(info, "pss", uss))
-    return ProcessMemory(pid, role, int(info.rss), uss, pss, max(int(info.rss) - uss, 0))
+    rss, uss = int(info.rss), int(info.uss)
+    return ProcessMemory(pid, role, rss, uss, int(info.pss), max(rss - uss, 0))
 
 
 def measure_all(
@@ -123,20 +122,14 @@ def read_smaps_rollup(pid: int) -> dict[str, int] | None:
     """The fields of ``/proc/<pid>/smaps_rollup`` in bytes; ``None`` where unreadable."""
     try:
         with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
-            return parse_smaps(f.read())
+            lines = [line.split() for line in f]
     except OSError:
         return None
-
-
-def parse_smaps(text: str) -> dict[str, int]:
-    """Parse ``Name:  123 kB`` lines of an smaps file into bytes."""
-    fields: dict[str, int] = {}
-    for line in text.splitlines():
-        name, sep, rest = line.partition(":")
-        parts = rest.split()
-        if sep and len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
-            fields[name] = int(parts[0]) * KIB
-    return fields
+    return {
+        p[0][:-1]: int(p[1]) * KIB
+        for p in lines
+        if len(p) == 3 and p[0].endswith(":") and p[1].isdigit() and p[2] == "kB"
+    }
 
 
 def segment_pages(pid: int, segments: Segments = ()) -> tuple[int, int, int, int, int]:
