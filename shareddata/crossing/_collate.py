@@ -299,11 +299,6 @@ class Samples(list):  # type: ignore[type-arg]
         "_n", "_tuples", "_pending", "_first", "_first_values", "_values", "_rows",
     )  # fmt: skip
 
-    names: list[str]
-    batched: list[Any]
-    stacked: list[bool]
-    nesting: Any
-
     def __init__(
         self,
         names: list[str],

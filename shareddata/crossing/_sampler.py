@@ -178,9 +178,7 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
             self.epoch = epoch + 1
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return self.n // self.batch_size
-        return (self.n + self.batch_size - 1) // self.batch_size
+        return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
