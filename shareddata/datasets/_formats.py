@@ -77,9 +77,11 @@ class NumpyDataset(FileDataset):
             ``$SHAREDDATA_TIMEOUT``, else 300).
 
     Raises:
-        FileNotFoundError, KeyError (listing the columns), ValueError (lengths differ),
-        TypeError (a dtype that cannot be stored), MemoryError
-        (``SharedMemoryFullError``, before loading).
+        FileNotFoundError: a path does not exist.
+        KeyError: a requested column does not exist (the message lists those that do).
+        ValueError: columns have different lengths.
+        TypeError: a column's dtype cannot be stored (object, structured, strings).
+        MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
 
     Example:
         >>> import numpy as np, shareddata as sd
@@ -134,8 +136,13 @@ class HDF5Dataset(FileDataset):
             equal the longest, in visit order (types that cannot be stored are left
             out with a warning).
         keys: the old name of ``columns`` (a ``FutureWarning``).
-        transform, output, storage_dir, progress, share, shard, timeout: as for
-            :class:`NumpyDataset`.
+        transform: applied to each sample in the worker, after indexing.
+        output: ``"dict"`` (``{column: value}``) or ``"tuple"`` (column order).
+        storage_dir: as for :class:`NumpyDataset`.
+        progress: a progress bar for loads longer than ~2 s.
+        share: as for :class:`NumpyDataset`.
+        shard: as for :class:`NumpyDataset`.
+        timeout: seconds to wait for another local rank.
         nested: items give each column at its path split at ``/`` (``{"meta":
             {"label": ...}}``) instead of under its flat name.
         sparse: a sparse row as a dense tensor (``"dense"``) or a 1-D sparse COO one.
@@ -147,9 +154,13 @@ class HDF5Dataset(FileDataset):
         attrs: a netCDF file's attributes per column and coordinate.
 
     Raises:
-        FileNotFoundError, KeyError (listing the datasets), ValueError (lengths differ,
-        ``columns=[]``), TypeError (a type that cannot be stored), OSError (locked,
-        truncated or corrupt: ``SourceReadError``), ImportError, MemoryError.
+        FileNotFoundError: ``path`` does not exist.
+        KeyError: a key is not a dataset of the file (the message lists those that are).
+        ValueError: the datasets have different lengths; ``columns=[]``.
+        TypeError: a selected dataset's type cannot be stored (references, times).
+        OSError: locked, truncated or corrupt (``SourceReadError``, naming the fix).
+        ImportError: h5py, or a compression filter, is not installed.
+        MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
 
     Example:
         >>> import os, tempfile, h5py, numpy as np
@@ -272,8 +283,13 @@ class ParquetDataset(ArrowBacked):
             list of files (rows in the order given; globs and folders sorted).
         columns: names of the columns to load, in sample order (default: all; a
             struct's name selects all its fields).
-        transform, output, storage_dir, progress, share, shard, timeout: as for
-            :class:`NumpyDataset`.
+        transform: applied to each sample in the worker, after indexing.
+        output: ``"dict"`` (``{column: value}``) or ``"tuple"`` (column order).
+        storage_dir: as for :class:`NumpyDataset`.
+        progress: a progress bar for loads longer than ~2 s.
+        share: as for :class:`NumpyDataset`.
+        shard: as for :class:`NumpyDataset`.
+        timeout: seconds to wait for another local rank.
         fill_value: what nulls become: ``None`` refuses them (``NullValuesError``); a
             scalar fills every column (strings and binary given a number get
             ``""``/``b""``, null lists become empty); ``{column: value}`` per column.
@@ -285,9 +301,13 @@ class ParquetDataset(ArrowBacked):
             ``(16,)`` (``"tensor"``).
 
     Raises:
-        FileNotFoundError, KeyError (listing the columns), ValueError (nulls, or
-        ``columns=[]``), TypeError (a type that cannot be stored), OSError (not
-        Parquet, truncated), ImportError, MemoryError (``SharedMemoryFullError``).
+        FileNotFoundError: a path does not exist, or a folder holds no ``.parquet``.
+        KeyError: a requested column is missing (the message lists those that exist).
+        ValueError: nulls that no ``fill_value`` covers; ``columns=[]``.
+        TypeError: a column's type cannot be stored (map, union, decimal...).
+        OSError: a file is truncated or not Parquet (``SourceReadError``).
+        ImportError: pyarrow is not installed (``pip install 'torch-shareddata[parquet]'``).
+        MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
 
     Example:
         >>> import os, tempfile
@@ -348,14 +368,27 @@ class ArrowDataset(ArrowBacked):
         table: a table, an object exporting Arrow data, an HF dataset, or a path.
         columns: names of the columns to load, in sample order (default: all, or those
             of an HF format; a struct's name selects all its fields).
-        transform, output, storage_dir, progress, share, shard, timeout: as for
-            :class:`NumpyDataset`.
-        fill_value, records, nested, uuid_as: as for :class:`ParquetDataset`.
+        transform: applied to each sample in the worker, after indexing.
+        output: ``"dict"`` (``{column: value}``) or ``"tuple"`` (column order).
+        storage_dir: as for :class:`NumpyDataset`.
+        progress: a progress bar for loads longer than ~2 s.
+        share: as for :class:`NumpyDataset`.
+        shard: as for :class:`NumpyDataset`.
+        timeout: seconds to wait for another local rank.
+        fill_value: what nulls become (as for :class:`ParquetDataset`).
+        records: a list of structs as a list of dicts (default) or a dict of lists.
+        nested: a struct's fields nested instead of flat.
+        uuid_as: UUID columns as ``uuid.UUID`` (``"uuid"``) or uint8 tensors (``"tensor"``).
 
     Raises:
-        FileNotFoundError, KeyError (listing the columns), ValueError (nulls,
-        ``columns=[]``, an HF format it cannot keep), TypeError (not a table, a type
-        that cannot be stored), OSError (not Arrow IPC), ImportError, MemoryError.
+        FileNotFoundError: a path does not exist, or a folder has no ``state.json``.
+        KeyError: a requested column is missing (the message lists those that exist).
+        ValueError: nulls that no ``fill_value`` covers; ``columns=[]``; an HF format
+            that cannot be kept.
+        TypeError: not a table, or a column's type cannot be stored.
+        OSError: a file is not Arrow IPC, or is truncated (``SourceReadError``).
+        ImportError: pyarrow is not installed.
+        MemoryError: not enough shared memory (``SharedMemoryFullError``), before loading.
 
     Example:
         >>> import pyarrow as pa, shareddata as sd

@@ -57,7 +57,9 @@ class SharedList(Closable, Sequence):
 
     Args:
         items: any iterable of picklable objects.
-        storage_dir, progress, timeout: as for :class:`~shareddata.NumpyDataset`.
+        storage_dir: ``None`` for RAM; a directory for file-backed storage.
+        progress: a progress bar for copies longer than ~2 s.
+        timeout: seconds to wait for another local rank.
         share: under torchrun, ``"node"`` (the default there): local rank 0 pickles
             the items, the others attach (they read only a sample of ``items`` to
             compare); ``"process"``: every process keeps its own copy.

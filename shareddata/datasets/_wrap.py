@@ -37,7 +37,9 @@ class SharedDataset(ColumnDataset):
         transform: applied to each rebuilt item, in the worker.
         num_workers: read the original with a DataLoader of this many workers, which
             write the fixed-size fields straight into the shared columns; 0 reads here.
-        progress, storage_dir, timeout: as for :class:`~shareddata.NumpyDataset`.
+        progress: a progress bar for materialisations longer than ~2 s.
+        storage_dir: ``None`` for RAM; a directory for file-backed storage.
+        timeout: seconds to wait for another local rank.
         share: under torchrun, ``"node"`` (the default there): local rank 0 reads the
             items, the others attach, reading only a sample of 16 items to compare
             (different data: ``LocalRankError``); ``"process"``: every process reads.
