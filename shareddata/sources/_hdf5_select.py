@@ -1,10 +1,4 @@
-"""Which datasets of an HDF5 file become columns: ``keys`` resolved, or the default selection.
-
-The default selection (``columns=None``) takes every dataset and pandas frame whose
-rows equal the longest ones, leaving out scalars, PyTables' and pandas' own
-index arrays, and (with a warning) datasets whose type cannot be stored. Keys
-name datasets, fields of compound datasets, pandas frames or their columns.
-"""
+"""Which datasets of an HDF5 file become columns: ``keys`` resolved, or the default selection."""
 
 from __future__ import annotations
 
@@ -35,6 +29,13 @@ _LISTED = 20  # how many dataset names an error message lists
 _SPARSE_PARTS = {"data", "indices", "indptr", "shape"}
 
 
+def _corrupt(label: str, error: BaseException) -> SourceReadError:
+    return SourceReadError(
+        f"{label}: the file's group structure cannot be read ({error}); the file is "
+        "corrupt. Re-create or re-download it."
+    )
+
+
 def _listing(names: Sequence[str], frames: Sequence[str] = ()) -> str:
     if not names:
         return "no datasets"
@@ -46,17 +47,7 @@ def _listing(names: Sequence[str], frames: Sequence[str] = ()) -> str:
 
 
 class Selection:
-    """The plans of an open HDF5 file's columns.
-
-    Args:
-        h5py: the module.
-        file: the open ``h5py.File``.
-        label: its path, for messages.
-
-    Attributes:
-        skipped: after :meth:`auto`, datasets and frame columns of the longest
-            length left out because their type cannot be stored (name: reason).
-    """
+    """The plans of an open HDF5 file's columns (``skipped``: what :meth:`auto` left out)."""
 
     def __init__(
         self, h5py: Any, file: Any, label: str, sparse: str = "dense", decode_cf: bool = True
@@ -69,15 +60,11 @@ class Selection:
         try:
             self.netcdf = Netcdf(h5py, file, decode_cf, label) if is_netcdf(file) else None
         except (OSError, RuntimeError, KeyError, ValueError, TypeError) as error:
-            raise SourceReadError(
-                f"{label}: the file's group structure cannot be read ({error}); the file "
-                "is corrupt. Re-create or re-download it."
-            ) from error
-        self.coords: list[str] = []
-        """netCDF variables that do not run along the rows (``HDF5Dataset.coords``)."""
+            raise _corrupt(label, error) from error
+        self.coords: list[str] = []  # netCDF variables not along the rows
 
     def _along_rows(self, plans: list[Plan]) -> list[Plan]:
-        """netCDF: the plans along the rows' dimension, decoded; the rest are coordinates."""
+        """netCDF: the plans along the rows, decoded; the rest become coordinates."""
         if self.netcdf is None:
             return plans
         plans, self.coords = self.netcdf.split(plans)
@@ -104,9 +91,8 @@ class Selection:
                 f"pass columns=[...] without {name!r}."
             ) from error
 
-    def _dataset_names(self, group: Any = None) -> list[str]:
-        """Paths of every dataset under ``group`` (default: the file), in visit order."""
-        group = self._file if group is None else group
+    def _dataset_names(self, group: Any) -> list[str]:
+        """Paths of every dataset under ``group``, in visit order."""
         prefix = group.name.strip("/")
         names: list[str] = []
 
@@ -117,10 +103,7 @@ class Selection:
         try:
             group.visititems(visit)
         except (OSError, RuntimeError, KeyError) as error:
-            raise SourceReadError(
-                f"{self.label}: the file's group structure cannot be read ({error}); the file "
-                "is corrupt. Re-create or re-download it."
-            ) from error
+            raise _corrupt(self.label, error) from error
         return names
 
     def _get(self, name: str) -> Any:
@@ -147,12 +130,7 @@ class Selection:
         )
 
     def auto(self) -> list[Plan]:
-        """Every storable dataset and pandas frame of the longest length (see HDF5Dataset).
-
-        An AnnData file gives its cells (:meth:`Encoded.anndata`). Where the file
-        holds sparse matrices, the rows are theirs (the longest of them), never
-        their nonzeros nor a longer axis of something else.
-        """
+        """Every storable dataset and frame of the longest length (sparse matrices' first)."""
         if self.netcdf is not None:
             return self._netcdf_auto(self.netcdf)
         if is_anndata(self._file):
@@ -212,7 +190,7 @@ class Selection:
         return self._unique(plans)
 
     def _netcdf_auto(self, netcdf: Netcdf) -> list[Plan]:
-        """Every storable variable along the rows' dimension (see ``_hdf5_cf``)."""
+        """Every storable variable along the rows' dimension."""
         plans: list[Plan] = []
         skipped: dict[str, str] = {}
         for name in netcdf.default_names():
@@ -239,13 +217,12 @@ class Selection:
     def _names_and_frames(self, frames: list[str], elements: list[str] | None = None) -> list[str]:
         """Data datasets, pandas frames and encoded groups, in visit order.
 
-        Bookkeeping is left out; external links are followed (their targets named
-        by the link's path), soft links are not (their target is visited anyway).
+        External links are followed (named by the link's path); soft links are not.
         """
         names: list[str] = []
         elements = [] if elements is None else elements
 
-        matrices: set[str] = set()  # sparse groups: other members are datasets of their own
+        matrices: set[str] = set()  # sparse groups: their other members are datasets
 
         def visit(name: str, obj: Any) -> None:
             for unit in frames + elements:
@@ -280,10 +257,7 @@ class Selection:
             self._file.visititems(visit)
             self._file.visititems_links(visit_link)
         except (OSError, RuntimeError, KeyError) as error:
-            raise SourceReadError(
-                f"{self.label}: the file's group structure cannot be read ({error}); the file "
-                "is corrupt. Re-create or re-download it."
-            ) from error
+            raise _corrupt(self.label, error) from error
         return names
 
     @staticmethod

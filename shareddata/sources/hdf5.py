@@ -1,20 +1,9 @@
-"""HDF5 source: datasets of an HDF5 file, read with h5py straight into shared memory.
+"""HDF5 source: an HDF5 file's datasets read by h5py straight into shared memory.
 
-Opening the file reads metadata only (shapes, types, filters). Fixed-shape numeric
-data is then read straight into the shared buffer, so no private copy of a column
-exists: by h5py's ``read_direct`` in bounded blocks of rows aligned to the dataset's
-chunks (Note [Reading HDF5 chunks once]), HDF5 converting types (byte order, enums,
-one field of a compound) on the way into the buffer; gzip chunks and the fields of
-raw records by shareddata itself, where it measured faster
-(:mod:`~shareddata.sources._hdf5_chunks`). Variable-length
-data (strings, ``vlen`` sequences) is read twice in bounded blocks of rows: once
-to size the ``values`` buffer exactly, once to fill it; at most one block exists
-as Python objects at any time. docs/internals.md gives the memory this takes.
-
-How HDF5 types map to columns: :mod:`~shareddata.sources._hdf5_layout`; anndata's
-encoded groups (sparse matrices, categoricals, data frames):
-:mod:`~shareddata.sources._hdf5_encoded`; netCDF and the CF conventions:
-:mod:`~shareddata.sources._hdf5_cf`.
+Fixed-shape numbers go through ``read_direct`` in chunk-aligned blocks (Note [Reading
+HDF5 chunks once]), gzip chunks through :mod:`._hdf5_chunks`. Variable-length rows are
+read twice in bounded blocks, to size the ``values`` buffer and then to fill it. Types:
+:mod:`._hdf5_layout`; anndata groups: :mod:`._hdf5_encoded`; netCDF: :mod:`._hdf5_cf`.
 """
 
 from __future__ import annotations
@@ -22,7 +11,7 @@ from __future__ import annotations
 import os
 import reprlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -30,17 +19,12 @@ import numpy as np
 
 from ..columns._columns import ColumnSpec
 from ..columns._sparse import SPARSE_OUTPUTS
-from ..errors import (
-    ArgumentTypeError,
-    ColumnLengthError,
-    InvalidArgumentError,
-    SourceReadError,
-)
+from ..errors import ArgumentTypeError, ColumnLengthError, InvalidArgumentError, SourceReadError
 from . import _hdf5_chunks
-from ._hdf5_layout import Plan, attr_value
+from ._hdf5_chunks import row_steps
+from ._hdf5_layout import Plan, attr_value, native
 from ._hdf5_open import check_filters, import_h5py, open_file, read_errors
 from ._hdf5_select import Selection
-from ._hdf5_values import VariableReader
 from ._source import Buffer
 
 __all__ = ["HDF5Source"]
@@ -49,26 +33,18 @@ PathLike = str | os.PathLike
 
 _CHUNK = 64 << 20
 """Bytes of fixed-shape data HDF5 reads per call."""
+_BLOCK = 16 << 20
+"""Bytes of private memory one block of variable-length rows may take."""
+_OBJECT_OVERHEAD = 112  # bytes of one Python bytes/ndarray beyond its data
+_MAX_BLOCK_ROWS = 1 << 20
 
 
 class HDF5Source:
-    """Reads datasets of an HDF5 file (see :class:`HDF5Dataset`).
-
-    The constructor opens the file and reads metadata only; :meth:`specs` sizes
-    the columns (reading variable-length datasets once, in bounded blocks);
-    :meth:`read` fills the buffers it is given; :meth:`close` closes the file.
-
-    Args:
-        path: the HDF5 file.
-        keys: dataset paths inside the file, in column order (see
-            :class:`HDF5Dataset`). ``None``: the default selection.
-        sparse: what a sparse matrix's row comes back as (see :class:`HDF5Dataset`).
-        decode_cf: decode a netCDF file's variables (see :class:`HDF5Dataset`).
+    """Reads datasets of an HDF5 file (see :class:`HDF5Dataset`): metadata on open.
 
     Attributes:
         plans: how each column is read, in column order.
-        skipped: with ``columns=None``, datasets and frame columns left out because
-            their type cannot be stored (name: the reason).
+        skipped: with ``columns=None``, columns left out as unstorable (name: reason).
         coords: a netCDF file's variables along other dimensions, decoded (numpy).
         attrs: a netCDF file's variable attributes, by column and coordinate.
     """
@@ -92,27 +68,27 @@ class HDF5Source:
             )
         self._h5py = import_h5py()
         self.label = os.fspath(path)
-        self._file: Any = None
         self._specs: list[ColumnSpec] | None = None
         self._total = -1  # rows of every column, once checked equal
-        self.skipped: dict[str, str] = {}
         self._file, self._swmr = open_file(self._h5py, self.label)
         try:
             selection = Selection(self._h5py, self._file, self.label, sparse, decode_cf)
             self.plans = selection.auto() if keys is None else selection.select(keys)
             self.skipped = selection.skipped
             netcdf = selection.netcdf
-            with read_errors(self.label, "the coordinates", "their stored type"):
-                self.coords = {n: netcdf.coord(n) for n in selection.coords} if netcdf else {}
-            self.attrs = {p.name: netcdf.attrs(p.path) for p in self.plans} if netcdf else {}
-            self.attrs.update({n: netcdf.attrs(n) for n in self.coords} if netcdf else {})
-            if netcdf is None:
+            self.coords: dict[str, Any] = {}
+            self.attrs: dict[str, Any] = {}
+            if netcdf is not None:
+                with read_errors(self.label, "the coordinates", "their stored type"):
+                    self.coords = {n: netcdf.coord(n) for n in selection.coords}
+                self.attrs = {p.name: netcdf.attrs(p.path) for p in self.plans}
+                self.attrs.update({n: netcdf.attrs(n) for n in self.coords})
+            else:
                 _warn_packed(self.label, self._file, self.plans)
-            paths = [p.special.datasets if p.special else [p.path] for p in self.plans]
-            paths = [some for p, some in zip(self.plans, paths) if p.values is None]
+            paths = [p.special.datasets if p.special else [p.path] for p in self.plans
+                     if p.values is None]  # fmt: skip
             for path_ in dict.fromkeys(path_ for some in paths for path_ in some):
                 check_filters(self._h5py, self.label, path_, self._file[path_])
-            self._values = VariableReader(self.label, self._reading, self._block)
         except BaseException:
             self.close()
             raise
@@ -120,7 +96,16 @@ class HDF5Source:
     # -- Source protocol ---------------------------------------------------------------
     def total_rows(self) -> int:
         """Rows of the selected datasets, before any :meth:`select_rows`."""
-        self._check_lengths()
+        if self._total < 0:
+            lengths = {p.rows for p in self.plans}
+            if len(lengths) > 1:  # before any sizing pass reads data
+                listing = ", ".join(f"{p.name!r}: {p.rows} rows" for p in self.plans)
+                raise ColumnLengthError(
+                    f"datasets of {self.label} have different lengths ({listing}); every "
+                    "column needs one value per row. Pass columns=[...] of equal length, "
+                    "or trim them."
+                )
+            self._total = lengths.pop() if lengths else 0
         return self._total
 
     def select_rows(self, start: int, stop: int) -> None:
@@ -134,33 +119,18 @@ class HDF5Source:
             plan.first, plan.rows, plan.blocks = start, stop - start, []
         self._specs = None
 
-    def _check_lengths(self) -> None:
-        if self._total >= 0:
-            return
-        lengths = {p.rows for p in self.plans}
-        if len(lengths) > 1:  # before any sizing pass reads data
-            listing = ", ".join(f"{p.name!r}: {p.rows} rows" for p in self.plans)
-            raise ColumnLengthError(
-                f"datasets of {self.label} have different lengths ({listing}); every column "
-                "needs one value per row. Pass columns=[...] of equal length, or trim them."
-            )
-        self._total = lengths.pop() if lengths else 0
-
     def specs(self) -> list[ColumnSpec]:
         """Exact specs of every selected column (sizes variable-length ones by reading)."""
         if self._specs is not None:
             return self._specs
-        self._check_lengths()
+        self.total_rows()
         specs = []
         for plan in self.plans:
-            if plan.special is not None:  # a sparse matrix's rows, a CF-decoded variable
-                with self._reading(plan):
+            with self._reading(plan):
+                if plan.special is not None:  # a sparse matrix, a CF-decoded variable
                     specs.append(plan.special.spec(plan, self._file))
-                continue
-            values = 0
-            if plan.kind != "tensor":
-                ds = self._file[plan.path] if plan.values is None else None
-                values = self._values.size(plan, ds)
+                    continue
+                values = 0 if plan.kind == "tensor" else self._size(plan, self._dataset(plan))
             specs.append(
                 ColumnSpec(plan.name, plan.rows, plan.dtype, plan.shape, plan.kind, values)
             )
@@ -177,8 +147,7 @@ class HDF5Source:
             if plan.special is not None:
                 plan.special.read(plan, self._file, buffers, progress, self._read_range)
             elif plan.kind != "tensor":
-                ds = self._file[plan.path] if plan.values is None else None
-                self._values.read(plan, ds, buffers["offsets"], buffers["values"], progress)
+                self._read_values(plan, self._dataset(plan), buffers, progress)
             elif plan.values is not None:  # read by anndata
                 out = buffers["data"].rows(0, plan.rows)
                 out[...] = plan.values[plan.first : plan.first + plan.rows]
@@ -207,15 +176,17 @@ class HDF5Source:
             "HDF5Dataset (it holds only handles to shared memory)"
         )
 
-    # -- reading -----------------------------------------------------------------------
+    # -- fixed-shape numbers -----------------------------------------------------------
     def _reading(self, plan: Plan) -> AbstractContextManager[None]:
-        """Turn h5py's read errors into a :class:`SourceReadError` naming file and key."""
         return read_errors(self.label, plan.path, f"{plan.source} to {plan.dtype}")
+
+    def _dataset(self, plan: Plan) -> Any:
+        return self._file[plan.path] if plan.values is None else None
 
     def _read_range(
         self, ds: Any, out: Buffer, start: int, stop: int, progress: Callable[[int], None]
     ) -> None:
-        """Rows ``[start, stop)`` of a numeric dataset into ``out``, by the fastest path."""
+        """Rows ``[start, stop)`` of a numeric dataset into ``out`` (a sparse matrix's)."""
         name = ds.name.lstrip("/")
         plan = Plan(name, name, stop - start, "tensor", out.dtype, out.shape[1:], "direct")
         plan.first = start
@@ -226,12 +197,9 @@ class HDF5Source:
         start, stop = plan.first + start, plan.first + stop
         if plan.values is not None:  # read by anndata
             return plan.values[start:stop]
-        if not plan.member:
-            block = ds[start:stop]
-        else:
-            block = ds.fields(plan.member[0])[start:stop]
-            for part in plan.member[1:]:
-                block = block[part]
+        block = ds.fields(plan.member[0])[start:stop] if plan.member else ds[start:stop]
+        for part in plan.member[1:]:
+            block = block[part]
         if plan.index is not None:
             block = np.ascontiguousarray(block[..., plan.index])
         return block
@@ -241,15 +209,12 @@ class HDF5Source:
     ) -> None:
         if out.size == 0:
             return
-        row_bytes = out.nbytes // plan.rows
         what = f"{self.label}: reading dataset {plan.name!r}"
-        if self._inflatable(plan, ds) and _hdf5_chunks.inflate(
-            ds.file.filename, what, ds, out, progress
-        ):
+        if self._inflatable(plan, ds) and _hdf5_chunks.inflate(what, ds, out, progress):
             return
-        first = plan.first
-        for start, stop in _hdf5_chunks.row_steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
-            ds.read_direct(out.rows(start, stop), np.s_[first + start : first + stop])
+        row_bytes = out.nbytes // plan.rows
+        for start, stop in row_steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
+            ds.read_direct(out.rows(start, stop), np.s_[plan.first + start : plan.first + stop])
             progress((stop - start) * row_bytes)
 
     def _read_member(
@@ -260,34 +225,32 @@ class HDF5Source:
             return
         row_bytes = out.nbytes // plan.rows
         if plan.index is not None:  # a column of a pandas block: through a small block
-            budget = _CHUNK // 16
-            for start, stop in _hdf5_chunks.row_steps(
-                plan.rows, ds.dtype.itemsize, budget, ds.chunks
-            ):
+            for start, stop in row_steps(plan.rows, ds.dtype.itemsize, _CHUNK // 16, ds.chunks):
                 out.rows(start, stop)[...] = self._block(plan, ds, start, stop)
                 progress((stop - start) * row_bytes)
             return
-        h5t, h5s = self._h5py.h5t, self._h5py.h5s
+        h5py = self._h5py
         leaf = plan.source if plan.source is not None else plan.dtype
         sub = leaf.subdtype
         base = sub[0] if sub else leaf
-        labels = self._h5py.check_enum_dtype(base)
+        labels = h5py.check_enum_dtype(base)
         if labels is not None and base.kind != "b":
-            base = self._h5py.enum_dtype(labels, basetype=np.dtype(base.str).newbyteorder("="))
+            base = h5py.enum_dtype(labels, basetype=native(base))
         elif base.kind in "iufc":
-            base = np.dtype(base.str).newbyteorder("=")
-        mtype = h5t.py_create(np.dtype((base, sub[1])) if sub else base, logical=True)
+            base = native(base)
+        mtype = h5py.h5t.py_create(np.dtype((base, sub[1])) if sub else base, logical=True)
         for part in reversed(plan.member):
-            outer = h5t.create(h5t.COMPOUND, mtype.get_size())
+            outer = h5py.h5t.create(h5py.h5t.COMPOUND, mtype.get_size())
             outer.insert(part.encode(), 0, mtype)
             mtype = outer
         file_space = ds.id.get_space()
         row_shape = tuple(ds.shape[1:])
         record_bytes = ds.dtype.itemsize * int(np.prod(row_shape))
-        for start, stop in _hdf5_chunks.row_steps(plan.rows, record_bytes, _CHUNK, ds.chunks):
+        for start, stop in row_steps(plan.rows, record_bytes, _CHUNK, ds.chunks):
             count = (stop - start, *row_shape)
             file_space.select_hyperslab((plan.first + start,) + (0,) * len(row_shape), count)
-            ds.id.read(h5s.create_simple(count), file_space, out.rows(start, stop), mtype=mtype)
+            memory = h5py.h5s.create_simple(count)
+            ds.id.read(memory, file_space, out.rows(start, stop), mtype=mtype)
             progress((stop - start) * row_bytes)
 
     def _inflatable(self, plan: Plan, ds: Any) -> bool:
@@ -296,14 +259,125 @@ class HDF5Source:
             return False  # (a node's share of the rows: read_direct selects them)
         return _hdf5_chunks.inflatable(ds)
 
+    # -- variable-length rows ----------------------------------------------------------
+    def _fixed_blocks(self, plan: Plan, ds: Any) -> Iterator[tuple[int, int, Any]]:
+        """Blocks of fixed-width rows, about ``_BLOCK / 3`` bytes of records each."""
+        for start, stop in row_steps(plan.rows, ds.dtype.itemsize, _BLOCK // 3, ds.chunks):
+            yield start, stop, self._block(plan, ds, start, stop)
+
+    def _size(self, plan: Plan, ds: Any) -> int:
+        """Total ``values`` of a variable-length column; its blocks kept in ``plan.blocks``."""
+        if plan.reader == "opaque":
+            return plan.rows * (plan.source.itemsize if plan.source is not None else 0)
+        plan.blocks = []
+        if plan.reader == "fixed":
+            for start, stop, block in self._fixed_blocks(plan, ds):
+                plan.blocks.append((start, stop, int(_lengths(plan, block).sum())))
+            return sum(n for _, _, n in plan.blocks)
+        # a row's size is known once read: grow the blocks from a few rows to what
+        # the rows seen so far say fits in _BLOCK bytes of Python objects
+        start, step = 0, 8
+        while start < plan.rows:
+            stop = min(plan.rows, start + step)
+            total = int(_lengths(plan, self._block(plan, ds, start, stop)).sum())
+            plan.blocks.append((start, stop, total))
+            per_row = _OBJECT_OVERHEAD + plan.dtype.itemsize * total / (stop - start)
+            step = int(min(4 * step, _MAX_BLOCK_ROWS, max(1, _BLOCK // per_row)))
+            start = stop
+        return sum(n for _, _, n in plan.blocks)
+
+    def _read_values(
+        self, plan: Plan, ds: Any, buffers: dict[str, Buffer], progress: Callable[[int], None]
+    ) -> None:
+        """Fill ``offsets`` and ``values`` of a column :meth:`_size` has sized."""
+        offsets, values = buffers["offsets"], buffers["values"]
+        offsets.rows(0, 1)[0] = 0
+        progress(offsets.itemsize)
+        if plan.reader == "opaque":
+            blocks: Iterator[tuple[int, int, Any]] = self._fixed_blocks(plan, ds)
+        else:
+            blocks = ((a, b, self._block(plan, ds, a, b)) for a, b, _ in plan.blocks)
+        sized = iter(plan.blocks)
+        for start, stop, block in blocks:
+            lengths = _lengths(plan, block)
+            base, total = int(offsets[start]), int(lengths.sum())
+            if plan.reader != "opaque" and total != next(sized)[2]:
+                raise SourceReadError(
+                    f"{self.label}: dataset {plan.path!r} changed while it was being loaded "
+                    f"(rows {start}:{stop}); load it again when nothing writes to the file."
+                )
+            ends = offsets.rows(start + 1, stop + 1)
+            np.cumsum(lengths, out=ends)
+            ends += base
+            dest = values.rows(base, base + total)
+            if total:
+                _fill(plan, block, lengths, dest)
+            if plan.kind == "str":
+                self._check_utf8(plan, values, offsets, start, stop)
+            del block
+            progress((stop - start) * offsets.itemsize + dest.nbytes)
+
+    def _check_utf8(
+        self, plan: Plan, values: np.ndarray, offsets: np.ndarray, start: int, stop: int
+    ) -> None:
+        """Refuse text that is not UTF-8 now, rather than fail when a worker decodes it."""
+        try:
+            str(values[int(offsets[start]) : int(offsets[stop])].data, "utf-8")
+        except UnicodeDecodeError:
+            pass
+        else:  # each row is valid too if no row starts inside a character
+            starts, ends = offsets[start:stop], offsets[start + 1 : stop + 1]
+            if not np.any((values[starts[ends > starts]] & 0xC0) == 0x80):
+                return
+        bad = start
+        for row in range(start, stop):  # rare path: find the first row that is not text
+            try:
+                str(values[offsets[row] : offsets[row + 1]].data, "utf-8")
+            except UnicodeDecodeError:
+                bad = row
+                break
+        raise SourceReadError(
+            f"{plan.name!r} of {self.label} is declared as text, but row {bad} is not valid "
+            "UTF-8. Fix: re-write the dataset with valid UTF-8 strings, or store the raw "
+            "bytes as fixed-length (ascii) strings or variable-length uint8."
+        )
+
+
+def _utf8(block: Any) -> list[bytes]:
+    """Rows of UCS-4 code points (PyTables' ``VLUnicodeAtom``) as UTF-8 bytes."""
+    return [np.asarray(row, "<u4").tobytes().decode("utf-32-le").encode() for row in block]
+
+
+def _lengths(plan: Plan, block: Any) -> np.ndarray:
+    if plan.reader == "opaque":
+        return np.full(len(block), block.dtype.itemsize, np.int64)
+    if plan.reader == "fixed":  # np.bytes_ semantics: trailing NULs are not part of it
+        width = block.dtype.itemsize
+        if width == 0 or len(block) == 0:
+            return np.zeros(len(block), np.int64)
+        nonzero = block.view(np.uint8).reshape(len(block), width) != 0
+        last = width - np.argmax(nonzero[:, ::-1], axis=1)
+        return np.where(nonzero.any(axis=1), last, 0).astype(np.int64)
+    rows = _utf8(block) if plan.reader == "vlen_ucs4" else block
+    return np.fromiter(map(len, rows), np.int64, count=len(block))
+
+
+def _fill(plan: Plan, block: Any, lengths: np.ndarray, dest: np.ndarray) -> None:
+    if plan.reader == "vlen":
+        np.concatenate([np.asarray(row).reshape(-1) for row in block], out=dest)
+    elif plan.reader in ("vlen_str", "vlen_ucs4"):
+        rows = _utf8(block) if plan.reader == "vlen_ucs4" else block
+        dest[:] = np.frombuffer(b"".join(rows), np.uint8)
+    else:  # fixed width: keep each row's first `length` bytes
+        width = block.dtype.itemsize
+        raw = block.view(np.uint8).reshape(len(block), width)
+        dest[:] = (
+            raw.reshape(-1) if plan.reader == "opaque" else raw[np.arange(width) < lengths[:, None]]
+        )
+
 
 def _warn_packed(label: str, file: Any, plans: list[Plan]) -> None:
-    """Warn about datasets of a file that is not netCDF which carry packing attributes.
-
-    ``scale_factor`` / ``add_offset`` outside netCDF follow no one convention (CF's
-    ``codes * scale + offset``, HDF-EOS/MODIS ``scale * (codes - offset)``), so the
-    codes are loaded as stored and the warning names each dataset and its attributes.
-    """
+    """Warn that packing attributes outside netCDF are not decoded (no one convention)."""
     for path in dict.fromkeys(p.path for p in plans if p.kind == "tensor" and p.values is None):
         ds = file[path]
         packing = {k: attr_value(ds, k) for k in ("scale_factor", "add_offset") if k in ds.attrs}
@@ -320,11 +394,7 @@ def _warn_packed(label: str, file: Any, plans: list[Plan]) -> None:
 
 
 def _check_length(ds: Any, what: str) -> None:
-    """Refuse data read from a file that shrank after it was opened.
-
-    HDF5 checks a file's length when it opens it, but reads past the end of a file
-    cut later as zeros, without an error.
-    """
+    """Refuse data read from a file cut after it was opened (HDF5 reads zeros past its end)."""
     size, expected = os.stat(ds.file.filename).st_size, ds.file.id.get_filesize()
     if size < expected:
         raise SourceReadError(
@@ -335,14 +405,12 @@ def _check_length(ds: Any, what: str) -> None:
 
 # Note [Reading HDF5 chunks once]
 # ===============================
-# A load reads every chunk once, in blocks of whole chunks along the rows, so HDF5's
-# chunk cache (8 MiB per dataset by default) holds nothing worth keeping: with it a chunk that
-# fits is read into the cache and copied out (~9 MiB of private memory at the
-# peak), without it ``read_direct`` places the chunk straight into the buffer
-# (0.2 MiB), as fast (docs/benchmarks.md). Fixed-shape reads therefore open their
-# dataset with a zero-byte cache (HDF5 applies it only when no other handle of the
-# dataset is open: a second open shares the first's cache). Variable-length rows
-# keep the cache: they are read in blocks that need not end on a chunk.
+# A load reads every chunk once, in blocks of whole chunks, so HDF5's chunk cache
+# (8 MiB per dataset) only adds a copy through it (~9 MiB private at the peak); with
+# a zero-byte cache ``read_direct`` places each chunk straight into the buffer, as
+# fast (docs/benchmarks.md). HDF5 applies the cache setting only when no other handle
+# of the dataset is open. Variable-length rows keep the cache: their blocks need not
+# end on a chunk.
 
 
 def _uncached(h5py: Any, file: Any, path: str) -> Any:

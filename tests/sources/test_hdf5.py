@@ -19,8 +19,7 @@ from torch.utils.data import DataLoader, default_collate
 import shareddata as sd
 from shareddata import HDF5Dataset
 from shareddata.datasets._load import build
-from shareddata.sources import _hdf5_chunks, _hdf5_values, hdf5
-from shareddata.sources._hdf5_values import VariableReader
+from shareddata.sources import _hdf5_chunks, hdf5
 from shareddata.sources._source import Buffer
 from shareddata.sources.hdf5 import HDF5Source
 
@@ -236,7 +235,7 @@ def test_empty_file_and_zero_rows(tmp_path):
 def test_bounded_chunk_aligned_reads(h5path, monkeypatch):
     """Tiny budgets: many blocks, each a whole number of chunks; same data."""
     monkeypatch.setattr(hdf5, "_CHUNK", 1000)
-    monkeypatch.setattr(_hdf5_values, "_BLOCK", 600)
+    monkeypatch.setattr(hdf5, "_BLOCK", 600)
     calls = []
     real = h5py.Dataset.read_direct
 
@@ -410,7 +409,7 @@ def test_group_key_lists_its_datasets(h5path):
 
 def test_keys_of_different_lengths(h5path, monkeypatch):
     sized = []
-    monkeypatch.setattr(VariableReader, "size", lambda self, plan, ds: sized.append(plan) or 0)
+    monkeypatch.setattr(HDF5Source, "_size", lambda self, plan, ds: sized.append(plan) or 0)
     with pytest.raises(ValueError, match=r"'text': 300 rows, 'short': 10 rows") as info:
         HDF5Dataset(h5path, ["text", "short"])
     assert isinstance(info.value, sd.ColumnLengthError)
