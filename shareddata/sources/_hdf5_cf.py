@@ -1,30 +1,12 @@
-"""netCDF-4 files: variables along one dimension as columns, decoded by the CF conventions.
+"""netCDF-4 files: variables along one dimension as columns, decoded as xarray decodes them.
 
-A netCDF-4 file (HDF5 with ``_NCProperties``, netCDF's dimension scales or a CF
-``Conventions`` attribute) is read as xarray reads it, with ``decode_cf=True``:
-
-* **rows** run along one dimension: the first dimension of most data variables
-  (``time`` for ``temp(time, lat, lon)``), found through the dimension scales, not
-  by length. Every variable along it is a column; coordinates along other
-  dimensions (``lat``, ``lon``, bounds, ``coordinates`` attributes) go to
-  ``ds.coords``, decoded; netCDF's own dimension placeholders are never data.
-* **packed values** (``scale_factor``, ``add_offset``) and **fill values**
-  (``_FillValue``, ``missing_value``) are decoded as xarray's ``CFMaskCoder`` then
-  ``CFScaleOffsetCoder`` do: masked to NaN first, then scaled, in the float type
-  xarray chooses (``int16`` packed with a float64 ``scale_factor`` gives float64;
-  an int16 variable with only a fill value, float32). ``_Unsigned`` and xarray's
-  ``dtype: bool`` are honoured.
-* **times** (``units`` ``"<unit> since <date>"``) on the ``standard``, ``gregorian`` or
-  ``proleptic_gregorian`` calendar become int64 nanoseconds since 1970-01-01 (what
-  ``datetime64[ns]`` holds; NaT is the smallest int64): ``.numpy().view(
-  "datetime64[ns]")`` gives xarray's values. cftime (the ``netcdf`` extra) places the
-  reference date; every value is checked to land within datetime64[ns]. Their
-  ``ds.attrs`` then say so (``units: "nanoseconds since 1970-01-01"``). Durations
-  (``units: "hours"``) become int64 nanoseconds likewise. Times on other calendars
-  (``julian``, ``noleap``, ``360_day``, ...) or outside datetime64[ns] keep their
-  numbers, units and calendar, with a warning naming them (:func:`times_of`).
-
-With ``decode_cf=False`` every variable keeps its stored values (codes).
+Rows run along the first dimension of most data variables (found by dimension
+scales); variables along other dimensions go to ``ds.coords``. Fill values are masked
+to NaN, then packed values scaled, in xarray's float type; ``_Unsigned`` and
+``dtype: bool`` are honoured. Times on a standard calendar become int64 ns since 1970
+(cftime places the reference date; the ``netcdf`` extra), durations int64 ns; other
+calendars or times outside datetime64[ns] keep their numbers, with a warning
+(:func:`times_of`). ``decode_cf=False`` keeps every variable as stored.
 """
 
 from __future__ import annotations
@@ -39,18 +21,11 @@ import numpy as np
 
 from ..columns._columns import ColumnSpec
 from ..errors import MissingDependencyError
+from ._hdf5_chunks import row_steps
 from ._hdf5_layout import Plan, attr_value
 from ._source import Buffer
 
-__all__ = [
-    "CFRead",
-    "Netcdf",
-    "Times",
-    "cf_decode",
-    "decoded_attrs",
-    "is_netcdf",
-    "times_of",
-]
+__all__ = ["CFRead", "Netcdf", "Times", "cf_decode", "decoded_attrs", "is_netcdf", "times_of"]
 
 _PHONY = "This is a netCDF dimension but not a netCDF variable"
 _BOOKKEEPING = {"CLASS", "NAME", "REFERENCE_LIST", "DIMENSION_LIST", "_Netcdf4Dimid",
@@ -66,10 +41,8 @@ _STANDARD = {"standard", "gregorian", "proleptic_gregorian"}
 NAT = np.iinfo(np.int64).min
 """What a missing time is (``NaT``) in an int64 time column."""
 _INT64_MAX = np.iinfo(np.int64).max
-_NS_LIMIT = (1 - 2**-20) * 2.0**63
-"""Float times are decoded only below this (a margin for the float steps of ``_to_ns``)."""
-_BLOCK = 32 << 20
-"""Bytes of stored values decoded per block."""
+_NS_LIMIT = (1 - 2**-20) * 2.0**63  # float times below this (a margin for _to_ns's steps)
+_BLOCK = 32 << 20  # bytes of stored values decoded per block
 
 
 def _scalar(value: Any) -> Any:
@@ -98,12 +71,9 @@ def is_netcdf(file: Any) -> bool:
 class Times:
     """How a time variable's numbers become int64 ns: ``number * per + base``."""
 
-    per: int
-    """Nanoseconds per unit."""
-    base: int
-    """The reference date in ns since 1970-01-01 (0 for a duration)."""
-    since: bool
-    """A date (``<unit> since <date>``), not a duration."""
+    per: int  # ns per unit
+    base: int  # the reference date in ns since 1970-01-01 (0 for a duration)
+    since: bool  # a date (``<unit> since <date>``), not a duration
 
 
 def _time_units(attrs: dict[str, Any]) -> tuple[int, bool] | None:
@@ -132,13 +102,8 @@ def _fits(low: Any, high: Any, per: int, base: int) -> bool:
 def times_of(label: str, name: str, ds: Any, attrs: dict[str, Any]) -> Times | None:
     """How variable ``name`` decodes to datetime64[ns] / timedelta64[ns], or None.
 
-    The reference date is placed by cftime (the CF conventions' own code: the
-    ``standard`` calendar is Julian before 1582-10-15, dates carry time zones).
-    A variable is decoded only when its calendar is ``standard``, ``gregorian`` or
-    ``proleptic_gregorian`` and every value lands within datetime64[ns]
-    (1677-09-21 to 2262-04-11, all after the Gregorian reform, so the calendars
-    agree there); otherwise it keeps its numbers, with a warning that names it,
-    its units and its calendar (``ds.attrs`` keeps both).
+    Decoded only on a standard calendar (cftime places the reference date) when every
+    value lands within datetime64[ns]; else a warning names variable, units, calendar.
     """
     unit = _time_units(attrs)
     if unit is None or ds.dtype.kind not in "iuf":
@@ -234,9 +199,7 @@ def cf_dtype(dtype: np.dtype, attrs: dict[str, Any], time: Times | None = None) 
 
 
 def cf_decode(values: np.ndarray, attrs: dict[str, Any], time: Times | None = None) -> np.ndarray:
-    """``values`` decoded as xarray decodes a variable with these attributes (module doc).
-
-    ``time`` (from :func:`times_of`): the variable's times, decoded to int64 ns.
+    """``values`` decoded as xarray decodes a variable with these attributes.
 
     Example:
         >>> cf_decode(np.array([0, 100, -1], np.int16), {"scale_factor": np.float32(0.5),
@@ -289,10 +252,9 @@ def cf_decode(values: np.ndarray, attrs: dict[str, Any], time: Times | None = No
 
 
 def _to_ns(data: np.ndarray, per: int, base: int) -> np.ndarray:
-    """Numbers of ``per``-ns units after ``base`` as int64 ns (xarray's steps; they fit).
+    """Numbers of ``per``-ns units after ``base`` as int64 ns (xarray's steps).
 
-    ``base`` may lie outside int64 (``days since 0001-01-01``): the numbers are first
-    counted from the unit nearest 1970 (``shift``), so only the results must fit.
+    Counted from the unit nearest 1970 first, so ``base`` may lie outside int64.
     """
     shift, base = divmod(base, per)
     if data.dtype.kind in "iu":
@@ -347,11 +309,9 @@ class CFRead:
 
     @property
     def datasets(self) -> list[str]:
-        """The variable's dataset (for the compression-filter check)."""
         return [self.path]
 
     def spec(self, plan: Plan, file: Any) -> ColumnSpec:
-        """A tensor column of the decoded type."""
         return ColumnSpec(plan.name, plan.rows, plan.dtype, plan.shape)
 
     def read(
@@ -364,12 +324,8 @@ class CFRead:
     ) -> None:
         """Decode the variable block by block into the column's buffer."""
         ds, out = file[self.path], buffers["data"]
-        row = max(1, ds.dtype.itemsize * int(np.prod(plan.shape, dtype=np.int64)))
-        step = max(1, _BLOCK // row)
-        if ds.chunks:
-            step = max(int(ds.chunks[0]), step - step % int(ds.chunks[0]))
-        for start in range(0, plan.rows, step):
-            stop = min(plan.rows, start + step)
+        row = ds.dtype.itemsize * int(np.prod(plan.shape, dtype=np.int64))
+        for start, stop in row_steps(plan.rows, row, _BLOCK, ds.chunks):
             block = ds[plan.first + start : plan.first + stop]
             dest = out.rows(start, stop)
             dest[...] = cf_decode(block, self.attrs, self.time)
@@ -377,14 +333,7 @@ class CFRead:
 
 
 class Netcdf:
-    """The variables of a netCDF-4 file, their dimensions, coordinates and decoding.
-
-    Args:
-        h5py: the module.
-        file: the open file.
-        decode: decode the CF conventions (``decode_cf``).
-        label: the file, for messages.
-    """
+    """The variables of a netCDF-4 file, their dimensions, coordinates and decoding."""
 
     def __init__(self, h5py: Any, file: Any, decode: bool, label: str) -> None:
         self._h5py = h5py
@@ -437,13 +386,7 @@ class Netcdf:
         return [n for n, ds in self.variables.items() if ds.shape and self.dimension(n) == rows]
 
     def split(self, plans: list[Plan]) -> tuple[list[Plan], list[str]]:
-        """Plans along the rows' dimension, and the names of the others.
-
-        The rows' dimension is the first dimension of most of the plans' data
-        variables (coordinates count only if there are none; a tie goes to the
-        first plan's). The others (variables named in ``keys`` that run along
-        another dimension) and every coordinate not along the rows are coordinates.
-        """
+        """Plans along the rows' dimension (most data variables' first), and the others."""
         if not plans:
             return plans, []
         dims = [self.dimension(p.path) for p in plans]

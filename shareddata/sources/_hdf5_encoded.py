@@ -1,28 +1,10 @@
-"""HDF5 groups that encode one element, as anndata writes them, and AnnData files.
+"""anndata's encoded groups (``encoding-type``) and AnnData (``.h5ad``) files as columns.
 
-anndata (``.h5ad``) marks each element with an ``encoding-type`` attribute; a
-group element is read as the columns it means, never as its raw arrays. Sparse
-matrices are read here, their arrays straight into shared memory; data frames,
-categoricals and nullable arrays are read by anndata's own reader
-(``anndata.io.read_elem``, the ``anndata`` extra), then copied into the columns:
-
-================================  ==============================================
-``encoding-type``                 columns (named by the group's path)
-================================  ==============================================
-``csr_matrix``, ``csc_matrix``    one ``"sparse"`` column (:mod:`._hdf5_sparse`;
-                                  also ``h5sparse`` and 10x ``matrix`` groups)
-``categorical``                   its ``codes`` (int), labels in ``ds.labels``
-                                  (``-1``: missing, as pandas' codes)
-``nullable-integer``/``-boolean``  its ``values`` when none is missing, else
-``nullable-string-array``         refused (``NullValuesError``, how many)
-``dataframe``                     its index, then its columns (``column-order``)
-``dict``, ``raw``                 every element inside
-``awkward-array``, ...            refused by name
-================================  ==============================================
-
-An AnnData file (root ``encoding-type`` ``anndata``) loads as cells: by default
-``X`` (dense, or sparse rows) and every ``obs`` column, index first; ``obsm``,
-``layers``, ``obsp`` and ``raw/X`` are loaded when named in ``keys``.
+Sparse matrices (also ``h5sparse`` and 10x groups) are read by :mod:`._hdf5_sparse`,
+straight into shared memory; data frames, categoricals (codes, labels in
+``ds.labels``) and nullable arrays by ``anndata.io.read_elem`` (the ``anndata`` extra).
+``dict`` and ``raw`` groups give every element inside. An AnnData file loads ``X``
+and every ``obs`` column by default; ``obsm``, ``layers``, ``obsp``, ``raw/X`` by key.
 """
 
 from __future__ import annotations
@@ -39,14 +21,13 @@ from ..errors import (
     SourceReadError,
     UnsupportedDtypeError,
 )
-from ._hdf5_layout import Plan, Refuse, attr_value, plans_of
+from ._hdf5_layout import Plan, Refuse, attr_value, plans_of, text
 from ._hdf5_sparse import SparseRead, sparse_layout
 
 __all__ = ["Encoded", "encoding", "is_anndata"]
 
 _UNITS = {"categorical", "dataframe", "nullable-integer", "nullable-boolean",
           "nullable-string-array", "csr_matrix", "csc_matrix"}  # fmt: skip
-"""Encodings of a group that the default selection takes as one unit."""
 _CONTAINERS = {"dict", "raw", "anndata"}
 
 
@@ -58,7 +39,7 @@ def encoding(obj: Any) -> str:
         'csr_matrix'
     """
     value = attr_value(obj, "encoding-type")
-    return value.decode() if isinstance(value, bytes) else value if isinstance(value, str) else ""
+    return text(value) if isinstance(value, (bytes, str)) else ""
 
 
 def is_anndata(file: Any) -> bool:
@@ -68,19 +49,12 @@ def is_anndata(file: Any) -> bool:
 
 def _label(value: Any) -> Any:
     if isinstance(value, (bytes, np.bytes_)):
-        return bytes(value).decode("utf-8", errors="replace")
+        return text(value)
     return value.item() if isinstance(value, np.generic) else value
 
 
 class Encoded:
-    """Makes the plans of encoded groups of one file.
-
-    Args:
-        h5py: the module.
-        label: the file, for messages.
-        refuse: makes the error for a type that cannot be stored.
-        output: what a sparse row comes back as (``"dense"`` or ``"coo"``).
-    """
+    """Makes the plans of encoded groups of one file (``output``: a sparse row's form)."""
 
     def __init__(self, h5py: Any, label: str, refuse: Refuse, output: str) -> None:
         self._h5py = h5py
@@ -99,11 +73,7 @@ class Encoded:
         return self.is_unit(obj) or encoding(obj) in _CONTAINERS
 
     def plans(self, obj: Any, name: str, skipped: dict[str, str] | None) -> list[Plan]:
-        """The columns of element ``obj`` (a dataset or an encoded group) at path ``name``.
-
-        ``skipped``: when given, columns that cannot be stored are left out and
-        recorded there (name: reason) instead of raising.
-        """
+        """The columns of element ``obj`` at ``name`` (unstorable ones to ``skipped`` if given)."""
         try:
             return self._plans(obj, name, skipped)
         except (UnsupportedDtypeError, NullValuesError) as error:
@@ -150,7 +120,7 @@ class Encoded:
         if encoding(obj) != "dataframe":
             return [self._column(value, name)]
         index = attr_value(obj, "_index")
-        index = index.decode() if isinstance(index, bytes) else index
+        index = text(index) if isinstance(index, bytes) else index
         columns = [(f"{name}/{index}", value.index)] if index is not None else []
         plans: list[Plan] = []
         for column, values in columns + [(f"{name}/{c}", value[c]) for c in value.columns]:

@@ -1,9 +1,4 @@
-"""pandas ``HDFStore`` frames and series (``DataFrame.to_hdf``) as plans of their columns.
-
-Both formats: ``format="table"`` (PyTables records whose ``values_block_N`` fields
-hold several columns each) and ``format="fixed"`` (``blockN_values`` arrays). pandas'
-attributes are parsed without executing anything (:func:`attr_value`).
-"""
+"""pandas ``HDFStore`` frames and series (``to_hdf``, either format) as plans."""
 
 from __future__ import annotations
 
@@ -15,12 +10,11 @@ import numpy as np
 
 from ..columns._columns import ColumnSpec
 from ..errors import UnsupportedDtypeError
-from ._hdf5_layout import Plan, Refuse, attr_value, plans_of
+from ._hdf5_layout import Plan, Refuse, attr_value, native, plans_of, text
 
 __all__ = ["frame_plans", "is_frame"]
 
-_FRAMES = {b"frame", b"frame_table", b"series", b"series_table"}
-"""pandas ``pandas_type`` attributes whose columns :func:`frame_plans` reads."""
+_FRAMES = {b"frame", b"frame_table", b"series", b"series_table"}  # pandas_type attributes
 
 
 def is_frame(obj: Any) -> bool:
@@ -34,22 +28,11 @@ def is_frame(obj: Any) -> bool:
 def frame_plans(
     h5py: Any, group: Any, refuse: Refuse, skipped: dict[str, str] | None
 ) -> list[Plan]:
-    """Plans for the columns of a pandas frame stored by ``DataFrame.to_hdf``.
+    """Plans for a frame's columns in its order, a named index first.
 
-    Columns are named by their pandas names, in the frame's order; a named index
-    comes first under its name (an unnamed one is not loaded). ``format="table"``
-    stores rows as records whose ``values_block_N`` fields hold several columns
-    each (their names in the table's ``values_block_N_kind`` attribute);
-    ``format="fixed"`` stores ``blockN_values`` arrays of shape (rows, columns).
-    Categories load as their integer codes (labels in :attr:`Plan.labels`), dates
-    and times as int64 in their unit, booleans as bool.
-
-    Args:
-        h5py: the module.
-        group: the frame's group.
-        refuse: makes the error for a column that cannot be stored.
-        skipped: when given, columns that cannot be stored are left out and
-            recorded here (column name: reason) instead of raising.
+    ``table`` frames hold several columns per ``values_block_N`` field, ``fixed`` ones
+    ``blockN_values`` arrays. Categories load as codes (labels in :attr:`Plan.labels`),
+    dates as int64. ``skipped``: when given, unstorable columns go there, not raised.
     """
     key = group.name.strip("/")
     plans: list[Plan] = []
@@ -65,13 +48,13 @@ def frame_plans(
         for plan in made:
             if plan.kind == "bytes":
                 plan.kind = "str"  # pandas decodes its strings (UTF-8)
-            if _text(pandas_dtype) == "bool" and plan.dtype.kind == "u":
+            if text(pandas_dtype) == "bool" and plan.dtype.kind == "u":
                 plan.dtype = np.dtype(np.bool_)
             plans.append(plan)
 
     if bytes(group.attrs.get("pandas_type", b"")) == b"series":  # a Series, format="fixed"
         name = attr_value(group, "name")
-        name = _text(name) if isinstance(name, (bytes, str)) else key.rsplit("/", 1)[-1]
+        name = text(name) if isinstance(name, (bytes, str)) else key.rsplit("/", 1)[-1]
         _named_index(h5py, group, "index", refuse, add)
         if "values" in group:
             add(name, partial(plans_of, h5py, group["values"], name, refuse))
@@ -83,9 +66,9 @@ def frame_plans(
         if "axis0" not in group:
             add(key, partial(_multi_columns, key, refuse))
             return plans
-        order = [_text(n) for n in group["axis0"][()]]
+        order = [text(n) for n in group["axis0"][()]]
         for block in range(int(attr_value(group, "nblocks") or 0)):
-            items = [_text(n) for n in group[f"block{block}_items"][()]]
+            items = [text(n) for n in group[f"block{block}_items"][()]]
             values = group[f"block{block}_values"]
             pickled = bytes(values.attrs.get("CLASS", b"")) == b"VLARRAY"
             for position, column in enumerate(items):
@@ -106,7 +89,7 @@ def frame_plans(
         kind = attr_value(table, f"{values_col}_kind")
         pandas_dtype = attr_value(table, f"{values_col}_dtype")
         labels = None
-        if _text(attr_value(table, f"{values_col}_meta") or b"") == "category":
+        if text(attr_value(table, f"{values_col}_meta") or b"") == "category":
             labels = _categories(group, values_col)
         block = isinstance(kind, list) and table.dtype[values_col].subdtype is not None
         for position, column in enumerate(kind if block else [values_col]):
@@ -124,7 +107,7 @@ def frame_plans(
 
 
 def _in_order(plans: list[Plan], order: list[str]) -> list[Plan]:
-    """The frame's columns in the frame's order (pandas groups them by dtype); index first."""
+    """The frame's columns in its order (pandas groups them by dtype); index first."""
     position = {name: i for i, name in enumerate(order)}
     return sorted(plans, key=lambda p: position.get(p.name, -1))
 
@@ -137,22 +120,18 @@ def _named_index(
         return
     name = attr_value(group[axis], "name")  # pickled None, or the name
     if isinstance(name, bytes):
-        name = _text(name)
+        name = text(name)
     if isinstance(name, str):
         add(name, partial(plans_of, h5py, group[axis], name, refuse))
 
 
 def _levels(h5py: Any, group: Any, refuse: Refuse, add: Callable[..., None]) -> None:
-    """The named levels of a ``format="fixed"`` frame's MultiIndex, as columns.
-
-    Numeric levels (dates: int64 ns) give each row's value; text levels give each
-    row's code, the level's values as labels (``ds.labels``), as a category does.
-    """
+    """The named levels of a ``fixed`` frame's MultiIndex: numbers by value, text by code."""
     nlevels = attr_value(group, "axis1_nlevels")
     for i in range(nlevels if isinstance(nlevels, int) else 0):
         level, codes = group[f"axis1_level{i}"], group[f"axis1_label{i}"]
         name = attr_value(level, "name")
-        name = _text(name) if isinstance(name, bytes) else name
+        name = text(name) if isinstance(name, bytes) else name
         if isinstance(name, str):  # an unnamed level is not loaded, as an unnamed index
             add(name, partial(_level_plans, h5py, level, codes, name, refuse))
 
@@ -169,10 +148,10 @@ def _level_plans(h5py: Any, level: Any, codes: Any, name: str, refuse: Refuse) -
     path = codes.name.lstrip("/")
     if values.dtype.kind not in "biuf":
         plans = plans_of(h5py, codes, name, refuse, path=path)
-        plans[0].labels = {_text(v): i for i, v in enumerate(values)}
+        plans[0].labels = {text(v): i for i, v in enumerate(values)}
         return plans
-    dtype = np.dtype(values.dtype.str).newbyteorder("=")
-    return [Plan(name, path, rows, "tensor", dtype, (), "level", special=LevelRead(path, values))]
+    special = LevelRead(path, values)
+    return [Plan(name, path, rows, "tensor", native(values.dtype), (), "level", special=special)]
 
 
 class LevelRead:
@@ -183,7 +162,6 @@ class LevelRead:
         self.datasets = [path]
 
     def spec(self, plan: Plan, file: Any) -> ColumnSpec:
-        """A tensor column of the level's type."""
         return ColumnSpec(plan.name, plan.rows, plan.dtype, ())
 
     def read(self, plan: Plan, file: Any, buffers: dict[str, Any], progress: Any, _: Any) -> None:
@@ -220,10 +198,4 @@ def _categories(group: Any, values_col: str) -> dict[str, int] | None:
         values = group[f"meta/{values_col}/meta/table"]["values"]
     except (KeyError, OSError, RuntimeError, ValueError, TypeError):
         return None
-    return {_text(v): code for code, v in enumerate(values)}
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, (bytes, np.bytes_)):
-        return bytes(value).decode("utf-8", errors="replace")
-    return str(value)
+    return {text(v): code for code, v in enumerate(values)}

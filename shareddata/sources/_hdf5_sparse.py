@@ -1,21 +1,10 @@
 """Sparse matrices stored as HDF5 groups, read as one row per sample.
 
-Three layouts are recognised by what the group holds (:func:`sparse_layout`):
-
-* anndata's ``encoding-type`` ``csr_matrix`` / ``csc_matrix`` (``shape`` attribute),
-  and the older ``h5sparse_format`` / ``h5sparse_shape`` attributes (anndata < 0.7,
-  the ``h5sparse`` package);
-* the plain scipy convention of datasets ``data``, ``indices``, ``indptr`` and
-  ``shape`` without attributes (10x Genomics' ``matrix`` group): rows are the
-  axis ``indptr`` runs along, so a 10x matrix of genes x barcodes gives one row
-  per barcode (cell), its genes as the columns.
-
-A CSR matrix is read straight into the column's shared ``indptr`` / ``indices`` /
-``data`` (the ``indices`` and ``data`` in their file types, ``indptr`` as int64); a
-CSC one (rows are the matrix's rows, ``indptr`` runs along its columns) is turned
-into CSR on the way: one pass over ``indices`` counts each row's nonzeros, a
-second places each block of columns' nonzeros at their rows. Private memory is
-one block of nonzeros plus one int64 per row. Nothing is ever densified.
+Layouts (:func:`sparse_layout`): anndata's ``csr_matrix`` / ``csc_matrix``, the older
+``h5sparse_format`` attributes, and plain ``data``/``indices``/``indptr``/``shape``
+groups (10x ``matrix``: rows along ``indptr``, i.e. barcodes). CSR is read straight into
+the column's shared ``indptr``/``indices``/``data``; CSC is turned into CSR on the way
+(count each row's nonzeros, then place blocks of columns), never densified.
 """
 
 from __future__ import annotations
@@ -28,20 +17,15 @@ import numpy as np
 
 from ..columns._sparse import SparseSpec
 from ..errors import SourceReadError
-from ._hdf5_layout import Plan, attr_value
+from ._hdf5_layout import Plan, attr_value, native, text
 from ._source import Buffer
 
 __all__ = ["SparseRead", "sparse_layout"]
 
-_BLOCK = 4 << 20
-"""Nonzeros per block when a CSC matrix is turned into rows."""
+_BLOCK = 4 << 20  # nonzeros per block when a CSC matrix is turned into rows
 
 ReadRange = Callable[[Any, Buffer, int, int, Callable[[int], None]], None]
 """``read_range(ds, out, start, stop, progress)``: 1-D ``ds[start:stop]`` into ``out``."""
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _shape(group: Any, key: str) -> tuple[int, int] | None:
@@ -56,19 +40,14 @@ def _shape(group: Any, key: str) -> tuple[int, int] | None:
 
 
 def sparse_layout(h5py: Any, group: Any) -> tuple[str, tuple[int, int]] | None:
-    """``("csr" | "csc", (rows, columns))`` if ``group`` holds a sparse matrix, else None.
-
-    The shape is the matrix's; for a CSC matrix rows are still ``shape[0]``. A
-    plain ``data/indices/indptr/shape`` group is read along ``indptr``: its shape
-    is given with that axis first.
-    """
+    """``("csr" | "csc", (rows, columns))`` if ``group`` holds a sparse matrix, else None."""
     if not isinstance(group, h5py.Group):
         return None
-    kind = _text(attr_value(group, "encoding-type") or "")
+    kind = text(attr_value(group, "encoding-type") or "")
     if kind in ("csr_matrix", "csc_matrix"):
         shape = _shape(group, "shape")
         return (kind[:3], shape) if shape else None
-    legacy = _text(attr_value(group, "h5sparse_format") or "")
+    legacy = text(attr_value(group, "h5sparse_format") or "")
     if legacy in ("csr", "csc"):
         shape = _shape(group, "h5sparse_shape")
         return (legacy, shape) if shape else None
@@ -91,27 +70,17 @@ def _plain(group: Any, shape: tuple[int, int]) -> tuple[str, tuple[int, int]] | 
 
 @dataclass
 class SparseRead:
-    """How one sparse group becomes a ``"sparse"`` column (a :class:`Plan`'s ``special``).
-
-    Args:
-        label: the file, for messages.
-        group: the group's path.
-        layout: ``"csr"`` or ``"csc"``.
-        shape: the matrix's (rows, columns), rows first.
-        output: ``"dense"`` or ``"coo"`` (:class:`~shareddata.columns._sparse.SparseSpec`).
-    """
+    """How one sparse group (``layout`` "csr"/"csc") becomes a ``"sparse"`` column."""
 
     label: str
     group: str
     layout: str
     shape: tuple[int, int]
     output: str
-    counts: np.ndarray | None = field(default=None, repr=False)
-    """A CSC matrix's nonzeros per selected row, once counted."""
+    counts: np.ndarray | None = field(default=None, repr=False)  # CSC: nonzeros per row
 
     @property
     def datasets(self) -> list[str]:
-        """The group's datasets (for the compression-filter check)."""
         return [f"{self.group}/{k}" for k in ("data", "indices", "indptr")]
 
     def plan(self, name: str, group: Any) -> Plan:
@@ -133,13 +102,12 @@ class SparseRead:
                 f"sparse matrix of shape {self.shape}, but {problem}; it is corrupt. "
                 "Re-write it (e.g. with anndata or scipy), or pass columns=[...] without it."
             )
-        dtype = np.dtype(data.dtype.str).newbyteorder("=")
-        return Plan(name, self.group, self.shape[0], "sparse", dtype, (self.shape[1],),
-                    "sparse", special=self)  # fmt: skip
+        return Plan(name, self.group, self.shape[0], "sparse", native(data.dtype),
+                    (self.shape[1],), "sparse", special=self)  # fmt: skip
 
     def _index_dtype(self, file: Any) -> np.dtype:
         if self.layout == "csr":
-            return np.dtype(file[self.group]["indices"].dtype.str).newbyteorder("=")
+            return native(file[self.group]["indices"].dtype)
         return np.dtype(np.int32 if self.shape[1] <= np.iinfo(np.int32).max else np.int64)
 
     def spec(self, plan: Plan, file: Any) -> SparseSpec:
