@@ -264,9 +264,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the quick tier only: the contract over every kind with fork workers",
     )
+    parser.addoption(
+        "--bench",
+        action="store_true",
+        help="also run the tests marked bench (the benchmark suite end to end, ~1 min)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # registered here, not in pyproject.toml (whose checksum scripts/setup.sh keys its
+    # reinstall on)
+    config.addinivalue_line(
+        "markers", "bench: opt-in, run by pytest --bench: the benchmark suite end to end"
+    )
     # torch < 2.4's DataLoader, on an error from a worker's queue, probes the fd limit with
     # ten NamedTemporaryFiles it never closes (torch's own leak, closed by an ExitStack in
     # later releases): their ResourceWarnings are not ours, and the compat runs meet them
@@ -318,7 +328,10 @@ def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     quick, rest = [], []
+    opt_in = pytest.mark.skip(reason="opt-in: bash scripts/test.sh --bench (README.md#tests)")
     for item in items:
+        if item.get_closest_marker("bench") and not config.getoption("bench"):
+            item.add_marker(opt_in)
         if _is_quick(item):
             item.add_marker(pytest.mark.quick)
             quick.append(item)

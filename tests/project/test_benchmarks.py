@@ -4,6 +4,9 @@ Checks that every topic of the suite runs and that its page and data hold every
 section and every case by name (a case renamed or dropped fails here), not the
 timings (too small to mean anything at these sizes). Plus the runner's failure and
 timeout paths.
+
+The end-to-end run (about a minute) is opt-in, marked ``bench``: ``bash scripts/test.sh
+--bench`` (README.md#tests). The runner's and the topics' tests run by default.
 """
 
 import json
@@ -94,6 +97,7 @@ def errors(x: object, where: str = "") -> list[str]:
     return []
 
 
+@pytest.mark.bench
 def test_every_section_and_target(quick_run):
     _, page, results = quick_run
     assert not errors(results), "\n".join(errors(results))
@@ -105,6 +109,7 @@ def test_every_section_and_target(quick_run):
     assert results["command"].startswith("python benchmarks/bench_suite.py --quick")
 
 
+@pytest.mark.bench
 def test_every_case_of_every_topic(quick_run):
     _, page, r = quick_run
     installed = {p: not s.startswith("not installed") for p, s in r["peers"].items()}
@@ -136,6 +141,7 @@ def test_every_case_of_every_topic(quick_run):
             assert f"| {case}" in page and hint in page
 
 
+@pytest.mark.bench
 def test_quick_run_draws_the_plots(quick_run):
     pytest.importorskip("matplotlib")
     out, page, _ = quick_run
@@ -144,6 +150,7 @@ def test_quick_run_draws_the_plots(quick_run):
         assert f"img/{name}" in page
 
 
+@pytest.mark.bench
 def test_a_rewritten_page_keeps_the_sections_of_other_scripts(tmp_path, quick_run):
     out, _, results = quick_run
     own = tmp_path / "benchmarks.md"
