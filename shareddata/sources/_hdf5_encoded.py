@@ -1,19 +1,24 @@
-"""anndata's encoded groups (``encoding-type``) and AnnData (``.h5ad``) files as columns.
+"""anndata's encoded groups and sparse matrices, and AnnData (``.h5ad``) files, as columns.
 
-Sparse matrices (also ``h5sparse`` and 10x groups) are read by :mod:`._hdf5_sparse`,
-straight into shared memory; data frames, categoricals (codes, labels in
-``ds.labels``) and nullable arrays by ``anndata.io.read_elem`` (the ``anndata`` extra).
-``dict`` and ``raw`` groups give every element inside. An AnnData file loads ``X``
-and every ``obs`` column by default; ``obsm``, ``layers``, ``obsp``, ``raw/X`` by key.
+Sparse matrices (:func:`sparse_layout`: anndata's ``csr_matrix``/``csc_matrix``, the
+older ``h5sparse_format`` attributes, plain ``data``/``indices``/``indptr``/``shape``
+groups such as 10x ``matrix``, rows along ``indptr``) are read straight into the column's
+shared ``indptr``/``indices``/``data``; CSC is turned into CSR on the way, never
+densified. Data frames, categoricals (codes, labels in ``ds.labels``) and nullable
+arrays are read by ``anndata.io.read_elem`` (the ``anndata`` extra). ``dict`` and
+``raw`` groups give every element inside. An AnnData file loads ``X`` and every
+``obs`` column by default; ``obsm``, ``layers``, ``obsp``, ``raw/X`` by key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..columns._sparse import SparseSpec
 from ..errors import (
     MissingDependencyError,
     NullValuesError,
@@ -21,10 +26,201 @@ from ..errors import (
     SourceReadError,
     UnsupportedDtypeError,
 )
-from ._hdf5_layout import Plan, Refuse, attr_value, plans_of, text
-from ._hdf5_sparse import SparseRead, sparse_layout
+from ._hdf5_layout import Plan, Refuse, attr_value, native, plans_of, text
+from ._source import Buffer
 
-__all__ = ["Encoded", "encoding", "is_anndata"]
+__all__ = ["Encoded", "SparseRead", "encoding", "is_anndata", "sparse_layout"]
+
+_BLOCK = 4 << 20  # nonzeros per block when a CSC matrix is turned into rows
+
+ReadRange = Callable[[Any, Buffer, int, int, Callable[[int], None]], None]
+"""``read_range(ds, out, start, stop, progress)``: 1-D ``ds[start:stop]`` into ``out``."""
+
+
+def _shape(group: Any, key: str) -> tuple[int, int] | None:
+    value = attr_value(group, key)
+    if value is None and key == "shape" and "shape" in group:
+        value = group["shape"][()]
+    try:
+        rows, cols = (int(v) for v in np.asarray(value).reshape(-1))
+    except (TypeError, ValueError):
+        return None
+    return rows, cols
+
+
+def sparse_layout(h5py: Any, group: Any) -> tuple[str, tuple[int, int]] | None:
+    """``("csr" | "csc", (rows, columns))`` if ``group`` holds a sparse matrix, else None."""
+    if not isinstance(group, h5py.Group):
+        return None
+    kind = text(attr_value(group, "encoding-type") or "")
+    if kind in ("csr_matrix", "csc_matrix"):
+        shape = _shape(group, "shape")
+        return (kind[:3], shape) if shape else None
+    legacy = text(attr_value(group, "h5sparse_format") or "")
+    if legacy in ("csr", "csc"):
+        shape = _shape(group, "h5sparse_shape")
+        return (legacy, shape) if shape else None
+    if kind or not {"data", "indices", "indptr"} <= set(group):
+        return None
+    shape = _shape(group, "shape")
+    return None if shape is None else _plain(group, shape)
+
+
+def _plain(group: Any, shape: tuple[int, int]) -> tuple[str, tuple[int, int]] | None:
+    pointers = group["indptr"].shape
+    if not pointers or len(pointers) != 1:
+        return None
+    if pointers[0] == shape[0] + 1:
+        return "csr", shape
+    if pointers[0] == shape[1] + 1:
+        return "csr", (shape[1], shape[0])  # along indptr: 10x's barcodes
+    return None
+
+
+@dataclass
+class SparseRead:
+    """How one sparse group (``layout`` "csr"/"csc") becomes a ``"sparse"`` column."""
+
+    label: str
+    group: str
+    layout: str
+    shape: tuple[int, int]
+    output: str
+    counts: np.ndarray | None = field(default=None, repr=False)  # CSC: nonzeros per row
+
+    @property
+    def datasets(self) -> list[str]:
+        return [f"{self.group}/{k}" for k in ("data", "indices", "indptr")]
+
+    def plan(self, name: str, group: Any) -> Plan:
+        """The column's plan (its dtype and the lengths of its arrays checked)."""
+        data, indices, indptr = group["data"], group["indices"], group["indptr"]
+        along = self.shape[0] if self.layout == "csr" else self.shape[1]
+        problem = None
+        if indptr.shape != (along + 1,):
+            problem = f"'indptr' has shape {indptr.shape}, not ({along + 1},)"
+        elif data.shape != indices.shape or len(data.shape) != 1:
+            problem = f"'data' {data.shape} and 'indices' {indices.shape} differ"
+        elif data.dtype.kind not in "biuf" or indices.dtype.kind not in "iu":
+            problem = f"'data' is {data.dtype} and 'indices' {indices.dtype}"
+        elif along and int(indptr[-1]) != data.shape[0]:
+            problem = f"'indptr' ends at {int(indptr[-1])}, but there are {data.shape[0]} values"
+        if problem:
+            raise SourceReadError(
+                f"{self.label}: group {self.group!r} is marked as a {self.layout.upper()} "
+                f"sparse matrix of shape {self.shape}, but {problem}; it is corrupt. "
+                "Re-write it (e.g. with anndata or scipy), or pass columns=[...] without it."
+            )
+        return Plan(name, self.group, self.shape[0], "sparse", native(data.dtype),
+                    (self.shape[1],), "sparse", special=self)  # fmt: skip
+
+    def _index_dtype(self, file: Any) -> np.dtype:
+        if self.layout == "csr":
+            return native(file[self.group]["indices"].dtype)
+        return np.dtype(np.int32 if self.shape[1] <= np.iinfo(np.int32).max else np.int64)
+
+    def spec(self, plan: Plan, file: Any) -> SparseSpec:
+        """The column's exact spec (counts a CSC matrix's nonzeros per row)."""
+        group = file[self.group]
+        if self.layout == "csr":
+            indptr = group["indptr"]
+            nnz = int(indptr[plan.first + plan.rows]) - int(indptr[plan.first])
+        else:
+            self.counts = self._count(group, plan)
+            nnz = int(self.counts.sum())
+        return SparseSpec(plan.name, plan.rows, plan.dtype, plan.shape, "sparse", nnz,
+                          index_dtype=self._index_dtype(file).str, output=self.output)  # fmt: skip
+
+    def _blocks(self, indptr: np.ndarray) -> list[tuple[int, int]]:
+        """Runs of whole columns of about ``_BLOCK`` nonzeros."""
+        cuts = [0]
+        while cuts[-1] < len(indptr) - 1:
+            want = indptr[cuts[-1]] + _BLOCK
+            stop = int(np.searchsorted(indptr, want, side="right")) - 1
+            cuts.append(min(len(indptr) - 1, max(cuts[-1] + 1, stop)))
+        return list(zip(cuts, cuts[1:]))
+
+    def _count(self, group: Any, plan: Plan) -> np.ndarray:
+        indptr, indices = group["indptr"][()], group["indices"]
+        counts = np.zeros(plan.rows, np.int64)
+        for a, b in self._blocks(indptr):
+            rows = indices[int(indptr[a]) : int(indptr[b])].astype(np.int64) - plan.first
+            self._check(rows + plan.first, self.shape[0], "row")
+            rows = rows[(rows >= 0) & (rows < plan.rows)]
+            counts += np.bincount(rows, minlength=plan.rows)
+        return counts
+
+    def _check(self, indices: np.ndarray, limit: int, what: str) -> None:
+        if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= limit):
+            raise SourceReadError(
+                f"{self.label}: sparse matrix {self.group!r} of shape {self.shape} has a "
+                f"{what} index outside [0, {limit}) ({int(indices.min())}..{int(indices.max())}); "
+                "it is corrupt. Re-write it, or pass columns=[...] without it."
+            )
+
+    def read(
+        self,
+        plan: Plan,
+        file: Any,
+        buffers: dict[str, Buffer],
+        progress: Callable[[int], None],
+        read_range: ReadRange,
+    ) -> None:
+        """Fill the column's ``indptr``, ``indices`` and ``data`` buffers."""
+        group = file[self.group]
+        if self.layout == "csc":
+            self._read_csc(group, plan, buffers, progress)
+            return
+        indptr = buffers["indptr"].rows(0, plan.rows + 1)
+        indptr[:] = group["indptr"][plan.first : plan.first + plan.rows + 1]
+        base, nnz = int(indptr[0]), int(indptr[-1] - indptr[0])
+        indptr -= base
+        if np.any(np.diff(indptr) < 0):
+            raise SourceReadError(
+                f"{self.label}: sparse matrix {self.group!r} has an 'indptr' that decreases; "
+                "it is corrupt. Re-write it, or pass columns=[...] without it."
+            )
+        progress(indptr.nbytes)
+        if nnz:
+            read_range(group["indices"], buffers["indices"], base, base + nnz, progress)
+            read_range(group["data"], buffers["data"], base, base + nnz, progress)
+            self._check(buffers["indices"].rows(0, nnz), self.shape[1], "column")
+
+    def _read_csc(
+        self, group: Any, plan: Plan, buffers: dict[str, Buffer], progress: Callable[[int], None]
+    ) -> None:
+        counts = self.counts if self.counts is not None else self._count(group, plan)
+        indptr = buffers["indptr"].rows(0, plan.rows + 1)
+        indptr[0] = 0
+        np.cumsum(counts, out=indptr[1:])
+        nnz = int(indptr[-1])
+        out_indices = buffers["indices"].rows(0, nnz)
+        out_data = buffers["data"].rows(0, nnz)
+        cursor = indptr[:-1].copy()
+        pointers, indices, data = group["indptr"][()], group["indices"], group["data"]
+        for a, b in self._blocks(pointers):
+            lo, hi = int(pointers[a]), int(pointers[b])
+            rows = indices[lo:hi].astype(np.int64) - plan.first
+            columns = np.repeat(np.arange(a, b, dtype=np.int64), np.diff(pointers[a : b + 1]))
+            values = data[lo:hi]
+            keep = (rows >= 0) & (rows < plan.rows)
+            rows, columns, values = rows[keep], columns[keep], values[keep]
+            order = np.argsort(rows, kind="stable")  # by row; columns stay in order
+            rows = rows[order]
+            starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]]) if rows.size else rows
+            rank = np.arange(rows.size) - np.repeat(starts, np.diff(np.r_[starts, rows.size]))
+            at = cursor[rows] + rank
+            out_indices[at] = columns[order]
+            out_data[at] = values[order]
+            cursor += np.bincount(rows, minlength=plan.rows)
+            progress(int(keep.sum()) * (out_indices.itemsize + out_data.itemsize))
+        if not np.array_equal(cursor, indptr[1:]):
+            raise SourceReadError(
+                f"{self.label}: sparse matrix {self.group!r} changed while it was being "
+                "loaded; load it again when nothing writes to the file."
+            )
+        progress(indptr.nbytes)
+
 
 _UNITS = {"categorical", "dataframe", "nullable-integer", "nullable-boolean",
           "nullable-string-array", "csr_matrix", "csc_matrix"}  # fmt: skip

@@ -18,10 +18,9 @@ from ..errors import (
     UnsupportedDtypeError,
 )
 from ._hdf5_cf import Netcdf, is_netcdf
-from ._hdf5_encoded import Encoded, is_anndata
+from ._hdf5_encoded import Encoded, is_anndata, sparse_layout
 from ._hdf5_layout import Plan, is_bookkeeping, plans_of
 from ._hdf5_pandas import frame_plans, is_frame
-from ._hdf5_sparse import sparse_layout
 
 __all__ = ["Selection"]
 
@@ -93,15 +92,12 @@ class Selection:
 
     def _dataset_names(self, group: Any) -> list[str]:
         """Paths of every dataset under ``group``, in visit order."""
-        prefix = group.name.strip("/")
         names: list[str] = []
-
-        def visit(name: str, obj: Any) -> None:
-            if isinstance(obj, self._h5py.Dataset):
-                names.append(f"{prefix}/{name}" if prefix else name)
-
         try:
-            group.visititems(visit)
+            group.visititems(
+                lambda n, o: names.append(f"{group.name}/{n}".strip("/"))
+                if isinstance(o, self._h5py.Dataset) else None
+            )  # fmt: skip
         except (OSError, RuntimeError, KeyError) as error:
             raise _corrupt(self.label, error) from error
         return names
@@ -145,19 +141,15 @@ class Selection:
         elements: list[str] = []
         for name in self._names_and_frames(frames, elements):
             obj = self._file[name]
-            if name in elements:
-                element_skips: dict[str, str] = {}
-                plans = self.encoded.plans(obj, name, element_skips)
-                length = plans[0].rows if plans else -1
-                skipped += [(c, length, why) for c, why in element_skips.items()]
-                if plans:
-                    units.append((length, plans))
-                continue
-            if name in frames:
-                frame_skips: dict[str, str] = {}
-                plans = frame_plans(self._h5py, obj, self._refuse, frame_skips)
-                length = plans[0].rows if plans else self._frame_rows(obj)
-                skipped += [(c, length, why) for c, why in frame_skips.items()]
+            if name in elements or name in frames:
+                skips: dict[str, str] = {}
+                if name in elements:
+                    plans, length = self.encoded.plans(obj, name, skips), -1
+                else:
+                    plans = frame_plans(self._h5py, obj, self._refuse, skips)
+                    length = self._frame_rows(obj)
+                length = plans[0].rows if plans else length
+                skipped += [(c, length, why) for c, why in skips.items()]
                 if plans:
                     units.append((length, plans))
                 continue

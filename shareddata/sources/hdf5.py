@@ -352,12 +352,7 @@ def _lengths(plan: Plan, block: Any) -> np.ndarray:
     if plan.reader == "opaque":
         return np.full(len(block), block.dtype.itemsize, np.int64)
     if plan.reader == "fixed":  # np.bytes_ semantics: trailing NULs are not part of it
-        width = block.dtype.itemsize
-        if width == 0 or len(block) == 0:
-            return np.zeros(len(block), np.int64)
-        nonzero = block.view(np.uint8).reshape(len(block), width) != 0
-        last = width - np.argmax(nonzero[:, ::-1], axis=1)
-        return np.where(nonzero.any(axis=1), last, 0).astype(np.int64)
+        return np.char.str_len(block).astype(np.int64)
     rows = _utf8(block) if plan.reader == "vlen_ucs4" else block
     return np.fromiter(map(len, rows), np.int64, count=len(block))
 
