@@ -90,13 +90,9 @@ def _fits(low: Any, high: Any, per: int, base: int) -> bool:
     """Whether every ``v * per + base`` for ``low <= v <= high`` is an int64 that is not NaT."""
     if isinstance(low, float):  # a margin for the float steps of _to_ns
         return low * per + base > -_NS_LIMIT and high * per + base < _NS_LIMIT
-    shifted = (int(low) + base // per, int(high) + base // per)  # what _to_ns multiplies
-    return (
-        int(low) * per + base > NAT
-        and int(high) * per + base <= _INT64_MAX
-        and shifted[0] > NAT
-        and shifted[1] <= _INT64_MAX
-    )
+    lo, hi, shift = int(low), int(high), base // per  # _to_ns adds the shift first
+    ends = (lo * per + base, hi * per + base, lo + shift, hi + shift)
+    return ends[0] > NAT and ends[2] > NAT and max(ends[1], ends[3]) <= _INT64_MAX
 
 
 def times_of(label: str, name: str, ds: Any, attrs: dict[str, Any]) -> Times | None:
@@ -164,25 +160,18 @@ def _value_range(ds: Any, attrs: dict[str, Any]) -> tuple[Any, Any]:
 def _float_dtype(dtype: np.dtype, attrs: dict[str, Any]) -> np.dtype:
     """The float type xarray decodes ``dtype`` into (``_choose_float_dtype``)."""
     scale, offset = attrs.get("scale_factor"), attrs.get("add_offset")
-    if scale is not None or offset is not None:
-        scale_type = np.dtype(type(scale)) if scale is not None else None
-        offset_type = np.dtype(type(offset)) if offset is not None else None
-        if (
-            scale_type is not None
-            and offset_type == scale_type
-            and scale_type in (np.float32, np.float64)
-        ):
-            return np.dtype(
-                np.float64 if dtype.itemsize == 4 and dtype.kind in "iu" else scale_type
-            )
-        if offset is not None:
-            return np.dtype(np.float64)
-        return scale_type if scale_type is not None and scale_type.kind == "f" else np.dtype("f8")
-    if dtype.kind == "f" and dtype.itemsize <= 4:
-        return np.dtype(np.float32)
-    if dtype.kind in "iu" and dtype.itemsize <= 2:
-        return np.dtype(np.float32)
-    return np.dtype(np.float64)
+    if scale is None and offset is None:
+        small = dtype.kind in "fiu" and dtype.itemsize <= (4 if dtype.kind == "f" else 2)
+        return np.dtype(np.float32 if small else np.float64)
+    scale_type = np.dtype(type(scale)) if scale is not None else None
+    if (
+        scale_type in (np.float32, np.float64)
+        and (np.dtype(type(offset)) if offset is not None else None) == scale_type
+    ):
+        return np.dtype(np.float64 if dtype.itemsize == 4 and dtype.kind in "iu" else scale_type)
+    if offset is not None or scale_type is None or scale_type.kind != "f":
+        return np.dtype(np.float64)
+    return scale_type
 
 
 def _fills(attrs: dict[str, Any]) -> list[Any]:

@@ -46,22 +46,14 @@ class Plan:
     dtype: np.dtype
     shape: tuple[int, ...]
     reader: str
-    member: tuple[str, ...] = ()
-    """Field names from the dataset's compound type down to this column's."""
-    index: int | None = None
-    """Position along the member's last axis (a column of a pandas block)."""
-    source: np.dtype | None = None
-    """The member's type as h5py gives it (enum labels kept), for HDF5 to convert from."""
-    labels: dict[str, int] | None = None
-    """An enum's (or pandas category's) labels and their codes."""
-    blocks: list[tuple[int, int, int]] = field(default_factory=list)
-    """For variable-length kinds, after sizing: ``(start, stop, values)`` per block."""
-    first: int = 0
-    """The dataset's row that is the column's row 0 (``select_rows``); ``rows`` follow it."""
-    special: Any = None
-    """A reader of its own (a sparse group, CF decoding): ``datasets``, ``spec()``, ``read()``."""
-    values: Any = None
-    """The column's values, already read by anndata (numbers, or UTF-8 ``bytes``)."""
+    member: tuple[str, ...] = ()  # field names down the compound type to this column
+    index: int | None = None  # position along the member's last axis (a pandas block's)
+    source: np.dtype | None = None  # the member's type as h5py gives it, to convert from
+    labels: dict[str, int] | None = None  # an enum's or pandas category's labels: codes
+    blocks: list[tuple[int, int, int]] = field(default_factory=list)  # sized (start, stop, n)
+    first: int = 0  # the dataset's row that is the column's row 0 (``select_rows``)
+    special: Any = None  # a reader of its own (sparse, CF): datasets, spec(), read()
+    values: Any = None  # the values, already read by anndata (numbers or UTF-8 bytes)
 
 
 class _NoGlobals(pickle.Unpickler):
