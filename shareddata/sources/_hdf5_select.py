@@ -154,16 +154,14 @@ class Selection:
                     units.append((length, plans))
                 continue
             try:
-                shape = obj.shape
-            except (OSError, RuntimeError, ValueError, TypeError, KeyError) as error:
-                raise self.corrupt_metadata(name, error) from error
-            if not shape:  # a scalar (()) or an empty dataspace (None)
-                continue
-            try:
-                units.append((shape[0], plans_of(self._h5py, obj, name, self._refuse, path=name)))
+                if not obj.shape:  # a scalar (()) or an empty dataspace (None)
+                    continue
+                units.append(
+                    (obj.shape[0], plans_of(self._h5py, obj, name, self._refuse, path=name))
+                )
             except UnsupportedDtypeError as error:
-                skipped.append((name, shape[0], str(error)))
-            except (OSError, RuntimeError, KeyError) as error:
+                skipped.append((name, obj.shape[0], str(error)))
+            except (OSError, RuntimeError, ValueError, TypeError, KeyError) as error:
                 raise self.corrupt_metadata(name, error) from error
         if not units:
             if skipped:
@@ -313,11 +311,11 @@ class Selection:
         parts = name.split("/")
         for cut in range(len(parts) - 1, 0, -1):  # a field of a compound, a frame's column
             owner = self._get("/".join(parts[:cut]))
-            rest = parts[cut:]
+            rest, column = parts[cut:], "/".join(parts[cut:])
             if isinstance(owner, h5py.Dataset) and owner.dtype.names:
                 dtype = owner.dtype
                 for depth, part in enumerate(rest):
-                    if dtype.names is None or part not in dtype.names:
+                    if part not in (dtype.names or ()):
                         where = "/".join(parts[: cut + depth])
                         raise MissingColumnError(
                             f"key {key!r} of {self.label}: {where!r} has no field {part!r}; "
@@ -328,13 +326,13 @@ class Selection:
             if isinstance(owner, h5py.Group) and is_frame(owner):
                 refused: dict[str, str] = {}
                 columns = frame_plans(h5py, owner, self._refuse, refused)
-                if "/".join(rest) in refused:
-                    raise UnsupportedDtypeError(refused["/".join(rest)])
-                found = [p for p in columns if p.name == "/".join(rest)]
+                if column in refused:
+                    raise UnsupportedDtypeError(refused[column])
+                found = [p for p in columns if p.name == column]
                 if not found:
                     raise MissingColumnError(
                         f"key {key!r} of {self.label}: the pandas frame {owner.name!r} has no "
-                        f"column {'/'.join(rest)!r}; its columns are: "
+                        f"column {column!r}; its columns are: "
                         f"{_listing([p.name for p in columns])}."
                     )
                 for plan in found:
@@ -365,11 +363,9 @@ class Selection:
         for plan in plans:
             if plan.name in seen:
                 first = seen[plan.name].path
-                where = (
-                    f"from {first!r} and {plan.path!r}"
-                    if first != plan.path
-                    else (f"twice from {first!r}: by its own key and by the dataset or frame key")
-                )
+                where = f"from {first!r} and {plan.path!r}"
+                if first == plan.path:
+                    where = f"twice from {first!r}: by its own key and by the dataset or frame key"
                 raise InvalidArgumentError(
                     f"column {plan.name!r} of {self.label} is selected twice ({where}); every "
                     "column needs its own name. Pass columns=[...] naming each column once."
