@@ -15,11 +15,9 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..sources._arrow_extensions import UuidAs, check_uuid_as
 from ..sources._arrow_ipc import IpcInput, is_path
-from ..sources._arrow_table import TableInput
-from ..sources._arrow_types import pyarrow_module
-from ..sources.arrow import ArrowSource, FillValue
+from ..sources._arrow_types import UuidAs, check_uuid_as, pyarrow_module
+from ..sources.arrow import ArrowSource, FillValue, TableInput
 from ..sources.hdf5 import HDF5Source
 from ..sources.npy import NumpySource
 from ..sources.parquet import ParquetInput

@@ -1,47 +1,51 @@
-"""Arrow columns -> shared buffers: a selected column's sizing pass and its copy.
-
-A selected column (:class:`ArrowColumn`: its kind from ``_arrow_types.py``, its fill
-value and null handling), its sizing pass (:class:`Sizer`) and its copy into the
-buffers (:class:`Writer`, only through ``Buffer.rows``), for every input of the one
-Arrow source (``arrow.py``).
+"""Arrow columns -> shared buffers: a selected column, its sizing pass and its copy.
 
 Nulls are refused with :class:`NullValuesError` unless a ``fill_value`` is given:
 never a silent 0.
+
+Note [Nested Arrow columns]
+===========================
+A ``list<struct<role: string, content: string>>`` column, ``list<string>`` or
+``list<list<float>>`` becomes a tree of levels (``columns/_nested.py``): one int64
+``offsets`` buffer per list level, ``offsets`` + ``values`` per string level, ``data``
+per number level; a struct's fields are levels with as many elements. Each chunk is
+taken apart level by level (:func:`parts`): list lengths (a null list counts 0) and
+values (``flatten()``, which skips what null slots or slices leave behind and follows
+list views in any order), struct fields with the struct's nulls merged in, strings as
+``large_string`` offsets + bytes, numbers. Sizing adds up the lengths; writing rebases
+them onto each level's running total. A null anywhere is refused unless a
+``fill_value`` is given: then null lists are empty, null strings the fill string (or
+``""`` for a number given for every column), null numbers the fill number.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..columns._columns import ColumnSpec
-from ..columns._nested import NestedSpec, children
+from ..columns._nested import Level, NestedSpec, children
 from ..errors import NullValuesError, SourceReadError, UnsupportedDtypeError
-from ._arrow_extensions import UuidAs, extension_of, meaning_of
-from ._arrow_nested import Parts, parts
-from ._arrow_types import classify, decoded, normalize, pyarrow_module
+from ._arrow_types import (
+    UuidAs,
+    classify,
+    decoded,
+    extension_of,
+    meaning_of,
+    normalize,
+    pyarrow_module,
+    temporal_storage,
+)
 from ._source import Buffer
 
 __all__ = ["ArrowColumn", "Sizer", "Writer", "rebase_offsets"]
 
 
 def rebase_offsets(src: np.ndarray, base: int, out: np.ndarray) -> int:
-    """Write a chunk's Arrow offsets into ``out``, moved onto a running int64 total.
-
-    ``src`` holds the ``n + 1`` offsets of one chunk (int32 or int64; a sliced array's
-    offsets need not start at 0); ``out`` receives the ``n`` end offsets of its rows in
-    the whole column, ``base + (src[1:] - src[0])``, computed in int64 so that a
-    column of more than 2 GiB of values does not wrap around.
-
-    Args:
-        src: the chunk's offsets (length ``n + 1``).
-        base: the number of values already written before this chunk.
-        out: int64 destination of length ``n`` (the column's ``offsets[pos + 1:pos + n + 1]``).
-
-    Returns:
-        The new running total (``base`` plus the chunk's number of values).
+    """Write a chunk's ``n + 1`` offsets as ``n`` int64 end offsets after ``base``; the new total.
 
     Example:
         >>> out = np.zeros(3, np.int64)
@@ -50,8 +54,7 @@ def rebase_offsets(src: np.ndarray, base: int, out: np.ndarray) -> int:
         >>> out.tolist()
         [2147483650, 2147483650, 2147483653]
     """
-    n = len(src) - 1
-    if n <= 0:
+    if len(src) <= 1:
         return base
     out[:] = src[1:]  # widened to int64 before any arithmetic
     out -= int(src[0])
@@ -64,11 +67,7 @@ def _valid_mask(arr: Any) -> np.ndarray:
 
 
 def _leaf(arr: Any) -> tuple[Any, np.ndarray | None]:
-    """The primitive values of a (nested fixed-size list) array and their validity.
-
-    Returns the leaf array (``len(arr) * prod(shape)`` values, a null row's slots
-    included) and a mask of valid leaf values, or None when every value is valid.
-    """
+    """The leaf values of (nested) fixed-size lists, null rows' slots included, and their mask."""
     pa = pyarrow_module()
     if not pa.types.is_fixed_size_list(arr.type):
         return arr, (_valid_mask(arr) if arr.null_count else None)
@@ -107,21 +106,30 @@ def _var_offsets(arr: Any) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=len(arr) + 1, offset=arr.offset * dtype.itemsize)
 
 
-class ArrowColumn:
-    """One selected column: its kind, its fill value, and how a chunk is turned into buffers.
+def _text(arr: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A string/binary array's offsets and the bytes they cover."""
+    offsets = _var_offsets(arr)
+    start, stop = int(offsets[0]), int(offsets[-1])
+    data = arr.buffers()[2]
+    if data is None or stop == start:
+        return offsets, np.zeros(0, np.uint8)
+    return offsets, np.frombuffer(data, np.uint8, count=stop - start, offset=start)
 
-    Args:
-        name: the column name (``s.a`` for field ``a`` of struct column ``s``).
-        arrow_type: its Arrow type (as declared by the table or file).
-        label: the source, for messages.
-        fill: what its nulls become (None: refuse them).
-        fill_is_global: ``fill`` is the scalar given for every column (a number then
-            makes a string column's nulls empty instead of being refused).
-        path: the top-level column and the struct fields leading to this one.
-        records: a nested list of structs comes back as a list of dicts (else a dict
-            of lists).
-        metadata: the field's metadata (names an extension type not registered here).
-        uuid_as: how ``arrow.uuid`` values come back (``_arrow_extensions.py``).
+
+def _list_values(arr: Any) -> Any:
+    """The values a (non-view) list array's rows cover."""
+    offsets = _var_offsets(arr)
+    start, stop = int(offsets[0]), int(offsets[-1])
+    return arr.values.slice(start, stop - start)
+
+
+class ArrowColumn:
+    """One selected column: its kind, its fill value, and how a chunk becomes buffers.
+
+    ``path`` is the top-level column and the struct fields leading to this one (name
+    ``s.a``); ``fill_is_global``: ``fill`` was given for every column (a number then
+    makes a string column's nulls empty); ``metadata`` may name an unregistered
+    extension type.
     """
 
     def __init__(
@@ -136,14 +144,11 @@ class ArrowColumn:
         metadata: Mapping[bytes, bytes] | None = None,
         uuid_as: UuidAs = "uuid",
     ) -> None:
-        self.name = name
-        self.arrow_type = arrow_type
-        self.label = label
+        self.name, self.arrow_type, self.label = name, arrow_type, label
         ext = extension_of(arrow_type, metadata)
         self.meaning = meaning_of(ext, name, label, uuid_as) if ext is not None else None
         self.kind = self.meaning.kind if self.meaning else classify(arrow_type, name, label)
-        self.fill = fill
-        self.fill_is_global = fill_is_global
+        self.fill, self.fill_is_global = fill, fill_is_global
         self.path = path or (name,)
         self.records = records
         self._fill: Any = None
@@ -151,38 +156,29 @@ class ArrowColumn:
     def extract(self, chunk: Any) -> Any:
         """This column's values out of a chunk of its top-level column, normalized.
 
-        A struct field comes with its struct's nulls merged in (``StructArray.flatten``),
-        as ``Table.flatten()`` gives it; a chunk of another type (a Parquet file whose
-        type was promoted) is cast to the column's.
+        A struct field comes with its struct's nulls merged in (as ``Table.flatten()``);
+        a chunk of a promoted type is cast to the column's.
         """
-        for field in self.path[1:]:
+        for name in self.path[1:]:
             chunk = decoded(chunk)
-            chunk = chunk.flatten()[chunk.type.get_field_index(field)]
-        if chunk.type != self.arrow_type:  # a file's type, promoted to the dataset's
+            chunk = chunk.flatten()[chunk.type.get_field_index(name)]
+        if chunk.type != self.arrow_type:
             chunk = chunk.cast(self.arrow_type)
-        if self.meaning is not None:  # an extension type, as what it means
+        if self.meaning is not None:
             chunk = self.meaning.convert(chunk)
         return chunk if self.kind.kind == "nested" else normalize(chunk)
 
-    # -- nested columns (Note [Nested Arrow columns] in _arrow_nested.py) --------------------
     def nested_fill(self) -> tuple[bytes | None, Any] | None:
         """The (text, number) put in place of a nested column's null leaves (None: refuse)."""
         fill = self.fill
         if fill is None:
             return None
-        if isinstance(fill, str):
-            return fill.encode("utf-8"), None
-        if isinstance(fill, bytes):
-            return fill, None
+        if isinstance(fill, (str, bytes)):
+            return fill.encode("utf-8") if isinstance(fill, str) else fill, None
         if isinstance(fill, (bool, int, float, np.bool_, np.number)) and np.ndim(fill) == 0:
             return b"", fill
         raise self._bad_fill("a str or a number", "''")
 
-    def nested_parts(self, arr: Any, where: str) -> Parts:
-        """One chunk of a nested column taken apart into its levels' pieces."""
-        return parts(arr, self.kind.tree, self.nested_fill(), where, self.name)  # type: ignore[arg-type]
-
-    # -- nulls -----------------------------------------------------------------------------
     def count_nulls(self, arr: Any) -> int:
         """Null values in a normalized chunk (null rows, and null elements of lists)."""
         if self.meaning is not None and self.meaning.atomic:  # a null UUID is one null
@@ -192,13 +188,8 @@ class ArrowColumn:
             return 0 if mask is None else int(len(mask) - np.count_nonzero(mask))
         nulls = arr.null_count
         if self.kind.kind == "ragged":
-            nulls += self._child(arr).null_count
+            nulls += _list_values(arr).null_count
         return int(nulls)
-
-    def check_fill(self, arr: Any) -> None:
-        """Check the fill value against a chunk that has nulls (before anything is loaded)."""
-        if self.kind.kind != "ragged" or self._child(arr).null_count:
-            self.fill_scalar()  # null list rows become [] whatever the fill value
 
     def null_error(self, per_file: Mapping[str, int], *, at_least: bool = False) -> NullValuesError:
         """The error for a column with nulls and no fill value."""
@@ -226,14 +217,9 @@ class ArrowColumn:
         if kind in ("str", "bytes"):
             if isinstance(fill, str):
                 return fill.encode("utf-8")
-            if isinstance(fill, bytes):
-                try:
-                    if kind == "str":
-                        fill.decode("utf-8")
-                    return fill
-                except UnicodeDecodeError:
-                    pass
-            elif self.fill_is_global and isinstance(fill, (int, float, np.number)):
+            if isinstance(fill, bytes) and (kind == "bytes" or _is_utf8(fill)):
+                return fill
+            if self.fill_is_global and isinstance(fill, (int, float, np.number)):
                 return b""  # the number given for every column: strings become empty
             raise self._bad_fill("a str" if kind == "str" else "bytes or a str", "''")
         ok = isinstance(fill, (bool, int, float, np.bool_, np.number)) and np.ndim(fill) == 0
@@ -254,18 +240,8 @@ class ArrowColumn:
             f"({self.arrow_type}); give {wanted}, e.g. fill_value={{{self.name!r}: {example}}}."
         )
 
-    # -- chunk -> buffers --------------------------------------------------------------------
-    def _child(self, arr: Any) -> Any:
-        offsets = _var_offsets(arr)
-        start, stop = (int(offsets[0]), int(offsets[-1])) if len(offsets) else (0, 0)
-        return arr.values.slice(start, stop - start)
-
     def var_parts(self, arr: Any) -> tuple[np.ndarray, Any, np.ndarray | None]:
-        """Offsets, values (numpy) and element validity of a normalized var-length chunk.
-
-        Null rows are replaced by the fill value here (the caller has checked that
-        one was given); null elements of lists are reported by the mask.
-        """
+        """Offsets, values and element validity of a normalized var-length chunk (nulls filled)."""
         pa = pyarrow_module()
         if arr.null_count:
             if self.kind.kind == "ragged":
@@ -275,23 +251,84 @@ class ArrowColumn:
                 text = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
                 scalar = pa.scalar(fill.decode("utf-8") if text else fill, type=arr.type)
                 arr = pa.compute.fill_null(arr, scalar)
-        offsets = _var_offsets(arr)
-        start, stop = int(offsets[0]), int(offsets[-1])
-        if self.kind.kind == "ragged":
-            child = arr.values.slice(start, stop - start)
-            mask = _valid_mask(child) if child.null_count else None
-            return offsets, _numpy_values(child, self.kind.dtype), mask
-        data = arr.buffers()[2]
-        if data is None or stop == start:
-            return offsets, np.zeros(0, np.uint8), None
-        return offsets, np.frombuffer(data, np.uint8, count=stop - start, offset=start), None
+        if self.kind.kind != "ragged":
+            return (*_text(arr), None)
+        child = _list_values(arr)
+        mask = _valid_mask(child) if child.null_count else None
+        return _var_offsets(arr), _numpy_values(child, self.kind.dtype), mask
+
+
+@dataclass
+class Parts:
+    """One nested chunk taken apart, per level (preorder): lengths, data, and the nulls met.
+
+    ``lengths[i]``: values per list, or bytes per string; ``data[i]``: numbers or bytes.
+    """
+
+    lengths: dict[int, np.ndarray] = field(default_factory=dict)
+    data: dict[int, np.ndarray] = field(default_factory=dict)
+    nulls: int = 0
+
+
+def parts(arr: Any, tree: Level, fill: Any, where: str, name: str) -> Parts:
+    """Take one chunk of a nested column apart (Note [Nested Arrow columns]).
+
+    ``fill``: ``None`` (count nulls), or ``(text_bytes, number)`` put in place of null leaves.
+    """
+    pa, pc = pyarrow_module(), pyarrow_module().compute
+    levels = children(tree)
+    out = Parts()
+
+    def walk(arr: Any, i: int) -> None:
+        level, kids = levels[i]
+        arr = decoded(arr)
+        if level.kind == "list":
+            out.nulls += arr.null_count
+            lengths = pc.fill_null(pc.list_value_length(arr), 0)
+            out.lengths[i] = lengths.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+            flat = arr.flatten()
+            if len(flat) != int(out.lengths[i].sum()):
+                raise UnsupportedDtypeError(
+                    f"column {name!r} of {where}: the list values of a {arr.type} chunk do not "
+                    "add up to its lengths; cast the column to a plain list type first."
+                )
+            walk(flat, kids[0])
+        elif level.kind == "struct":
+            for child, k in zip(arr.flatten(), kids):  # the struct's nulls merged in
+                walk(child, k)
+        elif level.kind in ("str", "bytes"):
+            target = pa.large_string() if level.kind == "str" else pa.large_binary()
+            arr = arr.cast(target) if arr.type != target else arr
+            if arr.null_count:
+                out.nulls += arr.null_count
+                if fill is not None:
+                    value = fill[0].decode("utf-8") if level.kind == "str" else fill[0]
+                    arr = pc.fill_null(arr, pa.scalar(value, target))
+            offsets, out.data[i] = _text(arr)
+            out.lengths[i] = np.diff(offsets)
+        else:  # num
+            storage = temporal_storage(arr.type)
+            arr = arr.view(storage) if storage is not None else arr
+            if arr.null_count:
+                out.nulls += arr.null_count
+                if fill is not None and fill[1] is None:
+                    raise UnsupportedDtypeError(
+                        f"column {name!r} of {where} holds null numbers ({arr.type}) and "
+                        f"the fill_value is not a number; give one, e.g. "
+                        f"fill_value={{{name!r}: 0}}."
+                    )
+                value = 0 if fill is None else fill[1]  # no fill: refused later
+                value = bool(value) if pa.types.is_boolean(arr.type) else value
+                arr = pc.fill_null(arr, pa.scalar(value, arr.type))
+            dtype = np.dtype(level.dtype)
+            out.data[i] = arr.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+    walk(arr, 0)
+    return out
 
 
 def _count_keys(tree: Any) -> list[str]:
-    """Per level of a nested tree, the buffer whose length is its number of elements.
-
-    A struct has no buffer: its elements are its first field's.
-    """
+    """Per level, the buffer whose length is its element count (a struct: its first field's)."""
     levels = children(tree)
 
     def key(i: int) -> str:
@@ -304,12 +341,11 @@ def _count_keys(tree: Any) -> list[str]:
 
 
 class Copy:
-    """One column's chunks as what each of its buffers receives, in order.
+    """One column's chunks as ``(key, values, base)``: values appended to buffer ``key``.
 
-    :meth:`pieces` turns a normalized chunk into ``(key, values, base)`` triples: the
-    values appended to buffer ``key``, and for an offsets buffer (``values``: the
-    chunk's ``n + 1`` offsets, any start) the buffer whose running length they are
-    rebased onto. :class:`Sizer` adds up the lengths, :class:`Writer` copies.
+    For an offsets buffer, ``values`` are the chunk's ``n + 1`` offsets and ``base`` the
+    buffer whose running length they are rebased onto. :class:`Sizer` adds up the
+    lengths, :class:`Writer` copies.
     """
 
     def __init__(self, column: ArrowColumn) -> None:
@@ -323,7 +359,7 @@ class Copy:
         """The pieces of one chunk and its nulls (no pieces: nulls with no fill value)."""
         col, kind = self.column, self.column.kind.kind
         if kind == "nested":
-            p = col.nested_parts(arr, where)
+            p = parts(arr, col.kind.tree, col.nested_fill(), where, col.name)  # type: ignore[arg-type]
             out: list[tuple[str, Any, str | None]] = []
             for i, level in enumerate(self.levels):
                 if level.kind == "list":
@@ -340,18 +376,18 @@ class Copy:
         if kind == "tensor":
             leaf, mask = _leaf(arr)
             values = _numpy_values(leaf, col.kind.dtype)
-            if mask is not None:
-                values = values.copy()
-                values[~mask] = col.fill_scalar()
-            return [("data", values.reshape(len(arr), *col.kind.shape), None)], nulls
-        offsets, values, mask = col.var_parts(arr)
+        else:
+            offsets, values, mask = col.var_parts(arr)
         if mask is not None:
             values = values.copy()
             values[~mask] = col.fill_scalar()
+        if kind == "tensor":
+            return [("data", values.reshape(len(arr), *col.kind.shape), None)], nulls
         return [("offsets", offsets, "values"), ("values", values, None)], nulls
 
     @staticmethod
     def size(key: str, values: Any) -> int:
+        """Elements ``values`` append to buffer ``key``."""
         return len(values) - 1 if key.endswith("offsets") else len(values)
 
 
@@ -370,8 +406,11 @@ class Sizer(Copy):
         pieces, nulls = self.pieces(chunk, where)
         if nulls:
             self.nulls[where] = self.nulls.get(where, 0) + nulls
-            if column.fill is not None and column.kind.kind != "nested":
-                column.check_fill(chunk)
+            # null list rows become [] whatever the fill value: check it for the rest
+            kind = column.kind.kind
+            fill = column.fill is not None and kind != "nested"
+            if fill and (kind != "ragged" or _list_values(chunk).null_count):
+                column.fill_scalar()
         for key, values, _ in pieces:
             self.length[key] = self.length.get(key, 0) + self.size(key, values)
 
@@ -433,19 +472,22 @@ class Writer(Copy):
                 )
 
 
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
 def _offsets(lengths: np.ndarray) -> np.ndarray:
-    """The ``n + 1`` offsets from 0 of ``n`` lengths."""
     out = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=out[1:])
     return out
 
 
 def _check_utf8(chunk: Any, name: str, where: str) -> None:
-    """Refuse a string chunk whose bytes are not UTF-8 (Parquet readers do not check).
-
-    Found by fuzzing: a flipped bit in a string page loads without complaint and
-    fails later, on access, with a ``UnicodeDecodeError`` that names nothing.
-    """
+    """Refuse a string chunk whose bytes are not UTF-8 (Parquet readers do not check)."""
     try:
         chunk.validate(full=True)
     except pyarrow_module().ArrowInvalid as error:

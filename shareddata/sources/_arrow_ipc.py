@@ -2,26 +2,17 @@
 
 Note [Reading Arrow IPC files one column at a time]
 ===================================================
-An IPC file or stream holds record batches, each batch's columns as buffers one
-after the other. :class:`IpcInput` maps the file (``mmap``) and reads ONE
-top-level column at a time, batch by batch. A stream is read with
-``IpcReadOptions(included_fields=[j])``: its reader slices the mapping. An IPC
-file's reader copies the fields it is asked for, so an uncompressed file (whose
-batches are slices of the mapping: checked on its first batch) is read without the
-option, every field a slice and only field ``j`` touched; a compressed one (Feather's
-default lz4, or zstd) with it, so that only that column of each batch is
-decompressed. Arrow's pool is released after each batch, and once a batch is copied
-into shared memory its pages leave the process's RSS (``MADV_DONTNEED``; the page
-cache keeps them): the loading process holds the shared copy and about one batch,
-never a private copy of the whole table (``benchmarks/bench_arrow_files.py``
-measures it). An IPC file says its rows in its footer (``count_rows()``, metadata
-only); a stream has no footer, so its rows are counted in one pass over one column.
-
-A path is recognised by its first bytes, not its name: ``ARROW1`` is an IPC file
-(Feather v2 is one), a continuation marker ``0xFFFFFFFF`` an IPC stream (what HF
-``datasets`` writes, whatever the ``.arrow`` suffix says). A folder must hold an HF
-``save_to_disk`` ``state.json``: its ``_data_files``, in order, are the dataset.
-Anything else is refused with what it looks like and what to pass instead.
+:class:`IpcInput` maps each file and reads ONE top-level column at a time, batch by
+batch. A stream's reader (``included_fields=[j]``) slices the mapping. A file's
+reader copies the fields it is asked for, so an uncompressed file (its first batch
+slices the mapping) is read without the option, only field ``j`` touched; a
+compressed one (lz4, zstd) with it, so only that column is decompressed. After each
+batch Arrow's pool is released and the copied pages leave the RSS (``MADV_DONTNEED``):
+the process holds the shared copy and about one batch
+(``benchmarks/bench_arrow_files.py``). A file's rows come from its footer; a
+stream's from one pass over one column. A path is recognised by its first bytes
+(``ARROW1``: file; ``0xFFFFFFFF``: stream, what HF ``datasets`` writes); a folder
+must hold an HF ``save_to_disk`` ``state.json``, whose ``_data_files`` are the data.
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ from typing import Any
 from ..errors import ArgumentTypeError, MissingFileError, SourceReadError
 from ._arrow_types import pyarrow_module, release_arrow_memory
 from ._io import listed_files
-from .arrow import Piece, check_files
+from .arrow import ArrowInput, Piece, check_files
 
 __all__ = ["ACCEPTED", "IpcInput", "arrow_paths", "is_path"]
 
@@ -60,16 +51,14 @@ _LOOKS_LIKE = {
 
 def is_path(obj: Any) -> bool:
     """Whether ``obj`` names files (a path, or a list of paths), not a table."""
-    if isinstance(obj, (str, os.PathLike)):
-        return True
-    return isinstance(obj, (list, tuple)) and all(isinstance(p, (str, os.PathLike)) for p in obj)
+    paths = obj if isinstance(obj, (list, tuple)) else [obj]
+    return isinstance(obj, (str, os.PathLike, list, tuple)) and all(
+        isinstance(p, (str, os.PathLike)) for p in paths
+    )
 
 
 def arrow_paths(path: Any) -> tuple[list[str], str, dict[str, Any] | None]:
-    """The files a path, list or HF ``save_to_disk`` folder names, a label, the HF format.
-
-    The format is the folder's, as ``Dataset.format`` gives it (None for files).
-    """
+    """The files a path, list or HF folder names, a label, and the folder's ``Dataset.format``."""
     if isinstance(path, (list, tuple)):
         files, label = listed_files(path, "Arrow")
         return files, label, None
@@ -124,13 +113,9 @@ def _hf_folder(folder: str) -> tuple[list[str], dict[str, Any]]:
                 "the folder is incomplete: copy it again or re-save it with save_to_disk."
             )
         files.append(file)
-    saved = {
-        "type": "_format_type",
-        "columns": "_format_columns",
-        "format_kwargs": "_format_kwargs",
-        "output_all_columns": "_output_all_columns",
-    }
-    return files, {k: state.get(key) for k, key in saved.items()}  # fmt: skip
+    saved = ("type", "columns", "format_kwargs")
+    hf_format = {k: state.get(f"_format_{k}") for k in saved}
+    return files, {**hf_format, "output_all_columns": state.get("_output_all_columns")}
 
 
 def _json(path: str) -> dict[str, Any]:
@@ -156,8 +141,7 @@ def _is_stream(path: str) -> bool:
     if head[:4] == b"\xff\xff\xff\xff":
         return True
     seen = next((what for magic, what in _LOOKS_LIKE.items() if head.startswith(magic)), None)
-    if not head:
-        seen = "empty"
+    seen = seen if head else "empty"
     raise SourceReadError(
         f"{path} is not an Arrow IPC file or stream (it starts with {head!r}"
         f"{': it is ' + seen if seen else ''}). ArrowDataset takes {ACCEPTED}."
@@ -180,14 +164,8 @@ class _ArrowFile:
     sliced: bool = False  # an IPC file whose batches slice the mapping (uncompressed)
 
 
-class IpcInput:
-    """Arrow IPC files/streams by path, one column at a time (Note above).
-
-    Args:
-        path: an IPC file, an IPC stream, a list of them, or an HF ``save_to_disk`` folder.
-        columns: the columns that will be loaded (``None``: all; every file must then
-            have the same columns).
-    """
+class IpcInput(ArrowInput):
+    """IPC files or streams, a list of them, or an HF ``save_to_disk`` folder (Note above)."""
 
     format = "Arrow IPC"
 
@@ -219,11 +197,12 @@ class IpcInput:
     def _rows(self, info: _ArrowFile) -> int:
         """Rows of one file: the footer's count, or for a stream one pass over one column."""
         if info.rows < 0:
-            fixed = [i for i, f in enumerate(info.schema) if _fixed_width(f.type)]
+            pa = pyarrow_module()
+            fixed = [i for i, f in enumerate(info.schema) if pa.types.is_primitive(f.type)]
             j = fixed[0] if fixed else 0  # a fixed-width column decodes cheapest
             try:
                 info.rows = sum(len(chunk) for chunk in self._batches(info, j))
-            except (pyarrow_module().ArrowException, OSError, ValueError) as e:
+            except (pa.ArrowException, OSError, ValueError) as e:
                 raise _read_error(info.path, e, "counting its rows") from e
         return info.rows
 
@@ -239,11 +218,7 @@ class IpcInput:
             yield Piece(info.path, info.path, self._rows(info), read)
 
     def _batches(self, info: _ArrowFile, j: int) -> Generator[Any, None, None]:
-        """Column ``j`` of each record batch of one file, over a mapping dropped as it goes.
-
-        Once a batch is copied its pages leave this process's RSS (``MADV_DONTNEED``;
-        they stay in the page cache). Note [Reading Arrow IPC files one column at a time].
-        """
+        """Column ``j`` of each record batch of one file (Note above)."""
         pa = pyarrow_module()
         options = pa.ipc.IpcReadOptions(included_fields=[j], use_threads=False)
         with open(info.path, "rb") as f:
@@ -273,13 +248,6 @@ class IpcInput:
             except BufferError:  # a chunk still refers to it: unmapped when it is freed
                 pass
 
-    def null_counts(self, column: Any, window: bool) -> None:
-        """Nulls are counted by the sizing pass (zero-copy when uncompressed)."""
-        return None
-
-    def close(self) -> None:
-        """Nothing to close: every mapping is closed after its pass."""
-
 
 def _slices(reader: Any, mm: Any) -> bool:
     """Whether an IPC file's batches are slices of its mapping (not decompressed copies)."""
@@ -292,10 +260,3 @@ def _slices(reader: Any, mm: Any) -> bool:
             if buf is not None and buf.size:
                 return bool(whole.address <= buf.address < whole.address + whole.size)
     return True
-
-
-def _fixed_width(t: Any) -> bool:
-    try:
-        return int(t.bit_width) > 0
-    except ValueError:  # pyarrow: "Non-fixed width type"
-        return False

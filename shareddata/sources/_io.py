@@ -1,8 +1,7 @@
-"""Raw bytes of a file read straight into shared memory: the package's one ``preadv`` loop.
+"""Files read straight into shared memory: the package's one ``preadv`` loop.
 
 ``os.preadv`` copies from the page cache into the mapped shared pages: one kernel
-copy, no private buffer, the GIL released while it runs. ``.npy`` data reads
-through :func:`read_into`.
+copy, no private buffer, the GIL released while it runs.
 """
 
 from __future__ import annotations
@@ -16,26 +15,15 @@ from ..errors import MissingFileError, SourceReadError
 
 __all__ = ["read_into"]
 
-_CHUNK = 64 << 20
-"""Bytes per ``preadv`` call (one progress update each)."""
+_CHUNK = 64 << 20  # bytes per preadv call (one progress update each)
 
 
 def read_into(
     path: str, offset: int, out: np.ndarray, progress: Callable[[int], None], what: str
 ) -> None:
-    """Fill the bytes of ``out`` (C-contiguous) from ``path``, starting at byte ``offset``.
+    """Fill ``out`` (C-contiguous, pages ready) from ``path`` at byte ``offset``.
 
-    Args:
-        path: the file.
-        offset: where the data starts in the file.
-        out: the destination; its ``nbytes`` are read. Its pages must be ready to
-            write (a view from ``Buffer.rows``).
-        progress: called with the bytes of each chunk read.
-        what: the data, for messages (e.g. ``"data.npy"``).
-
-    Raises:
-        SourceReadError: the file ends early (truncated), or the disk or file system
-            fails (naming ``what`` and the fix).
+    A truncated file or an I/O error is a SourceReadError naming ``what`` and the fix.
 
     Example:
         >>> import tempfile
@@ -72,11 +60,7 @@ def read_into(
 
 
 def listed_files(paths: Sequence[str | os.PathLike[str]], kind: str) -> tuple[list[str], str]:
-    """A list of ``kind`` files given by the user, each checked to exist, and its label.
-
-    Raises:
-        MissingFileError: the list is empty, or one of them is not a file.
-    """
+    """A list of ``kind`` files given by the user, each checked to exist, and its label."""
     files = [os.fspath(p) for p in paths]
     if not files:
         raise MissingFileError(f"the list of {kind} files is empty; pass at least one file.")

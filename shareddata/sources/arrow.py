@@ -1,41 +1,37 @@
 """The one Arrow source: any Arrow input's columns, sized from its schema, copied batch by batch.
 
-An input only says what it holds (:class:`ArrowInput`): its schema, its rows, and per
-column the :class:`Piece` s its rows come in, each a row count and the record batches
-decoded on demand. The inputs: in-memory tables and frames (``_arrow_table.py``), Arrow
-IPC files and streams and HF ``save_to_disk`` folders (``_arrow_ipc.py``), Parquet files
-(``parquet.py``: one row group x one column at a time). :class:`ArrowSource` does the
-rest for all of them: which columns (struct fields as ``s.a``), their kinds
-(``_arrow_types.py``), nulls, a window of rows (``shard="node"``), the sizing pass and
-the copy into the shared buffers (``_arrow_columns.py``).
+An input (:class:`ArrowInput`) gives its schema, its rows and per column the
+:class:`Piece` s its rows come in: in-memory tables (:class:`TableInput`), IPC files and
+HF folders (``_arrow_ipc.py``), Parquet (``parquet.py``). :class:`ArrowSource` does the
+rest: which columns (struct fields as ``s.a``), nulls, a window of rows, the sizing pass
+and the copy (``_arrow_columns.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import reprlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from ..columns._columns import ColumnSpec
 from ..errors import (
     ArgumentTypeError,
-    EmptySelectionError,
     MissingColumnError,
     SharedDataError,
     SourceReadError,
     UnsupportedDtypeError,
 )
 from ._arrow_columns import ArrowColumn, Sizer, Writer
-from ._arrow_extensions import UuidAs
-from ._arrow_types import pyarrow_module, release_arrow_memory
-from ._source import Buffer
+from ._arrow_types import UuidAs, pyarrow_module, release_arrow_memory, temporal_storage
+from ._source import Buffer, select_columns
 
-__all__ = ["ArrowInput", "ArrowSource", "FillValue", "Piece", "check_files"]
+__all__ = ["ArrowInput", "ArrowSource", "FillValue", "Piece", "TableInput", "check_files"]
 
 FillValue = Any  # a scalar, or a mapping {column: scalar}
-_NESTED_ROWS = 1 << 16
-"""Rows of a nested column taken apart at a time (bounds the temporaries)."""
+_Field = tuple[str, tuple[str, ...], Any, Any]  # name, path, type, metadata
+_NESTED_ROWS = 1 << 16  # rows of a nested column taken apart at a time
 
 
 @dataclass
@@ -48,42 +44,41 @@ class Piece:
     batches: Callable[[], Iterable[Any]]  # the column's arrays, decoded when iterated
 
 
-class ArrowInput(Protocol):
-    """What an Arrow input says: its schema, its rows, and each column's pieces."""
+class ArrowInput:
+    """What an input gives: ``label``, ``schema``, ``total_rows()`` and ``pieces(column)``.
+
+    ``pieces`` yields a column's pieces in row order (a struct field: its top-level
+    column's); ``null_counts`` the nulls per file from metadata alone, or None (a
+    sizing pass counts them); ``file_types``: column -> {type: first file}, where promoted.
+    """
 
     label: str
-    schema: Any  # the schema the columns are loaded with (over every file)
-    file_types: dict[str, dict[Any, str]]  # column -> {type: first file}, where promoted
-    format: str  # what the files are, for messages ("Parquet"; "": an in-memory table)
+    schema: Any
+    format = ""  # what the files are, for messages ("": an in-memory table)
+    file_types: dict[str, dict[Any, str]] = {}
 
     def total_rows(self) -> int:
         """Rows of the whole input."""
-        ...
+        raise NotImplementedError
 
     def pieces(self, column: ArrowColumn) -> Iterator[Piece]:
-        """``column``'s pieces, in row order (a struct field: its top-level column's)."""
-        ...
+        """``column``'s pieces, in row order."""
+        raise NotImplementedError
 
     def null_counts(self, column: ArrowColumn, window: bool) -> dict[str, int] | None:
-        """Nulls per file from metadata alone, or None (then a sizing pass counts them)."""
-        ...
+        """Nulls per file from metadata alone, or None."""
+        return None
 
     def close(self) -> None:
         """Release the files (called after loading, also on error)."""
-        ...
 
 
 class ArrowSource:
     """Reads the selected columns of an :class:`ArrowInput` into shared buffers.
 
-    Args:
-        input: the table, IPC files or Parquet files.
-        columns: the columns to load, in this order (default: all; a struct's name
-            selects its fields).
-        fill_value: what nulls become (see :class:`ParquetDataset`); ``None`` refuses nulls.
-        records: a list of structs comes back as a list of dicts (else a dict of lists).
-        uuid_as: ``arrow.uuid`` values as ``"uuid"`` (``uuid.UUID``) or ``"tensor"``.
-        types: loaded types of some top-level columns (each batch is cast to it).
+    ``columns``: in this order (a struct's name selects its fields); ``fill_value``: what
+    nulls become (None refuses them); ``records``: lists of structs as lists of dicts;
+    ``types``: loaded types of some top-level columns (each batch is cast to it).
     """
 
     def __init__(
@@ -102,8 +97,9 @@ class ArrowSource:
             i = schema.get_field_index(name)
             schema = schema.set(i, schema.field(i).with_type(t))
         fields = _fields(schema)
-        names = _select([f[0] for f in fields], columns, self.label, _groups(fields))
-        if isinstance(fill_value, Mapping):
+        names = _select(fields, columns, self.label)
+        per_column = isinstance(fill_value, Mapping)
+        if per_column:
             unknown = [k for k in fill_value if k not in names]
             if unknown:
                 raise MissingColumnError(
@@ -114,8 +110,8 @@ class ArrowSource:
         self.columns = []
         for name in names:
             path, t, meta = by_name[name]
-            fill = fill_value.get(name) if isinstance(fill_value, Mapping) else fill_value
-            is_global = fill is not None and not isinstance(fill_value, Mapping)
+            fill = fill_value.get(name) if per_column else fill_value
+            is_global = fill is not None and not per_column
             self.columns.append(
                 ArrowColumn(name, t, self.label, fill, is_global, path, records, meta, uuid_as)
             )
@@ -128,10 +124,7 @@ class ArrowSource:
         return self.input.total_rows()
 
     def select_rows(self, start: int, stop: int) -> None:
-        """Describe and read only rows ``[start, stop)`` (``shard="node"``).
-
-        Pieces outside the range are never decoded; the ones it cuts are sliced.
-        """
+        """Describe and read only rows ``[start, stop)``: pieces outside are never decoded."""
         self._window, self._specs = (int(start), int(stop)), None
 
     def _chunks(self, column: ArrowColumn) -> Iterator[tuple[Piece, Any]]:
@@ -199,17 +192,16 @@ class ArrowSource:
         """Exact specs: from metadata where it says enough, else from one sizing pass."""
         if self._specs is not None:
             return self._specs
-        rows = self.total_rows()
-        if self._window is not None:
-            rows = self._window[1] - self._window[0]
+        rows = self.total_rows() if self._window is None else self._window[1] - self._window[0]
         specs = []
         for column in self.columns:
             k = column.kind
             nulls = self.input.null_counts(column, self._window is not None)
-            if nulls and sum(nulls.values()) and column.fill is None and not k.shape:
-                raise column.null_error(nulls)  # exact for scalars (for lists: levels)
-            if nulls is not None and (not sum(nulls.values()) or column.fill is not None):
-                if sum(nulls.values()):
+            total = sum(nulls.values()) if nulls is not None else 0
+            if total and column.fill is None and not k.shape:
+                raise column.null_error(nulls)  # type: ignore[arg-type]
+            if nulls is not None and (not total or column.fill is not None):
+                if total:
                     column.fill_scalar()  # a bad fill value fails before loading
                 specs.append(ColumnSpec(column.name, rows, k.dtype, k.shape, k.spec_kind))
                 continue
@@ -237,22 +229,17 @@ class ArrowSource:
         release_arrow_memory()
 
 
-# -- which columns: struct fields as columns, names checked -----------------------------------
+def _fields(schema: Any) -> list[_Field]:
+    """Every loadable column: ``(name, path, type, metadata)``, structs flattened (``s.a``).
 
-
-def _fields(schema: Any) -> list[tuple[str, tuple[str, ...], Any, Any]]:
-    """Every loadable column: ``(name, path, type, metadata)``, structs flattened.
-
-    A struct column ``s`` with fields ``a`` and ``b`` gives ``s.a`` and ``s.b`` (nested
-    structs ``s.b.c``), the names ``Table.flatten()`` gives them. The field metadata
-    names an extension type that is not registered here (``_arrow_extensions.py``).
+    A struct stored as an (unregistered) extension type stays one column.
     """
     pa = pyarrow_module()
-    out: list[tuple[str, tuple[str, ...], Any, Any]] = []
+    out: list[_Field] = []
 
     def walk(name: str, path: tuple[str, ...], field: Any) -> None:
         t = field.type
-        extension = b"ARROW:extension:name" in (field.metadata or {})  # stored as a struct
+        extension = b"ARROW:extension:name" in (field.metadata or {})
         if pa.types.is_struct(t) and t.num_fields and not extension:
             for f in t:
                 walk(f"{name}.{f.name}", (*path, f.name), f)
@@ -264,51 +251,15 @@ def _fields(schema: Any) -> list[tuple[str, tuple[str, ...], Any, Any]]:
     return out
 
 
-def _groups(fields: Sequence[tuple[str, tuple[str, ...], Any, Any]]) -> dict[str, list[str]]:
-    """Each struct's name (``s``, ``s.b``) -> the flattened columns under it."""
+def _select(
+    fields: Sequence[tuple[str, tuple[str, ...], Any, Any]], columns: Any, label: str
+) -> list[str]:
+    """The selected columns, in order (a struct's name, ``s`` or ``s.b``, selects its fields)."""
     groups: dict[str, list[str]] = {}
     for name, path, _, _ in fields:
         for k in range(1, len(path)):
             groups.setdefault(".".join(path[:k]), []).append(name)
-    return groups
-
-
-def _select(
-    available: Sequence[str],
-    columns: Sequence[str] | None,
-    label: str,
-    groups: Mapping[str, list[str]],
-) -> list[str]:
-    """The selected columns, in order (a struct's name selects its fields)."""
-    listed = ", ".join(repr(n) for n in available) or "no columns"
-    if columns is None:
-        wanted = list(available)
-    else:
-        if not isinstance(columns, (str, Iterable)):
-            raise ArgumentTypeError(
-                f"columns={reprlib.repr(columns)} (type {type(columns).__name__}) for {label} is "
-                "not a column name or a list of names; pass one of those, or columns=None for "
-                "all of them."
-            )
-        wanted = [columns] if isinstance(columns, str) else list(columns)
-        wanted = [n for c in wanted for n in ([c] if c in available else groups.get(c, [c]))]
-        missing = [c for c in wanted if c not in available]
-        if missing:
-            raise MissingColumnError(f"column {missing[0]!r} is not in {label}; it has: {listed}.")
-    if not wanted:
-        what = "columns=[] selects no column of" if available else "no column to load: nothing in"
-        raise EmptySelectionError(
-            f"{what} {label}, so the dataset would have no rows and a training loop over it no "
-            f"batches; it has: {listed}. Pass the columns to load (or columns=None for all "
-            "of them)."
-        )
-    clash = [n for n in wanted if list(available).count(n) > 1]
-    if clash:
-        raise MissingColumnError(
-            f"column name {clash[0]!r} appears more than once in {label}, so it does not name "
-            "one column; rename the columns (table.rename_columns) or select others."
-        )
-    return wanted
+    return select_columns([f[0] for f in fields], columns, label, groups)
 
 
 def check_files(
@@ -317,26 +268,18 @@ def check_files(
     promote: bool,
     skip: Sequence[str] = (),
 ) -> tuple[Any, dict[str, dict[Any, str]]]:
-    """The schema every file's loaded columns share, and the columns whose type was promoted.
+    """The schema the ``(path, schema)`` files' loaded columns share, and the promoted columns.
 
-    Args:
-        files: ``(path, schema)`` of every file, in order.
-        columns: the columns asked for (``None``: all, and every file must have the same).
-        promote: types may differ where pyarrow promotes one to the other (``int32`` and
-            ``int64``...: ``pa.unify_schemas(promote_options="permissive")``); each batch
-            is then cast to the promoted type. Otherwise a type must be the same everywhere.
-        skip: columns not in the files (Hive partitions).
-
-    Raises:
-        MissingColumnError: a file lacks a loaded column.
-        UnsupportedDtypeError: a column's types differ (and cannot be promoted).
+    ``columns=None``: every file must have the same columns. ``promote``: types may
+    differ where ``pa.unify_schemas(promote_options="permissive")`` promotes them (each
+    batch is then cast). ``skip``: columns not in the files (Hive partitions).
     """
     pa = pyarrow_module()
     (first, schema) = files[0]
     promoted: dict[str, dict[Any, str]] = {}
     wanted = [f.name for f in schema]
     if columns is not None:  # the top-level columns of the selected names
-        names = _select([f[0] for f in _fields(schema)], columns, first, _groups(_fields(schema)))
+        names = _select(_fields(schema), columns, first)
         wanted = list(dict.fromkeys(n if n in schema.names else n.split(".")[0] for n in names))
     fields = {n: schema.field(n) for n in wanted if n not in skip}
     for path, other in files[1:]:
@@ -370,12 +313,11 @@ def check_files(
                     f"{name!r} out with columns=[...]."
                 ) from e
             promoted.setdefault(name, {a.type: first}).setdefault(b.type, path)
-    unified = pa.schema([fields.get(f.name, f) for f in schema])
-    return unified, promoted
+    return pa.schema([fields.get(f.name, f) for f in schema]), promoted
 
 
 def _first_lost(chunk: Any, arrow_type: Any) -> Any:
-    """The first value of ``chunk`` a cast to ``arrow_type`` changes, or None if none is found."""
+    """The first value of ``chunk`` a cast to ``arrow_type`` changes, or None."""
     pa = pyarrow_module()
     pc = pa.compute
     try:
@@ -385,3 +327,73 @@ def _first_lost(chunk: Any, arrow_type: Any) -> Any:
         return None if i < 0 else chunk[i].as_py()
     except (pa.ArrowException, TypeError, ValueError):  # a type compute cannot compare
         return None
+
+
+class TableInput(ArrowInput):
+    """An in-memory table (or record batch, frame, HF dataset): each chunk is a piece."""
+
+    label = "the Arrow table"
+
+    def __init__(self, table: Any) -> None:
+        self.table = _as_table(table)
+        self.schema = self.table.schema
+
+    def total_rows(self) -> int:
+        """Rows of the table."""
+        return int(self.table.num_rows)
+
+    def pieces(self, column: ArrowColumn) -> Iterator[Piece]:
+        """One piece per chunk of ``column``'s top-level column."""
+        for chunk in self.table.column(column.path[0]).chunks:
+            yield Piece(self.label, self.label, len(chunk), functools.partial(list, [chunk]))
+
+    def close(self) -> None:
+        """Drop the reference to the table (the caller's table is untouched)."""
+        self.table = None
+
+    def key(self, names: list[str]) -> tuple[Any, ...]:
+        """What tells in-memory tables apart across local ranks: schema, length, sampled rows."""
+        pa = pyarrow_module()
+        table = self.table.select(names)
+        n = table.num_rows
+        rows = sorted({round(i * (n - 1) / 63) for i in range(64)}) if n else []
+        sample = pa.concat_tables([table.slice(i, 1) for i in rows]) if rows else table
+        # temporal values as their numbers: a timestamp[ns] has no datetime
+        plain = [c.cast(temporal_storage(c.type) or c.type) for c in sample.columns]
+        values = pa.table(plain, names=sample.column_names).to_pylist()
+        return ("ArrowDataset", table.schema.to_string(), n, values)
+
+
+def _as_table(table: Any) -> Any:
+    """``table`` as a ``pyarrow.Table`` (no copy), or ArgumentTypeError naming the fix.
+
+    Any ``__arrow_c_stream__`` / ``__arrow_c_array__`` exporter converts through
+    ``pa.table``; an HF ``datasets.Dataset`` gives its table in its current row order.
+    """
+    pa = pyarrow_module()
+    if isinstance(table, pa.Table):
+        return table
+    if isinstance(table, pa.RecordBatch):
+        return pa.Table.from_batches([table])
+    if type(table).__module__.startswith("datasets.") and hasattr(table, "flatten_indices"):
+        if getattr(table, "_indices", None) is not None:
+            table = table.flatten_indices()
+        return table.data.table
+    exports = hasattr(table, "__arrow_c_stream__") or hasattr(table, "__arrow_c_array__")
+    if exports and not isinstance(table, (pa.ChunkedArray, pa.Array)):
+        try:
+            return pa.table(table)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise UnsupportedDtypeError(
+                f"ArrowDataset could not read the Arrow data a {type(table).__name__} exports "
+                f"({type(e).__name__}: {e}); it must export a table or a struct array "
+                "(one field per column)."
+            ) from e
+    hint = {
+        "pandas": "Convert it with pa.Table.from_pandas(df, preserve_index=False).",
+        "polars": "Convert it with df.to_arrow().",
+    }.get(type(table).__module__.split(".")[0], "Build one with pa.table({column: values}).")
+    raise ArgumentTypeError(
+        f"ArrowDataset: table={reprlib.repr(table)} (type {type(table).__name__}) is not a "
+        f"pyarrow.Table or RecordBatch. {hint}"
+    )

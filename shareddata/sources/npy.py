@@ -14,7 +14,7 @@ import os
 import reprlib
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -24,14 +24,12 @@ from .._compat import read_npy_header_3
 from ..columns._columns import ColumnSpec
 from ..errors import (
     ArgumentTypeError,
-    EmptySelectionError,
-    MissingColumnError,
     MissingFileError,
     SourceReadError,
     UnsupportedDtypeError,
 )
 from ._io import read_into
-from ._source import Buffer
+from ._source import Buffer, select_columns
 
 __all__ = ["NumpySource"]
 
@@ -49,7 +47,7 @@ def _blocks(out: np.ndarray) -> Iterator[tuple[int, int]]:
 
 
 def _copy_rows(out: Buffer, src: Any, progress: Callable[[int], None]) -> None:
-    """Copy ``src`` (array-like with ``len(out)`` rows) into ``out``, a block of rows at a time."""
+    """Copy ``src`` (``len(out)`` rows) into ``out``, a block of rows at a time."""
     for a, b in _blocks(out):
         rows = out.rows(a, b)
         rows[...] = src[a:b]
@@ -60,9 +58,8 @@ def _check_dtype(dtype: np.dtype, name: str, label: str) -> None:
     fix = None
     if dtype.hasobject:
         fix = (
-            "object arrays hold Python objects, which cannot be shared without copying them "
-            "into every process. Convert to a numeric dtype, or keep per-row objects in a "
-            "SharedList"
+            "object arrays hold Python objects, which cannot be shared without copying them into "
+            "every process. Convert to a numeric dtype, or keep per-row objects in a SharedList"
         )
     elif dtype.fields is not None:
         fix = "split the structured array into one column per field: {f: arr[f] for f in names}"
@@ -118,11 +115,12 @@ def _data_bytes(shape: tuple[int, ...], dtype: np.dtype, where: str) -> int:
 
 
 class _Entry:
-    """One column's origin: in memory, a .npy file, or a member of an .npz archive."""
+    """One column: an array in memory, a .npy file, or a member of an .npz archive."""
+
+    fortran = False
 
     def __init__(self, name: str, label: str) -> None:
-        self.name = name
-        self.label = label
+        self.name, self.label = name, label
         self.shape: tuple[int, ...] = ()
         self.dtype = np.dtype("u1")
 
@@ -140,8 +138,22 @@ class _Entry:
         raise NotImplementedError
 
     def row_bytes(self) -> int:
-        """Bytes of one row as stored."""
         return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def _header(self, f: Any, stored: Callable[[int], int]) -> int:
+        """Read the header from ``f``; check that the ``stored(offset)`` bytes hold the data."""
+        self.shape, self.fortran, self.dtype = _read_header(f, self.label)
+        offset = f.tell()
+        if self.dtype.hasobject:
+            return offset  # refused with a clear message by spec()
+        needed, have = _data_bytes(self.shape, self.dtype, self.label), stored(offset)
+        if have < needed:
+            raise SourceReadError(
+                f"{self.label} is truncated: its header says shape {self.shape} {self.dtype} "
+                f"({needed} bytes) but only {max(0, have)} bytes of data follow. Re-create "
+                "the file."
+            )
+        return offset
 
 
 class _Memory(_Entry):
@@ -172,18 +184,7 @@ class _NpyFile(_Entry):
         super().__init__(name, path)
         self.path = path
         with open(path, "rb") as f:
-            self.shape, self.fortran, self.dtype = _read_header(f, path)
-            self.offset = f.tell()
-            size = os.fstat(f.fileno()).st_size
-        if self.dtype.hasobject:
-            return  # refused with a clear message by spec()
-        needed = _data_bytes(self.shape, self.dtype, path)
-        if size < self.offset + needed:
-            raise SourceReadError(
-                f"{path} is truncated: its header says shape {self.shape} {self.dtype} "
-                f"({needed} bytes) but only {max(0, size - self.offset)} bytes of data follow. "
-                "Re-create the file."
-            )
+            self.offset = self._header(f, lambda at: os.fstat(f.fileno()).st_size - at)
 
     def read(self, out: Buffer, progress: Callable[[int], None], start: int = 0) -> None:
         if self.fortran and out.ndim > 1:
@@ -198,31 +199,24 @@ class _NpyFile(_Entry):
             _byteswap_if_needed(rows, self.dtype)
 
 
+_ZIP_ERRORS = (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error)
+
+
 class _NpzMember(_Entry):
     def __init__(self, name: str, path: str, archive: zipfile.ZipFile, member: str) -> None:
         super().__init__(name, f"{path}[{member}]")
-        self.path, self.archive, self.member = path, archive, member
+        self.archive, self.member = archive, member
+        size = archive.getinfo(member).file_size
         try:
             with archive.open(member) as f:
-                self.shape, self.fortran, self.dtype = _read_header(f, self.label)
-                header = f.tell()
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as e:
+                self.offset = self._header(f, lambda at: size - at)
+        except _ZIP_ERRORS as e:
             if isinstance(e, SourceReadError):
                 raise
             raise SourceReadError(
                 f"{self.label} cannot be opened: {path} is not a valid .npz archive "
                 f"({type(e).__name__}: {e}). Re-create the file with np.savez."
             ) from e
-        if self.dtype.hasobject:
-            return  # refused with a clear message by spec()
-        needed = _data_bytes(self.shape, self.dtype, self.label)
-        stored = archive.getinfo(member).file_size - header
-        if stored < needed:
-            raise SourceReadError(
-                f"{self.label} is truncated: its header says shape {self.shape} {self.dtype} "
-                f"({needed} bytes) but the archive holds {max(0, stored)} bytes of data for "
-                "it. Re-create the file."
-            )
 
     def read(self, out: Buffer, progress: Callable[[int], None], start: int = 0) -> None:
         if self.fortran and out.ndim > 1:
@@ -232,13 +226,7 @@ class _NpzMember(_Entry):
             )
         try:
             with cast(io.BufferedIOBase, self.archive.open(self.member)) as f:  # a ZipExtFile
-                _read_header(f, self.label)
-                skip = start * self.row_bytes()  # a compressed member: read past the rows
-                while skip > 0:
-                    n = len(f.read(min(skip, _CHUNK)))
-                    if not n:
-                        raise SourceReadError(f"{self.label} ended early, before row {start}")
-                    skip -= n
+                f.seek(self.offset + start * self.row_bytes())  # compressed: read past
                 pos = 0
                 for a, b in _blocks(out):
                     rows = out.rows(a, b)
@@ -250,34 +238,30 @@ class _NpzMember(_Entry):
                         got, pos = got + n, pos + n
                         progress(n)
                     _byteswap_if_needed(rows, self.dtype)
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error) as e:
+        except _ZIP_ERRORS as e:
             if isinstance(e, SourceReadError):
                 raise
             raise SourceReadError(f"{self.label} is corrupt ({e}). Re-create the file.") from e
 
 
-def _missing(path: str) -> MissingFileError:
-    return MissingFileError(
-        f"{path} does not exist. Pass a .npy or .npz file, a folder of .npy files, an "
-        "array, or a mapping {column: array or path}."
-    )
+def _existing(path: PathLike) -> str:
+    if not os.path.exists(path):
+        raise MissingFileError(
+            f"{os.fspath(path)} does not exist. Pass a .npy or .npz file, a folder of .npy "
+            "files, an array, or a mapping {column: array or path}."
+        )
+    return os.fspath(path)
 
 
 class NumpySource:
-    """Reads the columns of a NumPy source (see :class:`shareddata.NumpyDataset`).
-
-    Args:
-        source: a ``.npy``/``.npz`` path, a folder of ``.npy`` files, an array or
-            tensor, or a mapping ``{column: array | tensor | .npy path}``.
-        columns: the columns to load, in this order (default: all).
-    """
+    """Reads a ``.npy``/``.npz`` file, a folder of ``.npy``, an array or a mapping of them."""
 
     def __init__(self, source: Any, columns: Sequence[str] | None = None) -> None:
         self._archives: list[zipfile.ZipFile] = []
         self._rows: tuple[int, int] | None = None
         try:
-            entries = self._entries(source)
-            self.entries = self._select(entries, columns)
+            by_name = {e.name: e for e in self._entries(source)}
+            self.entries = [by_name[n] for n in select_columns(list(by_name), columns, self.label)]
         except BaseException:
             self.close()
             raise
@@ -288,22 +272,14 @@ class NumpySource:
             return [_Memory("data", source, self.label)]
         if isinstance(source, Mapping):
             self.label = "the mapping"
-            entries: list[_Entry] = []
-            for key, value in source.items():
-                name = str(key)
-                if isinstance(value, (str, os.PathLike)):
-                    path = os.fspath(value)
-                    if not os.path.exists(path):
-                        raise _missing(path)
-                    entries.append(_NpyFile(name, path))
-                else:
-                    entries.append(_Memory(name, value, f"the mapping (column {name!r})"))
-            return entries
+            return [
+                _NpyFile(str(k), _existing(v))
+                if isinstance(v, (str, os.PathLike))
+                else _Memory(str(k), v, f"the mapping (column {str(k)!r})")
+                for k, v in source.items()
+            ]
         if isinstance(source, (str, os.PathLike)):
-            path = os.fspath(source)
-            self.label = path
-            if not os.path.exists(path):
-                raise _missing(path)
+            self.label = path = _existing(source)
             if os.path.isdir(path):
                 files = sorted(f for f in os.listdir(path) if f.endswith(".npy"))
                 if not files:
@@ -312,10 +288,15 @@ class NumpySource:
                         "per .npy file (its stem is the column name)."
                     )
                 return [_NpyFile(f[: -len(".npy")], os.path.join(path, f)) for f in files]
-            if path.endswith(".npz") or zipfile.is_zipfile(path):
-                return self._npz(path)
-            stem = os.path.splitext(os.path.basename(path))[0]
-            return [_NpyFile(stem, path)]
+            if not path.endswith(".npz") and not zipfile.is_zipfile(path):
+                return [_NpyFile(os.path.splitext(os.path.basename(path))[0], path)]
+            try:
+                archive = zipfile.ZipFile(path)
+            except (zipfile.BadZipFile, OSError) as e:
+                raise SourceReadError(f"{path} is not a valid .npz archive ({e}).") from e
+            self._archives.append(archive)
+            members = [m for m in archive.namelist() if m.endswith(".npy")]
+            return [_NpzMember(m[: -len(".npy")], path, archive, m) for m in members]
         hint = ""
         if isinstance(source, np.generic):
             hint = " A numpy scalar has no rows; pass an array with one row per sample."
@@ -326,47 +307,6 @@ class NumpySource:
             f"{type(source).__name__}); pass a .npy/.npz path, a folder of .npy files, an "
             f"array, or a mapping {{column: array or path}}.{hint}"
         )
-
-    def _npz(self, path: str) -> list[_Entry]:
-        try:
-            archive = zipfile.ZipFile(path)
-        except (zipfile.BadZipFile, OSError) as e:
-            raise SourceReadError(f"{path} is not a valid .npz archive ({e}).") from e
-        self._archives.append(archive)
-        members = [m for m in archive.namelist() if m.endswith(".npy")]
-        return [_NpzMember(m[: -len(".npy")], path, archive, m) for m in members]
-
-    def _select(self, entries: list[_Entry], columns: Sequence[str] | None) -> list[_Entry]:
-        names = ", ".join(repr(e.name) for e in entries) or "no columns"
-        if columns is None:
-            if not entries:
-                raise EmptySelectionError(
-                    f"{self.label} holds no columns, so the dataset would have no rows. Pass "
-                    "at least one array: {column: array or .npy path}."
-                )
-            return entries
-        if isinstance(columns, str):
-            columns = [columns]
-        elif not isinstance(columns, Iterable):
-            raise ArgumentTypeError(
-                f"NumpyDataset: columns={reprlib.repr(columns)} (type {type(columns).__name__}) "
-                "is not a column name or a list of names; pass one of those, or columns=None "
-                "for all."
-            )
-        columns = list(columns)
-        if not columns:
-            raise EmptySelectionError(
-                f"columns=[] selects nothing from {self.label}, so the dataset would have no "
-                f"rows; it has: {names}. Name at least one, or pass columns=None for all."
-            )
-        by_name = {e.name: e for e in entries}
-        missing = [c for c in columns if c not in by_name]
-        if missing:
-            raise MissingColumnError(
-                f"column {missing[0]!r} is not in {self.label}; it has: "
-                f"{', '.join(repr(n) for n in by_name) or 'no columns'}."
-            )
-        return [by_name[c] for c in columns]
 
     def specs(self) -> list[ColumnSpec]:
         """One tensor column per entry (of the selected rows, see :meth:`select_rows`)."""
@@ -387,10 +327,8 @@ class NumpySource:
     ) -> None:
         """Fill the column's ``data`` buffer."""
         entry = next(e for e in self.entries if e.name == spec.name)
-        if self._rows is None:
-            entry.read(buffers["data"], progress)
-        else:
-            entry.read(buffers["data"], progress, self._rows[0])
+        args = () if self._rows is None else (self._rows[0],)  # (tests patch read(out, progress))
+        entry.read(buffers["data"], progress, *args)
 
     def close(self) -> None:
         """Close any open archives."""

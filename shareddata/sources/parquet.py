@@ -2,64 +2,75 @@
 
 Note [Reading Parquet into shared memory]
 =========================================
-Sizes come before anything is allocated. Fixed-shape columns are sized from the file
-metadata alone (row counts, and the null counts of the column statistics).
-Variable-length columns (strings, binary, lists) need the number of values, which
-Parquet metadata gives only as an upper bound, so a *sizing pass* reads each of them
-once and keeps nothing but the total.
-
-Each column is then copied ONE ROW GROUP at a time, in batches of rows
-(``iter_batches``, about ``_BATCH_BYTES`` of decoded values each, from the row group's
-uncompressed size), into the preallocated shared buffers (``arrow.py``). Arrow's
-memory is given back to the system after every row group (``release_unused``): its
-allocator otherwise keeps several times the data after a load
-(docs/internals.md#arrow-memory). The loading process's private memory is thus
-bounded by a batch: decoding needs about eight times the batch's values (levels,
-pages, the values). Batches are decoded with ``use_threads=False``, and not ahead in
-other threads: threads decoding row groups ahead gain little on few cores for a
-higher peak, and their per-thread heaps are what ``release_unused`` cannot return.
+Fixed-shape columns are sized from the file metadata alone (row counts, and the null
+counts of the column statistics); variable-length ones (strings, binary, lists) by a
+*sizing pass* that reads each of them once and keeps only the totals. Each column is
+then copied one row group at a time, in batches of about ``_BATCH_BYTES`` decoded
+values (``iter_batches``, ``use_threads=False``: decoding threads gain little for a
+higher peak), and Arrow's memory is given back after every row group
+(``release_unused``; docs/internals.md#arrow-memory), so the loading process's private
+memory is bounded by a batch. Files are found by ``pyarrow.dataset`` (a folder
+recursively, ``.``/``_`` names skipped; Hive ``key=value`` folders become columns,
+under a glob's first wildcard); a partition key that is also a column inside the
+files is refused naming the fix.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
+import itertools
 import os
+import reprlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
-from ..errors import SharedDataError
+from ..errors import (
+    ArgumentTypeError,
+    MissingColumnError,
+    MissingFileError,
+    SourceReadError,
+)
 from ._arrow_columns import ArrowColumn
 from ._arrow_types import is_list, pyarrow_module
-from ._parquet_files import (
-    arrow_errors,
-    parquet_files,
-    parquet_module,
-    partition_clash,
-    read_error,
-)
-from .arrow import ArrowSource, FillValue, Piece, check_files
+from ._io import listed_files
+from .arrow import ArrowInput, ArrowSource, FillValue, Piece, check_files
 
-__all__ = ["ParquetInput", "parquet_source"]
+__all__ = ["ParquetInput", "parquet_files", "parquet_source"]
 
 PathLike = str | os.PathLike
 _BATCH_BYTES = 4 << 20
 """Decoded bytes of one column per batch (from the row group's uncompressed size)."""
 _MAX_BATCH_ROWS = 1 << 20
+_GLOB = "*?["
 
 
-def _leaf_count(t: Any) -> int:
-    """How many Parquet leaf columns an Arrow type is stored as."""
-    pa = pyarrow_module()
-    if isinstance(t, pa.BaseExtensionType):
-        return _leaf_count(t.storage_type)
-    if pa.types.is_struct(t):
-        return sum(_leaf_count(t.field(i).type) for i in range(t.num_fields))
-    if pa.types.is_map(t):
-        return _leaf_count(t.key_type) + _leaf_count(t.item_type)
-    if is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_dictionary(t):
-        return _leaf_count(t.value_type)
-    return 1
+def parquet_module() -> ModuleType:
+    """``pyarrow.parquet``, imported on first use."""
+    pyarrow_module()
+    import pyarrow.parquet
+
+    return pyarrow.parquet
+
+
+def _dataset() -> ModuleType:
+    pyarrow_module()
+    import pyarrow.dataset
+
+    return pyarrow.dataset
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    return (pyarrow_module().ArrowException, OSError, ValueError, EOFError)
+
+
+def _read_error(path: str, error: BaseException, doing: str) -> SourceReadError:
+    return SourceReadError(
+        f"{path} could not be read as Parquet while {doing} ({type(error).__name__}: {error}). "
+        "The file may be truncated or not a Parquet file; re-create it."
+    )
 
 
 def _leaves(name: str, t: Any, first: int, out: dict[str, int]) -> int:
@@ -67,10 +78,16 @@ def _leaves(name: str, t: Any, first: int, out: dict[str, int]) -> int:
     pa = pyarrow_module()
     out.setdefault(name, first)
     if pa.types.is_struct(t):
-        j = first
         for f in t:
-            j = _leaves(f"{name}.{f.name}", f.type, j, out)
-    return first + _leaf_count(t)
+            first = _leaves(f"{name}.{f.name}", f.type, first, out)
+        return first
+    if isinstance(t, pa.BaseExtensionType):
+        return _leaves(name, t.storage_type, first, {})
+    if pa.types.is_map(t):
+        return _leaves(name, t.item_type, _leaves(name, t.key_type, first, {}), {})
+    if is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_dictionary(t):
+        return _leaves(name, t.value_type, first, {})
+    return first + 1
 
 
 @dataclass
@@ -86,15 +103,8 @@ class _File:
         return sum(self.row_groups)
 
 
-class ParquetInput:
-    """Parquet files by path (see :class:`ParquetDataset`): metadata only until asked.
-
-    Args:
-        path: a ``.parquet`` file, a glob, a folder (recursive, Hive partitions
-            become columns) or a list of files (see :class:`ParquetDataset`).
-        columns: the columns that will be loaded (``None``: all).
-        memory_map: map the files instead of reading them (less private memory).
-    """
+class ParquetInput(ArrowInput):
+    """Parquet files (a file, a glob, a folder or a list): metadata only until asked."""
 
     format = "Parquet"
 
@@ -106,17 +116,16 @@ class ParquetInput:
     ) -> None:
         pa = pyarrow_module()
         self._pq = parquet_module()
-        found = parquet_files(path)
-        self.paths, self.label, self.partitions = found.files, found.label, found.partitions
-        # UUID and JSON logical types read as arrow.uuid / arrow.json: _arrow_extensions.py
+        self.paths, self.label, self.partitions, partition_schema = parquet_files(path)
+        # UUID and JSON logical types read as arrow.uuid / arrow.json (_arrow_types.meaning_of)
         self._options = {"memory_map": memory_map, "arrow_extensions_enabled": True}
         self.files = [self._info(p) for p in self.paths]
-        keys = found.partition_schema.names
-        for info in self.files:  # _parquet_files checked the first file's columns only
+        keys = partition_schema.names
+        for info in self.files:  # parquet_files checked the first file's columns only
             clash = [k for k in keys if k in info.schema.names]
             if clash:
-                raise partition_clash(clash[0], info.path, self.label)
-        files = [(f.path, pa.schema([*f.schema, *found.partition_schema])) for f in self.files]
+                raise _partition_clash(clash[0], info.path, self.label)
+        files = [(f.path, pa.schema([*f.schema, *partition_schema])) for f in self.files]
         self.schema, self.file_types = check_files(files, columns, promote=True, skip=keys)
         self._partition_names = set(keys)
 
@@ -124,10 +133,8 @@ class ParquetInput:
         try:
             with self._pq.ParquetFile(path, **self._options) as pf:
                 metadata, schema = pf.metadata, pf.schema_arrow
-        except arrow_errors() as e:
-            if isinstance(e, SharedDataError):
-                raise
-            raise read_error(path, e, "reading its metadata") from e
+        except _errors() as e:
+            raise _read_error(path, e, "reading its metadata") from e
         row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
         leaf_index: dict[str, int] = {}
         j = 0
@@ -168,15 +175,13 @@ class ParquetInput:
                 opened.append(
                     self._pq.ParquetFile(info.path, metadata=info.metadata, **self._options)
                 )
-            except arrow_errors() as e:
-                if isinstance(e, SharedDataError):
-                    raise
-                raise read_error(info.path, e, "opening it") from e
+            except _errors() as e:
+                raise _read_error(info.path, e, "opening it") from e
         rows = info.row_groups[i]
         batch_rows = max(1, min(rows, _MAX_BATCH_ROWS))
         first = info.leaf_index.get(column.name)
         if first is not None and rows:
-            leaves = range(first, first + _leaf_count(column.arrow_type))
+            leaves = range(first, _leaves("", column.arrow_type, first, {}))
             group = info.metadata.row_group(i)
             per_row = max(1, sum(group.column(j).total_uncompressed_size for j in leaves) // rows)
             batch_rows = max(1, min(batch_rows, _BATCH_BYTES // per_row))
@@ -187,11 +192,7 @@ class ParquetInput:
         return (batch.column(0) for batch in batches)
 
     def null_counts(self, column: ArrowColumn, window: bool) -> dict[str, int] | None:
-        """Nulls per file from the column statistics of a scalar column, or None.
-
-        Statistics count the levels of a fixed-size list, not its nulls, and cover whole
-        row groups, not a window of rows: then the sizing pass counts.
-        """
+        """Nulls per file from the statistics of a scalar column (not of a window), or None."""
         if window or column.kind.kind != "tensor" or len(column.path) > 1:
             return None
         per_file: dict[str, int] = {}
@@ -209,9 +210,6 @@ class ParquetInput:
             per_file[info.path] = count
         return per_file
 
-    def close(self) -> None:
-        """Nothing stays open: each file is closed after its pieces."""
-
 
 def parquet_source(
     path: PathLike | Sequence[PathLike],
@@ -225,3 +223,107 @@ def parquet_source(
     """The source of :class:`ParquetDataset`: the Parquet files' columns (see there)."""
     files = ParquetInput(path, columns, memory_map)
     return ArrowSource(files, columns, fill_value=fill_value, records=records, uuid_as=uuid_as)
+
+
+def parquet_files(path: Any) -> tuple[list[str], str, list[dict[str, Any]], Any]:
+    """The files of a path, glob, folder or list, a label, per file its partitions, their schema."""
+    base: str | None = None
+    if isinstance(path, (str, os.PathLike)):
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            try:  # an empty schema: no file is opened to infer one (a README.txt may sort first)
+                found = _dataset().dataset(p, format="parquet", schema=pyarrow_module().schema([]))
+            except _errors() as e:
+                raise _read_error(p, e, "listing its files") from e
+            found = sorted(f for f in found.files if f.endswith(".parquet"))
+            if not found:
+                raise MissingFileError(
+                    f"folder {p} holds no .parquet files (sub-folders included); pass a "
+                    ".parquet file, a glob or a list of files."
+                )
+            files, label, base = found, p, p
+        elif os.path.exists(p):
+            files, label = [p], p
+        elif any(c in p for c in _GLOB):
+            matched = glob.glob(p, recursive=True)
+            files = sorted(f for f in matched if os.path.isfile(f) and f.endswith(".parquet"))
+            if not files:
+                raise MissingFileError(
+                    f"the pattern {p} matches no .parquet file; check the folder and the pattern "
+                    "(use ** to search sub-folders)."
+                )
+            label = p
+            base = _glob_root(p)
+        else:
+            raise MissingFileError(
+                f"{p} does not exist. Pass a .parquet file, a glob (data/*.parquet), a list of "
+                "files, or a folder of .parquet files."
+            )
+    elif isinstance(path, Sequence) and not isinstance(path, (bytes, bytearray)):
+        bad = [f for f in path if not isinstance(f, (str, os.PathLike))]
+        if bad:
+            raise ArgumentTypeError(
+                f"the list of Parquet files holds {reprlib.repr(bad[0])} (type "
+                f"{type(bad[0]).__name__}); every item must be a path (a str or pathlib.Path)."
+            )
+        files, label = listed_files(path, "Parquet")
+    else:
+        raise ArgumentTypeError(
+            f"ParquetDataset cannot read path={reprlib.repr(path)} (type {type(path).__name__}); "
+            "pass a .parquet path, a glob, a list of paths, or a folder of .parquet "
+            "files (for a pyarrow.Table use ArrowDataset)."
+        )
+    return (files, label, *_partitions(files, base, label))
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder a glob's first wildcard is under (where Hive partitions start)."""
+    parts = pattern.split(os.sep)
+    fixed = itertools.takewhile(lambda part: not any(c in part for c in _GLOB), parts)
+    return os.sep.join(fixed) or "."
+
+
+def _hive_keys(files: list[str], base: str) -> list[str]:
+    """The Hive partition keys (``key=value`` folder names under ``base``), in folder order."""
+    keys: dict[str, None] = {}
+    for f in files:
+        for part in os.path.relpath(os.path.dirname(f), base).split(os.sep):
+            if "=" in part:
+                keys.setdefault(part.split("=", 1)[0])
+    return list(keys)
+
+
+def _partition_clash(key: str, file: str, label: str) -> MissingColumnError:
+    """The error for a Hive partition key that is also a column inside the files."""
+    every = label if any(c in label for c in _GLOB) else os.path.join(label, "**", "*.parquet")
+    return MissingColumnError(
+        f"{label} is partitioned by {key!r} (its {key}=... folders), and {key!r} is also a column "
+        f"inside its files ({file}), as polars' write_parquet(partition_by=...) writes them: "
+        f"{key!r} would be two columns. Fix: pass the files themselves, which reads {key!r} from "
+        f"inside them: sd.ParquetDataset(sorted(glob.glob({every!r}, recursive=True))); or write "
+        "the files without the key column (polars: pl.PartitionBy(..., include_key=False); "
+        "pyarrow.dataset.write_dataset with partitioning_flavor='hive' leaves it out)."
+    )
+
+
+def _partitions(files: list[str], base: str | None, label: str) -> tuple[list[dict[str, Any]], Any]:
+    """Per file, its Hive partition values (``key=value`` folders under ``base``)."""
+    pa, ds = pyarrow_module(), _dataset()
+    keys = _hive_keys(files, base) if base is not None else []
+    if base is None or not keys:
+        return [{} for _ in files], pa.schema([])
+    try:  # a key inside the files too would fail below as a type clash or be loaded twice
+        inside = [k for k in keys if k in parquet_module().read_schema(files[0]).names]
+    except _errors() as e:
+        raise _read_error(files[0], e, "reading its schema") from e
+    if inside:
+        raise _partition_clash(inside[0], files[0], label)
+    try:
+        dataset = ds.dataset(files, format="parquet", partitioning="hive", partition_base_dir=base)
+        fragments = {os.path.normpath(f.path): f for f in dataset.get_fragments()}
+    except _errors() as e:
+        raise _read_error(base, e, "reading its partition folders") from e
+    per_file = [ds.get_partition_keys(fragments[os.path.normpath(f)].partition_expression)
+                for f in files]  # fmt: skip
+    found = {k for d in per_file for k in d}  # in folder order, as the dataset's schema
+    return per_file, pa.schema([f for f in dataset.schema if f.name in found])

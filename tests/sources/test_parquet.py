@@ -19,9 +19,8 @@ from shareddata import ArrowDataset, ParquetDataset
 from shareddata.datasets._load import build
 from shareddata.sources import parquet as sp
 from shareddata.sources._arrow_columns import ArrowColumn, Writer, rebase_offsets
-from shareddata.sources._arrow_table import TableInput
 from shareddata.sources._source import as_buffer
-from shareddata.sources.arrow import ArrowSource
+from shareddata.sources.arrow import ArrowSource, TableInput
 from shareddata.sources.parquet import parquet_source
 
 N = 23  # rows; not a multiple of the row group size
