@@ -333,9 +333,9 @@ def test_a_child_forked_while_another_thread_holds_the_locks_does_not_deadlock()
     import threading
 
     from shareddata.distributed import _node
-    from shareddata.storage import _pages, _segment
+    from shareddata.storage import _segment
 
-    locks = [_segment._ATTACH_LOCK, _pages._POPULATIONS_LOCK, _node._DATASETS_LOCK]
+    locks = [_segment._ATTACH_LOCK, _node._DATASETS_LOCK]
     held, release = threading.Event(), threading.Event()
 
     def hold():

@@ -1,9 +1,4 @@
-"""SharedArray: an n-dimensional array over a segment, pickled by handle, never by value.
-
-Also the helpers that lay arrays out in one segment (:func:`allocate`,
-:func:`aligned`), fill them (:func:`copy_chunked`) and seal them read-only once
-loaded (:func:`seal`), and the dtype mapping every column uses (:func:`to_numpy_dtype`).
-"""
+"""SharedArray, an array over a segment pickled by handle; laying out, filling, sealing."""
 
 from __future__ import annotations
 
@@ -32,26 +27,16 @@ __all__ = ["SharedArray", "aligned", "allocate", "copy_chunked", "seal", "to_num
 
 _ALIGN = 64  # bytes; every array in a segment starts on a cache line
 
-_TORCH_TO_NUMPY = {
-    torch.bool: np.bool_,
-    torch.uint8: np.uint8,
-    torch.int8: np.int8,
-    torch.int16: np.int16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-    torch.float16: np.float16,
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
+_TORCH_TO_NUMPY = {torch.bool: np.bool_} | {
+    getattr(torch, n): getattr(np, n)
+    for n in ("uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
+    + ("complex64", "complex128", "uint16", "uint32", "uint64")
+    if hasattr(torch, n)
 }
-for _name in ("uint16", "uint32", "uint64"):
-    if hasattr(torch, _name):
-        _TORCH_TO_NUMPY[getattr(torch, _name)] = getattr(np, _name)
 
 
 def to_numpy_dtype(dtype: Any) -> np.dtype:
-    """Normalise a numpy or torch dtype (or anything ``np.dtype`` takes) to ``np.dtype``.
+    """A numpy or torch dtype (or anything ``np.dtype`` takes) as ``np.dtype``.
 
     Example:
         >>> to_numpy_dtype(torch.int32), to_numpy_dtype("float32")
@@ -68,29 +53,16 @@ def to_numpy_dtype(dtype: Any) -> np.dtype:
 
 
 def aligned(offset: int) -> int:
-    """Round ``offset`` up to the alignment of arrays inside a segment."""
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class SharedArray:
     """An n-dimensional array in shared memory, pickled by handle, never by value.
 
-    Every process that unpickles it maps the same pages, under ``fork``,
-    ``spawn`` and ``forkserver`` alike, including DataLoader workers and
-    ``multiprocessing`` pools, and back: an array a pool worker creates and
-    returns reaches the parent by handle, even if the worker exits right after
-    (Note [Handing a segment over]); if it cannot be attached, its first use raises
-    :class:`~shareddata.AttachError`. It is writable, so processes can build
-    results in place; concurrent writes are the caller's to coordinate (a
-    ``multiprocessing.Lock``, disjoint slices per process, or accepted races for
-    statistics that tolerate them).
-
-    Args:
-        segment: the segment holding the data.
-        offset: byte offset of the first element in the segment.
-        shape: the array's shape.
-        dtype: numpy dtype.
-        writable: ``False`` for read-only views (dataset columns).
+    Every process that unpickles it (any start method, pools, DataLoader workers, and
+    back) maps the same pages (Note [Handing a segment over]); one that cannot be
+    attached raises :class:`~shareddata.AttachError` on first use. Writable;
+    concurrent writes are the caller's to coordinate.
 
     Example:
         >>> a = SharedArray.empty((2, 3), "float32")
@@ -123,11 +95,7 @@ class SharedArray:
                 f"array of shape {self.shape} and dtype {self.dtype} at offset {offset} "
                 f"does not fit in a segment of {segment.size} bytes"
             )
-        # Every view of this array (a numpy slice, a torch tensor over it) holds the
-        # segment (Segment.view): it lives as long as any of them, so a view of
-        # ``torch()`` still crosses by handle after the array itself is dropped (a pool
-        # worker returning a slice of its own SharedArray; Note [Tensors over our memory
-        # cross by handle] in ``_tensor.py``).
+        # every view holds the segment (Note [Tensors over our memory cross by handle])
         raw = segment.view(self.offset, count * self.dtype.itemsize).view(self.dtype)
         array = raw.reshape(self.shape)
         if not writable:
@@ -140,7 +108,6 @@ class SharedArray:
     def _unattached(
         cls, error: SharedDataError, shape: Sequence[int], dtype: Any, writable: bool
     ) -> SharedArray:
-        """An array whose segment could not be attached: raises ``error`` on first use."""
         self = cls.__new__(cls)
         self.segment = None  # type: ignore[assignment]
         self.offset, self.shape = 0, tuple(int(s) for s in shape)
@@ -162,37 +129,21 @@ class SharedArray:
         *,
         storage_dir: str | os.PathLike[str] | None = None,
     ) -> SharedArray:
-        """Allocate an uninitialised (zero-filled) shared array.
-
-        Args:
-            shape: the shape.
-            dtype: a numpy or torch dtype.
-            storage_dir: ``None`` for RAM; a directory for a file-backed array.
-
-        Raises:
-            SharedMemoryFullError: when there is no room, before anything is written.
-        """
+        """A zero-filled shared array; SharedMemoryFullError, before writing, if no room."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         dtype = to_numpy_dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         segment = Segment.create(nbytes, storage_dir, what=f"SharedArray{shape} {dtype}")
-        segment.seal(write=False)  # writable everywhere, resized nowhere: Note [Sealed segments]
+        segment.seal(write=False)  # Note [Sealed segments]
         return cls(segment, 0, shape, dtype)
 
     @classmethod
     def from_array(
         cls, array: Any, *, storage_dir: str | os.PathLike[str] | None = None
     ) -> SharedArray:
-        """Copy a numpy array or CPU tensor into a new shared array.
+        """Copy anything ``np.asarray`` takes, or a CPU tensor, into a new shared array.
 
-        The values are kept; a big-endian array (``>i4``, ``>f8``) is stored in native
-        byte order: a shared array is the memory of a tensor too (:meth:`torch`), and
-        torch holds native byte order only. ``np.memmap`` and other ndarray subclasses
-        are copied as plain arrays.
-
-        Args:
-            array: anything ``np.asarray`` takes, or a ``torch.Tensor``.
-            storage_dir: ``None`` for RAM; a directory for a file-backed array.
+        Stored in native byte order (torch holds no other).
 
         Example:
             >>> a = SharedArray.from_array(np.arange(3, dtype=">i4"))
@@ -220,20 +171,11 @@ class SharedArray:
         return out
 
     def numpy(self) -> np.ndarray:
-        """A zero-copy numpy view (read-only if the array is).
-
-        Raises:
-            AttachError: the array was received from a process that no longer held it.
-        """
+        """A zero-copy numpy view (read-only if the array is)."""
         return self._data()
 
     def torch(self) -> torch.Tensor:
-        """A zero-copy tensor view (do not write to it if the array is read-only).
-
-        It is a :class:`~shareddata.storage.SharedTensor` (a ``torch.Tensor``), and so
-        are its views: sent to another process through ``multiprocessing`` (a
-        DataLoader's queues, a pool), it crosses as this array's handle, not as a copy.
-        """
+        """A zero-copy :class:`~shareddata.storage.SharedTensor` view, crossing by handle."""
         if self._tensor is None:
             import warnings
 
@@ -250,12 +192,10 @@ class SharedArray:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of data."""
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def ndim(self) -> int:
-        """Number of dimensions."""
         return len(self.shape)
 
     def __len__(self) -> int:
@@ -268,22 +208,17 @@ class SharedArray:
         return array if dtype is None else array.astype(dtype)
 
     def readonly(self) -> SharedArray:
-        """A read-only view of the same memory (what datasets hand to workers)."""
+        """A read-only view of the same memory."""
         self._data()
         return SharedArray(self.segment, self.offset, self.shape, self.dtype, writable=False)
 
     def __copy__(self) -> SharedArray:
-        """Another ``SharedArray`` over the same memory (a write to one shows in the other)."""
         if self._array is None:
             return self
         return SharedArray(self.segment, self.offset, self.shape, self.dtype, self.writable)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SharedArray:
-        """A new ``SharedArray`` holding a copy of the data (writable, in RAM).
-
-        A read-only array (a dataset's column) cannot change, so its deep copy is the
-        array itself, as for other immutable objects: ``copy.deepcopy(dataset)`` holds
-        no second copy of the data.
+        """A writable copy in RAM; a read-only array is its own deep copy.
 
         Example:
             >>> import copy
@@ -300,7 +235,6 @@ class SharedArray:
         return self._reduce(ticket=False)
 
     def _reduce(self, ticket: bool) -> tuple[Any, ...]:
-        # Receivers of read-only arrays map copy-on-write: Note [How shared segments ...].
         self._data()
         handle = (*self.segment.handle(ticket), self.writable)
         return (_rebuild, (handle, self.offset, self.shape, self.dtype.str, self.writable))
@@ -312,11 +246,7 @@ class SharedArray:
 
 
 def seal(arrays: Sequence[SharedArray]) -> list[SharedArray]:
-    """Read-only views of ``arrays``, whose segments are sealed against any change.
-
-    What the loader hands out once it has filled ``arrays``, for every dataset kind:
-    no process can write, grow or shrink their files, and this process maps them
-    copy-on-write (Note [Sealed segments]).
+    """Read-only views of ``arrays``, their segments sealed (Note [Sealed segments]).
 
     Example:
         >>> a, b = allocate([((3,), "int64"), ((2,), "float32")])
@@ -333,8 +263,7 @@ def seal(arrays: Sequence[SharedArray]) -> list[SharedArray]:
 def _rebuild(
     handle: tuple[Any, ...], offset: int, shape: tuple[int, ...], dtype: str, writable: bool
 ) -> SharedArray:
-    # never raises: unpickling may run in a pool's result thread, whose death hangs the
-    # pool; the error is raised where the array is used (Note [Handing a segment over])
+    # never raises (a pool's result thread would die): the error comes on first use
     try:
         segment = attach(*handle)
     except (AttachError, SharedMemoryFullError, TooManyOpenFilesError) as e:
@@ -342,8 +271,7 @@ def _rebuild(
     return SharedArray(segment, offset, shape, dtype, writable)
 
 
-# multiprocessing's pickler (every queue, pipe, pool and process argument, torch's and
-# the DataLoader's included) draws a ticket: Note [Handing a segment over].
+# multiprocessing's pickler draws a ticket: Note [Handing a segment over]
 ForkingPickler.register(SharedArray, functools.partial(SharedArray._reduce, ticket=True))
 
 
@@ -354,18 +282,7 @@ def allocate(
     reserve: bool = True,
     ahead: bool = False,
 ) -> list[SharedArray]:
-    """Allocate several arrays in ONE segment (one descriptor, one capacity check).
-
-    Args:
-        layouts: ``(shape, dtype)`` of each array.
-        storage_dir: ``None`` for RAM; a directory for file-backed arrays.
-        what: how to name the allocation in errors.
-        reserve: see :meth:`Segment.create`.
-        ahead: see :meth:`Segment.create`: write only after :func:`ready`.
-
-    Returns:
-        The arrays, writable, in the order given.
-    """
+    """Writable arrays of ``layouts`` ``(shape, dtype)`` in one segment (:meth:`Segment.create`)."""
     offsets, end = [], 0
     norm = []
     for shape, dtype in layouts:
@@ -374,7 +291,7 @@ def allocate(
         offsets.append(end)
         end += math.prod(shape) * dtype.itemsize
         norm.append((shape, dtype))
-    ahead = ahead and end > 0  # nothing to fill: nothing to wait for
+    ahead = ahead and end > 0
     segment = Segment.create(end, storage_dir, what=what, reserve=reserve, ahead=ahead)
     return [SharedArray(segment, o, s, d) for o, (s, d) in zip(offsets, norm)]
 
@@ -394,7 +311,7 @@ def copy_chunked(dest: np.ndarray, src: np.ndarray, progress: Any = None) -> Non
     step = max(1, _CHUNK // row_bytes)
     for start in range(0, dest.shape[0], step):
         stop = min(start + step, dest.shape[0])
-        ready(dest[:stop])  # a segment still being allocated: Note [Filling while ...]
+        ready(dest[:stop])  # Note [Filling while the pages are allocated]
         dest[start:stop] = src[start:stop]
         if progress is not None:
             progress((stop - start) * row_bytes)

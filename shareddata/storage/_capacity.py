@@ -1,24 +1,16 @@
 """How much shared memory is left, and the error that says it is not enough.
 
-A segment in RAM (a memfd) is bounded by RAM and the memory cgroup, never by the
-size of the ``/dev/shm`` mount; a segment in ``storage_dir`` by that file system's
-free space (``docs/internals.md#memfd``). Capacity is checked before allocating and
-every page is reserved up front, so a full memory is :class:`SharedMemoryFullError`
-at once, never a SIGBUS later (``docs/internals.md#sigbus``).
+A memfd is bounded by RAM and the memory cgroup, never by ``/dev/shm``; a segment in
+``storage_dir`` by that file system's free space (``docs/internals.md#memfd``).
 
 Note [A load is refused, never killed]
 ======================================
-Under a memory cgroup (a Kubernetes pod, a Slurm job, ``docker --memory``) a page
-that does not fit is not an error: the kernel's OOM killer SIGKILLs the process,
-whether the page is faulted, ``pwrite``-n or ``fallocate``-d into a memfd. So the
-check must count all a load will take before it takes it: its segments, what the
-load needs privately on top (the materialisation's blocks and offsets, a source's
-read chunks: :func:`private_peak`, which the loader holds for the whole load) and a
-:func:`margin` for what nobody counts (page tables, the kernel's own memory, the
-interpreter's growth, usage figures that lag). A load whose size grows as it reads
-(``SharedDataset``'s variable-length fields, ``SharedList``) checks every growth step
-the same way. The message names the bound that binds: the cgroup's limit file and
-its usage, or ``MemAvailable``.
+Under a memory cgroup a page that does not fit is not an error: the OOM killer
+SIGKILLs the process. So a check counts all a load will take before it takes it:
+its segments, its :func:`private_peak` (blocks, offsets, read chunks) and a
+:func:`margin` (page tables, the kernel, the interpreter, lagging usage figures).
+Loads that grow check every growth step. The message names the binding bound: the
+cgroup's limit file and usage, or ``MemAvailable``.
 """
 
 from __future__ import annotations
@@ -57,6 +49,19 @@ FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
 STORAGE_ENV = "SHAREDDATA_STORAGE_DIR"
 
 
+def _field(path: str, key: str, scale: int = 1) -> int | None:
+    """The number after ``key`` on a line of ``path`` (times ``scale``), or None."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name.rstrip(":") == key:
+                    return int(value.split()[0]) * scale
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _read_int(path: str) -> int | None:
     try:
         with open(path) as f:
@@ -75,14 +80,7 @@ _CGROUP_FILES = {  # controllers field of /proc/self/cgroup -> (mount, limit fil
 
 
 def _cgroup_room() -> tuple[int, str] | None:
-    """Bytes the memory cgroup of this process can still take, and its description.
-
-    The process's own cgroup and every cgroup above it count (cgroup v2, and v1 as
-    on a host, under Slurm or systemd, where the limit is on the job's cgroup, not
-    the root); the tightest one wins. Inside a container the mount's root is the
-    container's own cgroup and the path does not exist under it: the walk up finds
-    the root. ``None``: no limit.
-    """
+    """Room left in the tightest memory cgroup of this process or above it, described."""
     try:
         with open(_PROC_CGROUP) as f:
             lines = f.read().splitlines()
@@ -101,7 +99,9 @@ def _cgroup_room() -> tuple[int, str] | None:
             limit = _read_int(os.path.join(base, limit_file))
             used = _read_int(os.path.join(base, usage_file))
             if limit is not None and used is not None and limit < (1 << 60):
-                cache = _reclaimable(os.path.join(base, "memory.stat"))
+                stat = os.path.join(base, "memory.stat")  # inactive cache is reclaimable
+                cache = _field(stat, "inactive_file")
+                cache = _field(stat, "total_inactive_file") or 0 if cache is None else cache
                 if best is None or limit - used + cache < best[0]:
                     text = (
                         f"the memory cgroup {'/' + '/'.join(parts[:depth])} ({limit_file} "
@@ -112,28 +112,8 @@ def _cgroup_room() -> tuple[int, str] | None:
     return best
 
 
-def _reclaimable(stat_path: str) -> int:
-    """Inactive page cache in a cgroup: the kernel drops it before failing an allocation."""
-    try:
-        with open(stat_path) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key in ("inactive_file", "total_inactive_file"):
-                    return int(value)
-    except OSError:
-        pass
-    return 0
-
-
 def available_memory(storage_dir: str | os.PathLike[str] | None = None) -> int:
-    """Bytes that a new segment can take without running the machine out of room.
-
-    Args:
-        storage_dir: ``None`` for RAM (memfd): the smaller of ``MemAvailable`` and
-            what the memory cgroup still allows; a directory: its free disk space.
-
-    Returns:
-        The number of bytes.
+    """Bytes a new segment can take: RAM and cgroup (``None``) or the directory's disk.
 
     Example:
         >>> available_memory() > 0
@@ -146,16 +126,7 @@ def available_memory(storage_dir: str | os.PathLike[str] | None = None) -> int:
 
 
 def _memory_room() -> tuple[int, str]:
-    """Bytes free in RAM for a new segment, and which bound that is (for messages)."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
+    avail = _field("/proc/meminfo", "MemAvailable", 1024)
     if avail is None:
         import psutil
 
@@ -174,11 +145,7 @@ _PRIVATE: contextvars.ContextVar[tuple[int | Callable[[], int], ...]] = contextv
 
 
 def margin(nbytes: int) -> int:
-    """Room left free besides ``nbytes`` of a load: 16 MiB + 1/64 of them.
-
-    Note [A load is refused, never killed]: page tables (~1/512 of what each process
-    maps), the kernel's own allocations and the interpreter's growth are charged to
-    the cgroup too, and its usage figure is batched per CPU.
+    """Room left free besides ``nbytes``: 16 MiB + 1/64 (Note [A load is refused, never killed]).
 
     Example:
         >>> margin(64 << 20) >> 20
@@ -189,11 +156,7 @@ def margin(nbytes: int) -> int:
 
 @contextlib.contextmanager
 def private_peak(nbytes: int | Callable[[], int]) -> Iterator[None]:
-    """Count ``nbytes`` in every RAM capacity check made inside (in this thread or task).
-
-    What a load will still take on top of the segments already in use: its blocks,
-    offsets and read chunks, and pages of its segments not yet written (a callable is
-    asked at each check). Nested calls add up. Note [A load is refused, never killed].
+    """Count ``nbytes`` (or a callable's answer) in every RAM check inside; nesting adds up.
 
     Example:
         >>> with private_peak(1 << 62):
@@ -216,10 +179,7 @@ def _private() -> int:
 def full_error(
     needed: int, free: int, storage_dir: str | None, what: str, private: int = 0, spare: int = 0
 ) -> SharedMemoryFullError:
-    """The error for ``needed`` bytes that do not fit in ``free``: sizes, place and fixes.
-
-    ``private`` and ``spare`` (the load's private peak and :func:`margin`) are named
-    with it when the check counted them.
+    """The error for ``needed`` bytes (plus ``private`` and ``spare``) not fitting in ``free``.
 
     Example:
         >>> print(full_error(3 << 30, 1 << 30, "/scratch", "x.npy"))  # doctest: +ELLIPSIS
@@ -251,11 +211,7 @@ def full_error(
 
 
 def descriptor_error(error: OSError, what: str) -> TooManyOpenFilesError | None:
-    """The named error for ``EMFILE``/``ENFILE`` (no descriptor left); ``None`` for others.
-
-    Every shared segment holds one descriptor in every process that maps it: a process
-    that keeps more datasets and arrays alive than ``ulimit -n`` allows gets this
-    error, naming the limit and the fix, when it opens the next one.
+    """The named error for ``EMFILE``/``ENFILE``; ``None`` for others.
 
     Example:
         >>> e = descriptor_error(OSError(errno.EMFILE, "Too many open files"), "a SharedArray")
@@ -293,11 +249,7 @@ def descriptor_error(error: OSError, what: str) -> TooManyOpenFilesError | None:
 
 
 def mapping_error(error: OSError, size: int, what: str) -> SharedMemoryFullError | None:
-    """The named error for ``ENOMEM`` from ``mmap`` (no address space); ``None`` for others.
-
-    Mapping needs address space, not memory: ``ulimit -v`` (``RLIMIT_AS``) counts every
-    mapping of the process, shared ones included, and ``vm.max_map_count`` bounds how many
-    there are.
+    """The named error for ``ENOMEM`` from ``mmap`` (address space); ``None`` for others.
 
     Example:
         >>> e = mapping_error(OSError(errno.ENOMEM, "Cannot allocate memory"), 1 << 30, "x.npy")
@@ -316,7 +268,7 @@ def mapping_error(error: OSError, size: int, what: str) -> SharedMemoryFullError
         )
     else:
         limit = f"{format_bytes(soft)} ({soft} bytes)"
-        mapped = _mapped_bytes()
+        mapped = _field("/proc/self/status", "VmSize", 1024)
         if mapped is not None:
             limit += f", of which this process maps {format_bytes(mapped)} already"
     return SharedMemoryFullError(
@@ -331,9 +283,7 @@ def mapping_error(error: OSError, size: int, what: str) -> SharedMemoryFullError
 
 @contextlib.contextmanager
 def named_os_errors(what: str, size: int = 0) -> Iterator[None]:
-    """Turn ``EMFILE``/``ENFILE`` inside into :func:`descriptor_error`'s named error.
-
-    With ``size`` (the bytes being mapped), ``ENOMEM`` becomes :func:`mapping_error`'s.
+    """``EMFILE``/``ENFILE`` inside, and with ``size`` ``ENOMEM``, raised as named errors.
 
     Example:
         >>> with named_os_errors("a batch"):  # doctest: +ELLIPSIS
@@ -355,37 +305,12 @@ def named_os_errors(what: str, size: int = 0) -> Iterator[None]:
         raise named from e
 
 
-def _mapped_bytes() -> int | None:
-    """The address space this process maps (``VmSize``), or ``None`` if unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def check_capacity(
     nbytes: int, storage_dir: str | os.PathLike[str] | None = None, what: str = "this allocation"
 ) -> int:
-    """Raise :class:`~shareddata.SharedMemoryFullError` if ``nbytes`` do not fit.
+    """Raise SharedMemoryFullError unless ``nbytes``, the private peak and the margin fit.
 
-    In RAM they fit when ``nbytes``, the :func:`private_peak` of the load under way and
-    the :func:`margin` are free; in ``storage_dir`` when ``nbytes`` are free there and
-    the private peak and 16 MiB in RAM (Note [A load is refused, never killed]).
-
-    Args:
-        nbytes: bytes about to be allocated.
-        storage_dir: where they would go (``None``: RAM).
-        what: how to name the allocation in the message (e.g. a file name).
-
-    Returns:
-        The bytes still free where they go once they are taken (margin kept).
-
-    Raises:
-        SharedMemoryFullError: with the bytes needed and free, and the fixes.
+    In ``storage_dir`` the private peak and 16 MiB must fit in RAM. Returns what is left.
 
     Example:
         >>> left = check_capacity(1024)
@@ -412,16 +337,7 @@ def check_capacity(
 
 
 def resolve_storage_dir(storage_dir: str | os.PathLike[str] | None) -> str | None:
-    """The directory for file-backed segments: the argument, ``$SHAREDDATA_STORAGE_DIR``, or None.
-
-    Raises:
-        ArgumentTypeError: ``storage_dir`` is not a path.
-        MissingFileError: the directory does not exist.
-
-    Example:
-        >>> resolve_storage_dir(None) is None or isinstance(resolve_storage_dir(None), str)
-        True
-    """
+    """The argument, ``$SHAREDDATA_STORAGE_DIR``, or None (RAM); checked to be a directory."""
     if storage_dir is None:
         storage_dir = os.environ.get(STORAGE_ENV) or None
     if storage_dir is None:
@@ -441,11 +357,7 @@ def resolve_storage_dir(storage_dir: str | os.PathLike[str] | None) -> str | Non
 
 
 def fallocate(fd: int, size: int, directory: str | None, what: str) -> bool:
-    """Reserve ``size`` bytes of ``fd``; False where the file system cannot.
-
-    Raises:
-        SharedMemoryFullError: there is no room for them.
-    """
+    """Reserve ``size`` bytes of ``fd``; False where the file system cannot."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:

@@ -2,36 +2,21 @@
 
 Note [Handing a segment over]
 =============================
-A segment pickles as ``(pid, fd, ...)`` and the receiver opens ``/proc/<pid>/fd/<fd>``,
-which works only while the sender still holds ``fd``. A pool worker drops its result
-once it is sent, or exits (``maxtasksperchild=1``), before the parent's result thread
-has unpickled it. So each pickle that ``multiprocessing`` makes carries a *ticket*: a
-random slot among the ``SLOTS`` 8-byte slots of the sender's *ticket board* and a
-random nonce. The board is one small memfd per process (sparse, not a segment: a
-loaded dataset's own file is sealed against every write, Note [Sealed segments] in
-``_segment.py``). The receiver, once it holds the file (its own descriptor, or a
-mapping already there), opens the board as ``/proc/<pid>/fd/<board>``, checks it is the
-same file (device and inode), and writes the nonce into the slot (``pwrite``). The
-sender does not close a descriptor with a ticket outstanding: a dropped segment is
-*held* (descriptor only, no mapping, so in nobody's PSS) until its nonces show up or
-``HOLD`` seconds pass; a daemon thread checks every ``POLL`` seconds. At exit a
-``multiprocessing`` child waits up to ``EXIT_WAIT`` seconds (``$SHAREDDATA_HANDOFF_TIMEOUT``)
-for the tickets of the segments it created (``multiprocessing.util.Finalize``: pool
-children end with ``os._exit`` after running those).
+The receiver opens ``/proc/<pid>/fd/<fd>``, which works only while the sender holds
+``fd`` (a pool worker may drop its result, or exit, first). So each ``multiprocessing``
+pickle carries a ticket: a random slot of the sender's *ticket board* (one small memfd
+per process, since a loaded dataset's file is sealed, Note [Sealed segments] in
+``_segment.py``) and a random nonce. The receiver, once it holds the file, opens the
+board via ``/proc`` (checked by device and inode) and ``pwrite``s the nonce into the
+slot. A dropped segment with tickets outstanding is held (descriptor only) until its
+nonces show up or ``HOLD`` passes; a reaper thread checks every ``POLL`` s. At exit a
+``multiprocessing`` child waits up to ``EXIT_WAIT`` s (``$SHAREDDATA_HANDOFF_TIMEOUT``)
+for the tickets of segments it created. The finalizer takes no lock: it queues the
+descriptor for the reaper (Note [One lock rule] in ``_linux.py``).
 
-The Segment's finalizer only closes a descriptor that has no ticket, or queues it
-for the reaper thread (Note [One lock rule] in ``_linux.py``); the reaper, once a
-ticket was drawn, runs for the life of the process (every ``POLL`` seconds while
-tickets are outstanding, every ``IDLE_POLL`` seconds otherwise). A slot is never
-drawn while another ticket of the process still waits on it.
-
-Limits: only ``multiprocessing``'s pickler draws tickets (queues, pipes, pools, process
-arguments, torch's and the DataLoader's): after a plain ``pickle.dumps`` the sender
-must keep the array alive. A ticket covers the first receiver of one pickle. A
-receiver that may not open the sender's board (``hidepid``) cannot acknowledge (the
-sender holds the file until ``HOLD``). A SIGKILLed sender holds nothing: its receiver
-gets :class:`~shareddata.AttachError` when it first uses the array (unpickling itself
-never raises).
+Limits: a plain ``pickle.dumps`` draws no ticket; a ticket covers one receiver; a
+receiver barred from the board (``hidepid``) cannot acknowledge; a SIGKILLed sender
+holds nothing (the receiver gets :class:`~shareddata.AttachError` on first use).
 """
 
 from __future__ import annotations
@@ -57,13 +42,9 @@ __all__ = [
     "ticket",
 ]
 
-SLOTS = 4096
-"""Slots of a process's ticket board (8 bytes each; sparse): its outstanding tickets."""
-HOLD = 300.0
-"""Seconds a live process holds a dropped segment for a receiver that has not come."""
-EXIT_WAIT = 10.0
-"""Seconds a ``multiprocessing`` child waits at exit for its receivers (default of
-``$SHAREDDATA_HANDOFF_TIMEOUT``)."""
+SLOTS = 4096  # 8-byte slots of the ticket board (sparse)
+HOLD = 300.0  # seconds a dropped segment is held for a receiver that has not come
+EXIT_WAIT = 10.0  # seconds a multiprocessing child waits at exit for its receivers
 _EXIT_WAIT_ENV = "SHAREDDATA_HANDOFF_TIMEOUT"
 POLL = 0.05
 IDLE_POLL = 1.0
@@ -71,8 +52,6 @@ IDLE_POLL = 1.0
 
 @dataclass
 class _Sent:
-    """The outstanding tickets of one descriptor of this process."""
-
     created: bool  # this process created the segment: wait for its receivers at exit
     dropped: bool = False  # the Segment is gone: the descriptor is ours to close
     pending: dict[int, tuple[bytes, float]] = field(default_factory=dict)  # slot: nonce, deadline
@@ -82,12 +61,12 @@ _SENT: dict[int, _Sent] = {}
 _DROPPED: collections.deque[int] = collections.deque()  # queued by finalizers, for the reaper
 _TAKEN: set[int] = set()  # slots of the board with a ticket outstanding
 _LOCK = ForkSafeLock()
-_STATE = {"reaper": 0, "exit_hook": 0}  # pid that started the reaper / registered the hook
+_STATE = {"pid": 0}  # the process whose reaper runs and whose exit hook is set
 _BOARD = {"pid": 0, "fd": -1, "dev": 0, "ino": 0}  # this process's ticket board
 
 
 def _board() -> int:
-    """This process's ticket board (made once per process); the caller holds ``_LOCK``."""
+    """This process's ticket board; the caller holds ``_LOCK``."""
     if _BOARD["pid"] != os.getpid():
         fd = os.memfd_create("sd-handoff-tickets", os.MFD_CLOEXEC)
         os.ftruncate(fd, 8 * SLOTS)
@@ -97,10 +76,7 @@ def _board() -> int:
 
 
 def ticket(fd: int, created: bool) -> tuple[int, ...]:
-    """A new ticket for one pickle of the segment held as ``fd``: what the receiver needs.
-
-    ``(board, board_dev, board_ino, slot, nonce)``, or ``()`` when every slot is taken
-    (the receiver must then come while the segment is alive).
+    """``(board, dev, ino, slot, nonce)`` for one pickle of ``fd``; ``()`` if all slots are taken.
 
     Example:
         >>> fd = os.memfd_create("t"); os.ftruncate(fd, 10)
@@ -127,17 +103,17 @@ def ticket(fd: int, created: bool) -> tuple[int, ...]:
             slot = secrets.randbelow(SLOTS)
         _TAKEN.add(slot)
         sent.pending[slot] = (nonce.to_bytes(8, "little"), time.monotonic() + HOLD)
-        _start_reaper()
-    _register_exit_hook()
+        started = _STATE["pid"] != os.getpid()
+        if started:
+            _STATE["pid"] = os.getpid()
+            threading.Thread(target=_reaper, name="shareddata-handoff", daemon=True).start()
+    if started:
+        _register_exit_hook()
     return (board, _BOARD["dev"], _BOARD["ino"], slot, nonce)
 
 
 def acknowledge(pid: int, drawn: tuple[int, ...]) -> None:
-    """Receiver: tell process ``pid``, which drew ticket ``drawn``, that the file is held here.
-
-    Where its board cannot be opened (the sender is gone, or its ``/proc`` entry is
-    closed to us), the sender holds the file until its ``HOLD`` expires.
-    """
+    """Receiver: write the nonce of ``drawn`` on ``pid``'s board (else it holds until ``HOLD``)."""
     if not drawn:
         return
     board, dev, ino, slot, nonce = drawn
@@ -145,7 +121,7 @@ def acknowledge(pid: int, drawn: tuple[int, ...]) -> None:
         fd = os.open(f"/proc/{pid}/fd/{board}", os.O_WRONLY | os.O_CLOEXEC)
     except OSError:
         return
-    try:  # the descriptor may have been closed and its number reused: check the file
+    try:
         if file_identity(fd) == (dev, ino):
             os.pwrite(fd, nonce.to_bytes(8, "little"), 8 * slot)
     except OSError:
@@ -167,20 +143,15 @@ def outstanding(fd: int) -> int:
 
 
 def release(fd: int) -> None:
-    """The segment of ``fd`` is gone from this process: close ``fd``, or hold it for receivers.
-
-    The Segment's finalizer: it takes no lock (Note [One lock rule] in ``_linux.py``).
-    A descriptor with tickets is queued for the reaper, which started with the first
-    ticket and closes it once its receivers hold the file.
-    """
-    if fd in _SENT:  # (atomic under the GIL; no new ticket is drawn for a dropped segment)
+    """The Segment's finalizer, lock-free: close ``fd``, or queue it for the reaper."""
+    if fd in _SENT:
         _DROPPED.append(fd)
     else:
         close_fd(fd)
 
 
 def forget(fd: int) -> None:
-    """Drop the tickets of ``fd`` (a segment freed on purpose); the caller closes it."""
+    """Drop the tickets of ``fd`` (freed on purpose); the caller closes it."""
     with _LOCK:
         sent = _SENT.pop(fd, None)
         _TAKEN.difference_update(sent.pending if sent else ())
@@ -194,7 +165,6 @@ def held() -> int:
 
 
 def _take_dropped() -> None:
-    """Mark the descriptors that finalizers queued as dropped; the caller holds ``_LOCK``."""
     while _DROPPED:
         fd = _DROPPED.popleft()
         sent = _SENT.get(fd)
@@ -205,7 +175,6 @@ def _take_dropped() -> None:
 
 
 def _reap_one(fd: int, sent: _Sent, now: float) -> None:
-    """Forget the acknowledged and expired tickets of ``fd``; close it if dropped and done."""
     for slot, (nonce, deadline) in list(sent.pending.items()):
         try:
             seen = os.pread(_BOARD["fd"], 8, 8 * slot)
@@ -221,7 +190,7 @@ def _reap_one(fd: int, sent: _Sent, now: float) -> None:
 
 
 def _reap(created_only: bool = False) -> int:
-    """Reap every descriptor; how many tickets are still outstanding (of created segments)."""
+    """Reap every descriptor; the tickets still outstanding."""
     now, left = time.monotonic(), 0
     with _LOCK:
         _take_dropped()
@@ -234,20 +203,12 @@ def _reap(created_only: bool = False) -> int:
 
 def _reaper() -> None:
     pid = os.getpid()
-    while _STATE["reaper"] == pid:
+    while _STATE["pid"] == pid:
         time.sleep(POLL if _SENT or _DROPPED else IDLE_POLL)
         _reap()
 
 
-def _start_reaper() -> None:
-    """Start the reaper thread of this process, once; the caller holds ``_LOCK``."""
-    if _STATE["reaper"] != os.getpid():
-        _STATE["reaper"] = os.getpid()
-        threading.Thread(target=_reaper, name="shareddata-handoff", daemon=True).start()
-
-
 def _wait_at_exit() -> None:
-    """Wait (bounded) until the receivers of this process's segments hold them."""
     try:
         wait = float(os.environ.get(_EXIT_WAIT_ENV) or EXIT_WAIT)
     except ValueError:
@@ -258,29 +219,25 @@ def _wait_at_exit() -> None:
 
 
 def _register_exit_hook() -> None:
-    if _STATE["exit_hook"] == os.getpid():
-        return
-    _STATE["exit_hook"] = os.getpid()
     import multiprocessing
     import multiprocessing.util
 
-    if multiprocessing.parent_process() is not None:  # a child: its parent may still attach
-        # after a Queue's feeder thread has flushed (those run at priority -5)
+    if multiprocessing.parent_process() is not None:  # after Queue feeders (priority -5)
         multiprocessing.util.Finalize(None, _wait_at_exit, exitpriority=-100)
 
 
 def _after_fork_in_child() -> None:
     for fd, sent in list(_SENT.items()):
-        if sent.dropped or fd in _DROPPED:  # the parent's held descriptor: not ours to keep
+        if sent.dropped or fd in _DROPPED:
             close_fd(fd)
     _SENT.clear()
     _DROPPED.clear()
     _TAKEN.clear()
-    _STATE["reaper"] = _STATE["exit_hook"] = 0
-    close_fd(_BOARD["fd"])  # the parent's board: this child draws tickets on its own
+    _STATE["pid"] = 0
+    close_fd(_BOARD["fd"])
     _BOARD.update(pid=0, fd=-1)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-with _LOCK:  # made now, so that a process's descriptor count stays flat once it runs
+with _LOCK:  # now, so the descriptor count stays flat once running
     _board()

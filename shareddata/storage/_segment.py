@@ -2,34 +2,16 @@
 
 Note [How shared segments are made, shared and freed]
 =====================================================
-A segment is an *anonymous* file: ``memfd_create`` (RAM) or ``O_TMPFILE`` in
-``storage_dir`` (a disk, mapped shared so every process reads one copy through
-the page cache). Neither ever has a name in ``/dev/shm`` or in the directory, so
-nothing can be left behind whatever kills which process: the kernel frees the
-pages when the last descriptor and the last mapping are gone
-(``docs/internals.md#memfd``; why not named ``/dev/shm`` files or torch's
-handles: ``docs/how-it-works.md`` and ``docs/internals.md#resource-tracker``).
-
-A memfd is not counted against ``/dev/shm``; its limit is RAM and the memory
-cgroup, which ``check_capacity`` reads before allocating. Every page is then
-allocated and mapped up front (Note [Allocating shared pages]): a full memory is
-raised at once, never as a SIGBUS later (``docs/internals.md#sigbus``).
-
-Sharing: a segment pickles as a *handle* ``(pid, fd, dev, inode, size)`` plus a
-ticket. The receiving process opens ``/proc/<pid>/fd/<fd>``, which gives it its
-own descriptor of the same file (checked by device and inode), and maps it. This
-works for ``fork``, ``spawn`` and ``forkserver`` children and for unrelated
-processes of the same user (another ``torchrun`` rank). A process that attached
-hands out its own ``(pid, fd)`` in turn, so attaching never depends on the
-creator staying alive, only on the *sender* holding the file until the receiver
-has opened it, which the ticket ensures (Note [Handing a segment over] in
-``_handoff.py``). Within one process a segment is mapped once, however many
-arrays refer to it (:func:`attached_segments`).
-
-Read-only handles (the datasets' columns) are opened read-only and mapped
-copy-on-write (``MAP_PRIVATE``) by the receiver: reads map the same physical pages,
-and a write forced through stays in the writer. A loaded dataset's file is sealed
-against every write, so no process can change it at all (Note [Sealed segments]).
+A segment is a ``memfd`` (RAM) or an ``O_TMPFILE`` in ``storage_dir``: never named,
+so the kernel frees it with the last descriptor and mapping, whoever dies. Capacity
+is checked first and every page allocated up front (Note [Allocating shared pages]),
+so a full memory raises, never SIGBUSes. A segment pickles as a handle ``(pid, fd,
+dev, inode, size)`` plus a ticket; the receiver opens ``/proc/<pid>/fd/<fd>``
+(checked by device and inode) and hands out its own ``(pid, fd)`` in turn; the
+sender holds the file until the ticket is acknowledged (Note [Handing a segment
+over] in ``_handoff.py``). One mapping per segment per process. Read-only handles
+are opened O_RDONLY and mapped ``MAP_PRIVATE``; a loaded dataset is sealed (Note
+[Sealed segments]).
 """
 
 from __future__ import annotations
@@ -85,11 +67,7 @@ _ATTACH_LOCK = ForkSafeLock()
 
 
 class Segment:
-    """One anonymous shared file, mapped into this process.
-
-    Use :meth:`create` or unpickle a handle; do not call the constructor directly.
-    The segment is freed by the kernel when every process has dropped it.
-    """
+    """One anonymous shared file, mapped into this process (:meth:`create` or unpickle)."""
 
     def __init__(
         self, fd: int, size: int, token: str, writable: bool = True, what: str = "a shared segment"
@@ -99,23 +77,15 @@ class Segment:
         self.token = token
         self.writable = writable
         self._ident = file_identity(fd)
-        # Note [One descriptor per segment]: mapped with no descriptor of its own
-        with named_os_errors(what, size):  # no address space left: named
+        with named_os_errors(what, size):  # Note [One descriptor per segment]
             self.address = map_fd(fd, size, private=not writable)
-        # unmapped when nothing refers to the segment any more (every array over it
-        # holds it: :meth:`view`); not at exit, where other finalizers may still read it
         self._unmap = weakref.finalize(self, unmap, self.address, size)
         self._unmap.atexit = False
-        # closes fd, or holds it while a receiver has yet to open it (_handoff.release)
         self._finalizer = weakref.finalize(self, _handoff.release, fd)
         self.created_here = False  # set by create(): only the creator may discard()
 
     def view(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
-        """A writable ``uint8`` array over ``nbytes`` at ``offset`` of the mapping.
-
-        The array, and every view of it (numpy or torch), holds the segment: the
-        mapping stays as long as any of them does.
-        """
+        """A writable ``uint8`` array over the mapping; it and its views hold the segment."""
         if nbytes is None:
             nbytes = self.size - offset
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
@@ -134,24 +104,12 @@ class Segment:
         reserve: bool = True,
         ahead: bool = False,
     ) -> Segment:
-        """Allocate a segment of ``nbytes``, reserving every page before returning.
+        """Allocate ``nbytes`` (RAM, or ``storage_dir``), every page reserved first.
 
-        Args:
-            nbytes: size in bytes (0 is allowed and takes one page).
-            storage_dir: ``None`` for RAM; a directory for a file-backed segment.
-                Defaults to the ``SHAREDDATA_STORAGE_DIR`` environment variable.
-            what: how to name the allocation in errors.
-            reserve: ``False`` only sizes the file (capacity still checked): for a
-                writer that fills it with ``os.pwrite`` on :attr:`fd`, which reports a
-                full memory as an error, never through the mapping (a SIGBUS then).
-            ahead: with ``reserve``, for RAM with room to spare, return at once while
-                threads allocate the pages in address order; the caller fills the
-                first ones meanwhile, calling :func:`ready` before writing any range,
-                and ends with :meth:`finish_population` (:meth:`stop_population` on an
-                error). Note [Filling while the pages are allocated].
-
-        Raises:
-            SharedMemoryFullError: before anything is written, when there is no room.
+        ``reserve=False`` only sizes the file, for a writer using ``os.pwrite``.
+        ``ahead`` returns while threads allocate the pages (Note [Filling while the
+        pages are allocated]); end with :meth:`finish_population` or
+        :meth:`stop_population`. Raises SharedMemoryFullError when there is no room.
         """
         directory = resolve_storage_dir(storage_dir)
         with named_os_errors(what):  # no descriptor left (reading the room takes one too)
@@ -163,12 +121,9 @@ class Segment:
     ) -> Segment:
         check_capacity(size, directory, what)
         fd = anonymous_file(directory)
-        # Shared memory (a memfd, or a file on tmpfs) is reserved by populating it:
         # Note [Allocating shared pages]
         by_faults = reserve and (directory is None or is_tmpfs(fd))
         try:
-            # a disk file is reserved with fallocate; where it cannot be, sized only
-            # (its capacity was checked above)
             if reserve and not by_faults:
                 fallocate(fd, size, directory, what)
             try:
@@ -204,11 +159,7 @@ class Segment:
             population_failed(error, self.fd, self.size, directory, what)
 
     def finish_population(self) -> None:
-        """Wait until the pages that ``create(ahead=True)`` allocates are all in.
-
-        Raises:
-            SharedMemoryFullError: a page could not be allocated.
-        """
+        """Wait for the pages of ``create(ahead=True)``; SharedMemoryFullError if one failed."""
         if self._population is not None:
             self._population.finish()
             self._population = None
@@ -220,14 +171,7 @@ class Segment:
             self._population = None
 
     def handle(self, ticket: bool = False) -> tuple[Any, ...]:
-        """What pickling sends: enough for another process to open and map this file.
-
-        Args:
-            ticket: draw a ticket, so that this process keeps the file until the
-                receiver has opened it even if the segment is dropped meanwhile
-                (Note [Handing a segment over] in ``_handoff.py``). Pickles made by
-                ``multiprocessing`` (queues, pipes, pools, process arguments) draw one.
-        """
+        """What pickling sends; ``ticket`` holds the file until the receiver opened it."""
         drawn = _handoff.ticket(self.fd, self.created_here) if ticket else ()
         return (os.getpid(), self.fd, self._ident, self.size, self.token, drawn)
 
@@ -249,15 +193,9 @@ class Segment:
         self._finalizer()
 
     def seal(self, write: bool = True) -> bool:
-        """Seal the file against growing and shrinking and, with ``write``, any write.
+        """Seal against resizing and, with ``write``, any write: Note [Sealed segments].
 
-        ``write`` is for a dataset's segment once it is filled: this process's mapping
-        becomes copy-on-write first (a shared writable one would keep the seal out),
-        and the segment read-only. A writable ``SharedArray`` is sealed with
-        ``write=False``. Note [Sealed segments].
-
-        Returns:
-            Whether the file is sealed: False for a file in a ``storage_dir``.
+        Returns whether the file is sealed (False in a ``storage_dir``).
         """
         if write and self.writable:
             with named_os_errors("a loaded dataset's memory", self.size):
@@ -286,18 +224,11 @@ class Segment:
         return add_seals(self.fd, SEAL_SIZE)
 
     def discard(self) -> None:
-        """Free the segment now, even while arrays over it are still referenced.
-
-        For a load that failed: see Note [Freeing a failed load]. Arrays that
-        survive read zeros from then on; nothing else may use the segment. Only
-        the process that created the segment may discard it (its mapping is the
-        only one in this process).
-        """
+        """Free now, whatever refers to it (creator only): Note [Freeing a failed load]."""
         if not self.created_here:
             raise RuntimeError("only the process that created a segment may discard it")
-        _handoff.forget(self.fd)  # freed on purpose: no receiver is waited for
+        _handoff.forget(self.fd)
         _ATTACHED.pop((self.token, self.writable), None)
-        # views may be alive: swap the pages out from under them
         if not replace_with_anonymous(self.address, self.size):
             return  # could not: the views keep it until they are gone
         self._finalizer()
@@ -308,49 +239,28 @@ class Segment:
 
 # Note [Freeing a failed load]
 # ============================
-# When a load fails halfway (a corrupt chunk, Ctrl-C, a full disk), the error's
-# traceback often still refers to the half-filled arrays: through the frames of the
-# reader, the ``__cause__`` of a library's exception, a closure. A notebook keeps the
-# last exception (``sys.last_value``) until the next one, so a failed 100 GiB load
-# would stay in RAM and make the retry fail for lack of room. The loader therefore
-# discards the segment at once, whatever still refers to it: the mapping is replaced
-# in place by anonymous zero pages (``mmap`` with ``MAP_FIXED`` at the same address),
-# so a leftover array stays valid memory and reads zeros instead of crashing, and the
-# segment's descriptor, its only one in this process (Note [One descriptor per
-# segment]), is closed. The kernel then frees the pages at once; the anonymous range
-# is unmapped when the last array over it is gone. Nothing in ``shareddata`` touches
-# a discarded segment again.
+# A failed load's traceback (or ``sys.last_value``) may still hold its arrays, which
+# would keep a huge load in RAM and fail the retry. The loader discards the segment at
+# once: the mapping is replaced in place by anonymous zero pages (``MAP_FIXED``), so
+# leftover arrays read zeros, and the only descriptor is closed.
 
 
 # Note [One descriptor per segment]
 # =================================
-# A process that maps a segment holds one descriptor of it: the one it hands out as
-# ``/proc/<pid>/fd/<fd>`` (Note [How shared segments are made, shared and freed]).
-# The mapping itself holds none: it is made with ``map_fd`` (``mmap`` through libc),
-# not Python's ``mmap.mmap``, which keeps a duplicate of the descriptor for as long
-# as it lives (two per segment: ``ulimit -n`` was reached at half as many datasets).
-# Arrays over the segment are numpy arrays over a ctypes buffer that holds the
-# ``Segment`` (:meth:`Segment.view`), so the mapping lives as long as any array,
-# tensor or view over it, and is unmapped by a finalizer when the last is gone (not
-# at exit: other finalizers may still read it). When the limit is reached anyway,
-# :class:`~shareddata.TooManyOpenFilesError` names it and the fix; when the address
-# space is (``ulimit -v``), :class:`~shareddata.SharedMemoryFullError`.
+# A mapping holds no descriptor: ``map_fd`` (libc ``mmap``), not ``mmap.mmap``, which
+# dups it (``ulimit -n`` reached at half as many datasets). Arrays hold the ``Segment``
+# through a ctypes buffer; a finalizer unmaps when the last is gone (not at exit).
 
 
 # Note [Sealed segments]
 # ======================
-# Any process of the user can reopen a segment read-write via ``/proc/<pid>/fd/<n>``
-# and ``pwrite`` every process's rows, or ``ftruncate`` the file (SIGBUS in every
-# reader). So segments are memfds made with ``MFD_ALLOW_SEALING``; once a load is
-# complete (``seal`` in ``_array.py``, the loading path of every kind), the loader
-# maps the file again copy-on-write at the same address (``F_SEAL_WRITE`` is EBUSY
-# while a writable shared mapping exists; ``MADV_POPULATE_READ`` maps the pages back)
-# and adds ``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``: writes,
-# shared writable mappings and resizing then fail with EPERM in every process, and a
-# forced write into a copy-on-write mapping stays in the writer. Receivers open it
-# O_RDONLY and acknowledge handoffs on the sender's ticket board (``_handoff.py``). A
-# ``SharedArray`` is sealed against resizing only. Limit: ``storage_dir`` files
-# cannot be sealed (``docs/how-it-works.md#sealed-segments``).
+# Any process of the user could reopen a segment read-write via ``/proc`` and write or
+# ``ftruncate`` it. Once a load is complete (``seal`` in ``_array.py``) the loader
+# remaps the file copy-on-write at the same address (``F_SEAL_WRITE`` is EBUSY while a
+# shared writable mapping exists; ``MADV_POPULATE_READ`` maps the pages back) and adds
+# ``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``. Receivers open it
+# O_RDONLY and acknowledge on the sender's ticket board (``_handoff.py``). A
+# ``SharedArray`` is sealed against resizing only; ``storage_dir`` files cannot be.
 
 
 def attach(
@@ -362,20 +272,10 @@ def attach(
     drawn: tuple[int, ...] = (),
     writable: bool = True,
 ) -> Segment:
-    """Map the segment that process ``pid`` holds as descriptor ``fd`` (unpickling).
-
-    Acknowledges the ticket ``drawn`` once the file is held here, so the sender may
-    let go of it (Note [Handing a segment over] in ``_handoff.py``).
-
-    Raises:
-        AttachError: the sender no longer holds the file, or may not be read.
-        TooManyOpenFilesError: this process has no descriptor left (``ulimit -n``).
-        SharedMemoryFullError: this process has no address space left (``ulimit -v``).
-    """
+    """Map the segment ``pid`` holds as ``fd`` (unpickling), then acknowledge ``drawn``."""
     with _ATTACH_LOCK:
         watch_parent(pid)  # a DataLoader worker exits with its main process: Note in _parent.py
-        # A writable mapping serves read-only arrays too; a copy-on-write one never
-        # serves writable arrays (their writes must reach the other processes).
+        # a writable mapping serves read-only arrays too, never the other way
         existing = _ATTACHED.get((token, True)) or (
             None if writable else _ATTACHED.get((token, False))
         )
@@ -385,8 +285,8 @@ def attach(
         path = f"/proc/{pid}/fd/{fd}"
         what = f"shared segment {token} sent by process {pid}"
         try:
-            with named_os_errors(what):  # no descriptor left: named
-                new_fd = _open_for_attach(path, writable)
+            with named_os_errors(what):
+                new_fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
         except FileNotFoundError as e:
             holder = "this process" if pid == os.getpid() else f"process {pid}, which sent it,"
             raise AttachError(
@@ -424,11 +324,5 @@ def attached_segments() -> list[Segment]:
         return list(_ATTACHED.values())
 
 
-def _open_for_attach(path: str, writable: bool) -> int:
-    """Our own descriptor of the file at ``path``: read-only unless the arrays are writable."""
-    return os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
-
-
-# multiprocessing's pickler (every queue, pipe, pool and process argument, torch's and
-# the DataLoader's included) draws a ticket: Note [Handing a segment over].
+# multiprocessing's pickler draws a ticket: Note [Handing a segment over]
 ForkingPickler.register(Segment, functools.partial(Segment._reduce, ticket=True))

@@ -2,30 +2,15 @@
 
 Note [What can be left behind, and the sweeper]
 ================================================
-shareddata's own segments have no name (Note in ``storage/_segment.py``), so they cannot
-be left behind. The batches that DataLoader workers send to the main process do
-pass through named files: torch's ``file_descriptor`` sharing strategy (the
-default) creates ``/dev/shm/torch_<pid>_<random>_<n>``, reserves its pages and
-unlinks the name a moment later, keeping only the descriptor. Two things leave
-such a name, and its pages, behind for good:
-
-* the process is SIGKILLed inside that window (a whole-job kill while workers are
-  building batches hits it now and then);
-* ``/dev/shm`` is full: the reservation fails with ENOSPC and torch raises without
-  unlinking the name it created (0 bytes each, one per failed batch).
-
-A torch name under the default strategy is meant to exist for microseconds. One
-whose creating process is gone, that is older than a few seconds and that no
-process holds (as a descriptor or a mapping) is garbage. :func:`sweep` removes
-those when asked: ``python -m shareddata clean [--dry-run]`` by hand, or at every
-dataset load with ``SHAREDDATA_SWEEP=1`` (the "next start" of a job that was killed).
-It is never on by default: these are torch's files, not shareddata's, and a process
-cannot prove another program's file is garbage -- a ``/dev/shm`` shared with other
-PID namespaces (containers) holds names whose creators this process cannot see, and
-root passes any ownership check. It never touches a name of a process alive here,
-nor one that any process of this machine still holds, nor anything under
-``file_system`` sharing (where names legitimately outlive their creator) unless
-asked by hand.
+shareddata's segments have no name, so nothing of ours is left behind. torch's
+``file_descriptor`` strategy creates ``/dev/shm/torch_<pid>_<random>_<n>`` and
+unlinks it a moment later; a SIGKILL in that window, or a full ``/dev/shm``
+(ENOSPC, torch raises without unlinking), leaves the name for good. :func:`sweep`
+removes names whose creator is gone, older than a few seconds and held by no
+process (descriptor or mapping), only when asked: ``python -m shareddata clean
+[--dry-run]``, or at every load with ``SHAREDDATA_SWEEP=1`` (never by default: they
+are torch's files, and other PID namespaces may share ``/dev/shm``). Never under
+``file_system`` sharing unless asked by hand.
 """
 
 from __future__ import annotations
@@ -52,7 +37,7 @@ class Leftover:
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has exited: it holds no memory and no descriptor)."""
+    """Whether ``pid`` runs (not a zombie)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -61,7 +46,7 @@ def _alive(pid: int) -> bool:
 
 
 def _held(inodes: set[tuple[int, int]]) -> set[tuple[int, int]]:
-    """Which of ``inodes`` some process of this machine holds as a descriptor or mapping."""
+    """Which of ``inodes`` a process holds as a descriptor or mapping."""
     held: set[tuple[int, int]] = set()
     numbers = {ino for _, ino in inodes}
     for pid in os.listdir("/proc"):
@@ -95,14 +80,7 @@ def _held(inodes: set[tuple[int, int]]) -> set[tuple[int, int]]:
 
 
 def leftovers(directory: str = "/dev/shm", min_age: float = 5.0) -> list[Leftover]:
-    """The torch names in ``directory`` that dead processes left and nobody holds.
-
-    Args:
-        directory: the shared-memory folder.
-        min_age: ignore names younger than this many seconds.
-
-    Returns:
-        The leftovers, oldest first (empty if the folder does not exist).
+    """The torch names, at least ``min_age`` s old, that dead processes left and nobody holds.
 
     Example:
         >>> isinstance(leftovers(), list)
@@ -139,11 +117,6 @@ def sweep(
 ) -> list[Leftover]:
     """Remove the :func:`leftovers` in ``directory``; return what was (or would be) removed.
 
-    Args:
-        directory: the shared-memory folder.
-        min_age: leave names younger than this many seconds.
-        dry_run: only list them.
-
     Example:
         >>> [leftover.path for leftover in sweep(dry_run=True)] == [
         ...     leftover.path for leftover in leftovers()]
@@ -163,7 +136,7 @@ def sweep(
 
 
 def auto_sweep() -> None:
-    """The sweep at a dataset's load, if ``SHAREDDATA_SWEEP=1`` asks for it; never raises."""
+    """The sweep at a load, if ``SHAREDDATA_SWEEP=1``; never raises."""
     if os.environ.get(_SWEEP_ENV, "") in ("", "0"):
         return
     try:
@@ -172,5 +145,5 @@ def auto_sweep() -> None:
         if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
             return
         sweep()
-    except Exception:  # a sweep must never break a load
+    except Exception:
         return
