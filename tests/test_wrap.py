@@ -3,6 +3,7 @@ import gc
 import os
 import pickle
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -379,7 +380,11 @@ def test_workers_report_the_index_and_free_everything():
         sd.SharedDataset(Mixed(), num_workers=2)
     del info
     gc.collect()
-    now = fd_links()
+    # A multiprocessing.Queue's feeder thread closes its pipe after the queue's close()
+    # returns (torch cancels the join), so the last pipe may close a moment later.
+    deadline = time.monotonic() + 10
+    while (now := fd_links()).keys() != fds.keys() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert now.keys() == fds.keys(), {fd: now.get(fd, fds.get(fd)) for fd in now.keys() ^ fds}
 
 
