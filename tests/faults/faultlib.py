@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -334,9 +335,11 @@ def run_scenario(
         out, err = proc.communicate(timeout=timeout + settle)
     except subprocess.TimeoutExpired:
         timed_out = True
+        stacks = _stacks_of_tagged(tag)
         _kill_tagged(tag)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
+        err = f"{err}\n--- stacks at the timeout (py-spy dump) ---\n{stacks}"
     seconds = time.time() - start
     if proc.returncode == 99 and "@@SHM@@" not in out:
         pytest.fail(f"could not mount the private tmpfs: {err}")
@@ -371,10 +374,10 @@ def run_scenario(
     )
 
 
-def _kill_tagged(tag: str) -> list[int]:
-    """SIGKILL every live process carrying ``tag``; return their pids."""
+def _tagged(tag: str) -> list[int]:
+    """The pids of the live processes carrying ``tag`` in their environment."""
     needle = f"{TAG_ENV}={tag}".encode()
-    killed = []
+    found = []
     for p in os.listdir("/proc"):
         if not p.isdigit() or int(p) == os.getpid():
             continue
@@ -385,8 +388,36 @@ def _kill_tagged(tag: str) -> list[int]:
             with open(f"/proc/{p}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     continue
-            os.kill(int(p), signal.SIGKILL)
-            killed.append(int(p))
+        except OSError:
+            continue
+        found.append(int(p))
+    return found
+
+
+def _stacks_of_tagged(tag: str) -> str:
+    """Every thread's Python stack in each process of a hung scenario (py-spy, if installed)."""
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        return "py-spy is not installed: no stacks"
+    out = []
+    for pid in _tagged(tag):
+        try:
+            dump = subprocess.run(
+                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20
+            )
+            out.append(f"pid {pid}:\n{dump.stdout}{dump.stderr}")
+        except subprocess.TimeoutExpired:
+            out.append(f"pid {pid}: py-spy dump took over 20 s")
+    return "\n".join(out)
+
+
+def _kill_tagged(tag: str) -> list[int]:
+    """SIGKILL every live process carrying ``tag``; return their pids."""
+    killed = []
+    for pid in _tagged(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
         except OSError:
             continue
     return killed
