@@ -34,7 +34,7 @@ from ..errors import (
     SourceReadError,
 )
 from ._arrow_columns import ArrowColumn
-from ._arrow_types import is_list, pyarrow_module
+from ._arrow_types import pyarrow_module
 from ._io import listed_files
 from .arrow import ArrowInput, ArrowSource, FillValue, Piece, check_files
 
@@ -73,34 +73,22 @@ def _read_error(path: str, error: BaseException, doing: str) -> SourceReadError:
     )
 
 
-def _leaves(name: str, t: Any, first: int, out: dict[str, int]) -> int:
-    """Record the first Parquet leaf of ``name`` and of its struct fields; return the next."""
-    pa = pyarrow_module()
-    out.setdefault(name, first)
-    if pa.types.is_struct(t):
-        for f in t:
-            first = _leaves(f"{name}.{f.name}", f.type, first, out)
-        return first
-    if isinstance(t, pa.BaseExtensionType):
-        return _leaves(name, t.storage_type, first, {})
-    if pa.types.is_map(t):
-        return _leaves(name, t.item_type, _leaves(name, t.key_type, first, {}), {})
-    if is_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_dictionary(t):
-        return _leaves(name, t.value_type, first, {})
-    return first + 1
-
-
 @dataclass
 class _File:
     path: str
     metadata: Any
     schema: Any
     row_groups: list[int]  # rows per row group
-    leaf_index: dict[str, int]  # first Parquet leaf column of each column and struct field
+    paths: list[tuple[str, ...]]  # per Parquet leaf column, its path (``("s", "a")``)
 
     @property
     def rows(self) -> int:
         return sum(self.row_groups)
+
+    def leaves(self, column: ArrowColumn) -> list[int]:
+        """The Parquet leaf columns of ``column`` (a struct field: its own), in order."""
+        n = len(column.path)
+        return [j for j, path in enumerate(self.paths) if path[:n] == column.path]
 
 
 class ParquetInput(ArrowInput):
@@ -133,16 +121,11 @@ class ParquetInput(ArrowInput):
         try:
             with self._pq.ParquetFile(path, **self._options) as pf:
                 metadata, schema = pf.metadata, pf.schema_arrow
+                paths = [tuple(p) for p in pf.reader.column_paths]
         except _errors() as e:
             raise _read_error(path, e, "reading its metadata") from e
         row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
-        leaf_index: dict[str, int] = {}
-        j = 0
-        for field in schema:
-            j = _leaves(field.name, field.type, j, leaf_index)
-        if j != metadata.num_columns:  # a layout this mapping does not know: no statistics
-            leaf_index = {}
-        return _File(path, metadata, schema, row_groups, leaf_index)
+        return _File(path, metadata, schema, row_groups, paths)
 
     def total_rows(self) -> int:
         """Rows of every file together, from the metadata."""
@@ -179,9 +162,8 @@ class ParquetInput(ArrowInput):
                 raise _read_error(info.path, e, "opening it") from e
         rows = info.row_groups[i]
         batch_rows = max(1, min(rows, _MAX_BATCH_ROWS))
-        first = info.leaf_index.get(column.name)
-        if first is not None and rows:
-            leaves = range(first, _leaves("", column.arrow_type, first, {}))
+        leaves = info.leaves(column)
+        if leaves and rows:
             group = info.metadata.row_group(i)
             per_row = max(1, sum(group.column(j).total_uncompressed_size for j in leaves) // rows)
             batch_rows = max(1, min(batch_rows, _BATCH_BYTES // per_row))
@@ -197,12 +179,12 @@ class ParquetInput(ArrowInput):
             return None
         per_file: dict[str, int] = {}
         for info in self.files:
-            j = info.leaf_index.get(column.name)
-            if j is None or info.schema.field(column.name).type != column.arrow_type:
+            leaves = info.leaves(column)
+            if not leaves or info.schema.field(column.name).type != column.arrow_type:
                 return None
             count = 0
             for i in range(len(info.row_groups)):
-                chunk = info.metadata.row_group(i).column(j)
+                chunk = info.metadata.row_group(i).column(leaves[0])
                 stats = chunk.statistics if chunk.is_stats_set else None
                 if stats is None or not stats.has_null_count:
                     return None
