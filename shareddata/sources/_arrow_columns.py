@@ -9,10 +9,10 @@ A ``list<struct<role: string, content: string>>`` column, ``list<string>`` or
 ``list<list<float>>`` becomes a tree of levels (``columns/_nested.py``): one int64
 ``offsets`` buffer per list level, ``offsets`` + ``values`` per string level, ``data``
 per number level; a struct's fields are levels with as many elements. Each chunk is
-taken apart level by level (:func:`parts`): list lengths (a null list counts 0) and
+taken apart level by level (``Copy._nested``): list lengths (a null list counts 0) and
 values (``flatten()``, which skips what null slots or slices leave behind and follows
 list views in any order), struct fields with the struct's nulls merged in, strings as
-``large_string`` offsets + bytes, numbers. Sizing adds up the lengths; writing rebases
+their offsets + bytes, numbers. Sizing adds up the lengths; writing rebases
 them onto each level's running total. A null anywhere is refused unless a
 ``fill_value`` is given: then null lists are empty, null strings the fill string (or
 ``""`` for a number given for every column), null numbers the fill number.
@@ -21,13 +21,12 @@ them onto each level's running total. A null anywhere is refused unless a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..columns._columns import ColumnSpec
-from ..columns._nested import Level, NestedSpec, children
+from ..columns._nested import NestedSpec, children
 from ..errors import NullValuesError, SourceReadError, UnsupportedDtypeError
 from ._arrow_types import (
     UuidAs,
@@ -37,7 +36,6 @@ from ._arrow_types import (
     meaning_of,
     normalize,
     pyarrow_module,
-    temporal_storage,
 )
 from ._source import Buffer
 
@@ -258,75 +256,6 @@ class ArrowColumn:
         return _var_offsets(arr), _numpy_values(child, self.kind.dtype), mask
 
 
-@dataclass
-class Parts:
-    """One nested chunk taken apart, per level (preorder): lengths, data, and the nulls met.
-
-    ``lengths[i]``: values per list, or bytes per string; ``data[i]``: numbers or bytes.
-    """
-
-    lengths: dict[int, np.ndarray] = field(default_factory=dict)
-    data: dict[int, np.ndarray] = field(default_factory=dict)
-    nulls: int = 0
-
-
-def parts(arr: Any, tree: Level, fill: Any, where: str, name: str) -> Parts:
-    """Take one chunk of a nested column apart (Note [Nested Arrow columns]).
-
-    ``fill``: ``None`` (count nulls), or ``(text_bytes, number)`` put in place of null leaves.
-    """
-    pa, pc = pyarrow_module(), pyarrow_module().compute
-    levels = children(tree)
-    out = Parts()
-
-    def walk(arr: Any, i: int) -> None:
-        level, kids = levels[i]
-        arr = decoded(arr)
-        if level.kind == "list":
-            out.nulls += arr.null_count
-            lengths = pc.fill_null(pc.list_value_length(arr), 0)
-            out.lengths[i] = lengths.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-            flat = arr.flatten()
-            if len(flat) != int(out.lengths[i].sum()):
-                raise UnsupportedDtypeError(
-                    f"column {name!r} of {where}: the list values of a {arr.type} chunk do not "
-                    "add up to its lengths; cast the column to a plain list type first."
-                )
-            walk(flat, kids[0])
-        elif level.kind == "struct":
-            for child, k in zip(arr.flatten(), kids):  # the struct's nulls merged in
-                walk(child, k)
-        elif level.kind in ("str", "bytes"):
-            target = pa.large_string() if level.kind == "str" else pa.large_binary()
-            arr = arr.cast(target) if arr.type != target else arr
-            if arr.null_count:
-                out.nulls += arr.null_count
-                if fill is not None:
-                    value = fill[0].decode("utf-8") if level.kind == "str" else fill[0]
-                    arr = pc.fill_null(arr, pa.scalar(value, target))
-            offsets, out.data[i] = _text(arr)
-            out.lengths[i] = np.diff(offsets)
-        else:  # num
-            storage = temporal_storage(arr.type)
-            arr = arr.view(storage) if storage is not None else arr
-            if arr.null_count:
-                out.nulls += arr.null_count
-                if fill is not None and fill[1] is None:
-                    raise UnsupportedDtypeError(
-                        f"column {name!r} of {where} holds null numbers ({arr.type}) and "
-                        f"the fill_value is not a number; give one, e.g. "
-                        f"fill_value={{{name!r}: 0}}."
-                    )
-                value = 0 if fill is None else fill[1]  # no fill: refused later
-                value = bool(value) if pa.types.is_boolean(arr.type) else value
-                arr = pc.fill_null(arr, pa.scalar(value, arr.type))
-            dtype = np.dtype(level.dtype)
-            out.data[i] = arr.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-
-    walk(arr, 0)
-    return out
-
-
 def _count_keys(tree: Any) -> list[str]:
     """Per level, the buffer whose length is its element count (a struct: its first field's)."""
     levels = children(tree)
@@ -340,6 +269,9 @@ def _count_keys(tree: Any) -> list[str]:
     return [key(i) for i in range(len(levels))]
 
 
+_Pieces = list[tuple[str, Any, str | None]]  # (buffer, values, base): see Copy
+
+
 class Copy:
     """One column's chunks as ``(key, values, base)``: values appended to buffer ``key``.
 
@@ -351,25 +283,16 @@ class Copy:
     def __init__(self, column: ArrowColumn) -> None:
         self.column = column
         tree = column.kind.tree
-        self.levels = tree.levels() if tree is not None else []
+        self.levels = children(tree) if tree is not None else []
         self.count_keys = _count_keys(tree) if tree is not None else []
         self.length: dict[str, int] = {}  # per buffer: elements appended so far
 
-    def pieces(self, arr: Any, where: str) -> tuple[list[tuple[str, Any, str | None]], int]:
+    def pieces(self, arr: Any, where: str) -> tuple[_Pieces, int]:
         """The pieces of one chunk and its nulls (no pieces: nulls with no fill value)."""
         col, kind = self.column, self.column.kind.kind
         if kind == "nested":
-            p = parts(arr, col.kind.tree, col.nested_fill(), where, col.name)  # type: ignore[arg-type]
-            out: list[tuple[str, Any, str | None]] = []
-            for i, level in enumerate(self.levels):
-                if level.kind == "list":
-                    out.append((f"{i}.offsets", _offsets(p.lengths[i]), self.count_keys[i + 1]))
-                elif level.kind in ("str", "bytes"):
-                    out.append((f"{i}.offsets", _offsets(p.lengths[i]), f"{i}.values"))
-                    out.append((f"{i}.values", p.data[i], None))
-                elif level.kind == "num":
-                    out.append((f"{i}.data", p.data[i], None))
-            return out, p.nulls
+            out: _Pieces = []
+            return out, self._nested(arr, 0, col.nested_fill(), where, out)
         nulls = col.count_nulls(arr)
         if nulls and col.fill is None:
             return [], nulls
@@ -384,6 +307,52 @@ class Copy:
         if kind == "tensor":
             return [("data", values.reshape(len(arr), *col.kind.shape), None)], nulls
         return [("offsets", offsets, "values"), ("values", values, None)], nulls
+
+    def _nested(self, arr: Any, i: int, fill: Any, where: str, out: _Pieces) -> int:
+        """Append the pieces of level ``i`` of a nested chunk and under it; the nulls met.
+
+        Note [Nested Arrow columns]. ``fill``: ``None`` (count nulls), or
+        ``(text_bytes, number)`` put in place of null leaves.
+        """
+        pa, pc = pyarrow_module(), pyarrow_module().compute
+        level, kids = self.levels[i]
+        name, nulls = self.column.name, 0
+        arr = decoded(arr) if level.kind in ("list", "struct") else normalize(arr)
+        if level.kind == "list":
+            nulls += arr.null_count
+            lengths = pc.fill_null(pc.list_value_length(arr), 0)
+            lengths = lengths.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+            flat = arr.flatten()
+            if len(flat) != int(lengths.sum()):
+                raise UnsupportedDtypeError(
+                    f"column {name!r} of {where}: the list values of a {arr.type} chunk do not "
+                    "add up to its lengths; cast the column to a plain list type first."
+                )
+            out.append((f"{i}.offsets", _offsets(lengths), self.count_keys[kids[0]]))
+            return nulls + self._nested(flat, kids[0], fill, where, out)
+        if level.kind == "struct":  # its fields come with the struct's nulls merged in
+            return sum(self._nested(c, k, fill, where, out) for c, k in zip(arr.flatten(), kids))
+        nulls = arr.null_count
+        if level.kind in ("str", "bytes"):
+            if nulls and fill is not None:
+                value = fill[0].decode("utf-8") if level.kind == "str" else fill[0]
+                arr = pc.fill_null(arr, pa.scalar(value, arr.type))
+            offsets, data = _text(arr)
+            out += [(f"{i}.offsets", offsets, f"{i}.values"), (f"{i}.values", data, None)]
+            return nulls
+        if nulls:  # num
+            if fill is not None and fill[1] is None:
+                raise UnsupportedDtypeError(
+                    f"column {name!r} of {where} holds null numbers ({arr.type}) and "
+                    f"the fill_value is not a number; give one, e.g. "
+                    f"fill_value={{{name!r}: 0}}."
+                )
+            value = 0 if fill is None else fill[1]  # no fill: refused later
+            value = bool(value) if pa.types.is_boolean(arr.type) else value
+            arr = pc.fill_null(arr, pa.scalar(value, arr.type))
+        values = arr.to_numpy(zero_copy_only=False).astype(np.dtype(level.dtype), copy=False)
+        out.append((f"{i}.data", values, None))
+        return nulls
 
     @staticmethod
     def size(key: str, values: Any) -> int:
