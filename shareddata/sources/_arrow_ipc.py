@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import ArgumentTypeError, MissingFileError, SourceReadError
 from ._arrow_types import pyarrow_module, release_arrow_memory
 from ._io import listed_files
-from .arrow import ArrowInput, Piece, check_files
+from .arrow import ArrowInput, Piece, check_files, read_error, read_errors
 
 __all__ = ["ACCEPTED", "IpcInput", "arrow_paths", "is_path"]
 
@@ -148,13 +148,6 @@ def _is_stream(path: str) -> bool:
     )
 
 
-def _read_error(path: str, e: BaseException, doing: str) -> SourceReadError:
-    return SourceReadError(
-        f"{path} could not be read as Arrow IPC while {doing} ({type(e).__name__}: {e}). "
-        "The file may be truncated or corrupt; re-create it."
-    )
-
-
 @dataclass
 class _ArrowFile:
     path: str
@@ -190,8 +183,8 @@ class IpcInput(ArrowInput):
                 if not stream:
                     info.rows = int(reader.count_rows())  # from the footer: no data read
                     info.sliced = _slices(reader, mm)
-        except (pa.ArrowException, OSError, ValueError) as e:
-            raise _read_error(path, e, "reading its schema") from e
+        except read_errors() as e:
+            raise read_error(path, self.format, e, "reading its schema") from e
         return info
 
     def _rows(self, info: _ArrowFile) -> int:
@@ -202,8 +195,8 @@ class IpcInput(ArrowInput):
             j = fixed[0] if fixed else 0  # a fixed-width column decodes cheapest
             try:
                 info.rows = sum(len(chunk) for chunk in self._batches(info, j))
-            except (pa.ArrowException, OSError, ValueError) as e:
-                raise _read_error(info.path, e, "counting its rows") from e
+            except read_errors() as e:
+                raise read_error(info.path, self.format, e, "counting its rows") from e
         return info.rows
 
     def total_rows(self) -> int:

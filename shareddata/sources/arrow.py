@@ -27,7 +27,10 @@ from ._arrow_columns import ArrowColumn, Sizer, Writer
 from ._arrow_types import UuidAs, pyarrow_module, release_arrow_memory, temporal_storage
 from ._source import Buffer, select_columns
 
-__all__ = ["ArrowInput", "ArrowSource", "FillValue", "Piece", "TableInput", "check_files"]
+__all__ = [
+    "ArrowInput", "ArrowSource", "FillValue", "Piece", "TableInput", "check_files", "read_error",
+    "read_errors",
+]  # fmt: skip
 
 FillValue = Any  # a scalar, or a mapping {column: scalar}
 _Field = tuple[str, tuple[str, ...], Any, Any]  # name, path, type, metadata
@@ -129,7 +132,6 @@ class ArrowSource:
 
     def _chunks(self, column: ArrowColumn) -> Iterator[tuple[Piece, Any]]:
         """``column``'s normalized chunks with their pieces, in row order, window applied."""
-        pa = pyarrow_module()
         lo, hi = self._window or (0, 1 << 62)
         step = _NESTED_ROWS if column.kind.kind == "nested" else None
         end = 0
@@ -153,14 +155,11 @@ class ArrowSource:
                             del rows
                         del part
                     del batch  # nothing of it is referenced when the next is decoded
-            except (pa.ArrowException, OSError, ValueError, EOFError) as e:
+            except read_errors() as e:
                 if isinstance(e, SharedDataError) or not self.input.format:
                     raise
-                raise SourceReadError(
-                    f"{piece.where} could not be read as {self.input.format} while reading "
-                    f"column {column.name!r} ({type(e).__name__}: {e}). The file may be "
-                    "truncated or corrupt; re-create it."
-                ) from e
+                doing = f"reading column {column.name!r}"
+                raise read_error(piece.where, self.input.format, e, doing) from e
             if seen != piece.rows:
                 raise SourceReadError(
                     f"{piece.where} gave {seen} rows of {column.name!r} where its metadata "
@@ -227,6 +226,19 @@ class ArrowSource:
         """Close the input's files and give Arrow's memory back."""
         self.input.close()
         release_arrow_memory()
+
+
+def read_errors() -> tuple[type[BaseException], ...]:
+    """What pyarrow raises for a file it cannot read."""
+    return (pyarrow_module().ArrowException, OSError, ValueError, EOFError)
+
+
+def read_error(path: str, format: str, error: BaseException, doing: str) -> SourceReadError:
+    """The error for ``path``, which ``format``'s reader failed on while ``doing``."""
+    return SourceReadError(
+        f"{path} could not be read as {format} while {doing} ({type(error).__name__}: "
+        f"{error}). The file may be truncated or corrupt; re-create it."
+    )
 
 
 def _fields(schema: Any) -> list[_Field]:

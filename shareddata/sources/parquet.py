@@ -31,12 +31,11 @@ from ..errors import (
     ArgumentTypeError,
     MissingColumnError,
     MissingFileError,
-    SourceReadError,
 )
 from ._arrow_columns import ArrowColumn
 from ._arrow_types import pyarrow_module
 from ._io import listed_files
-from .arrow import ArrowInput, ArrowSource, FillValue, Piece, check_files
+from .arrow import ArrowInput, ArrowSource, FillValue, Piece, check_files, read_error, read_errors
 
 __all__ = ["ParquetInput", "parquet_files", "parquet_source"]
 
@@ -60,17 +59,6 @@ def _dataset() -> ModuleType:
     import pyarrow.dataset
 
     return pyarrow.dataset
-
-
-def _errors() -> tuple[type[BaseException], ...]:
-    return (pyarrow_module().ArrowException, OSError, ValueError, EOFError)
-
-
-def _read_error(path: str, error: BaseException, doing: str) -> SourceReadError:
-    return SourceReadError(
-        f"{path} could not be read as Parquet while {doing} ({type(error).__name__}: {error}). "
-        "The file may be truncated or not a Parquet file; re-create it."
-    )
 
 
 @dataclass
@@ -122,8 +110,8 @@ class ParquetInput(ArrowInput):
             with self._pq.ParquetFile(path, **self._options) as pf:
                 metadata, schema = pf.metadata, pf.schema_arrow
                 paths = [tuple(p) for p in pf.reader.column_paths]
-        except _errors() as e:
-            raise _read_error(path, e, "reading its metadata") from e
+        except read_errors() as e:
+            raise read_error(path, "Parquet", e, "reading its metadata") from e
         row_groups = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
         return _File(path, metadata, schema, row_groups, paths)
 
@@ -158,8 +146,8 @@ class ParquetInput(ArrowInput):
                 opened.append(
                     self._pq.ParquetFile(info.path, metadata=info.metadata, **self._options)
                 )
-            except _errors() as e:
-                raise _read_error(info.path, e, "opening it") from e
+            except read_errors() as e:
+                raise read_error(info.path, "Parquet", e, "opening it") from e
         rows = info.row_groups[i]
         batch_rows = max(1, min(rows, _MAX_BATCH_ROWS))
         leaves = info.leaves(column)
@@ -215,8 +203,8 @@ def parquet_files(path: Any) -> tuple[list[str], str, list[dict[str, Any]], Any]
         if os.path.isdir(p):
             try:  # an empty schema: no file is opened to infer one (a README.txt may sort first)
                 found = _dataset().dataset(p, format="parquet", schema=pyarrow_module().schema([]))
-            except _errors() as e:
-                raise _read_error(p, e, "listing its files") from e
+            except read_errors() as e:
+                raise read_error(p, "Parquet", e, "listing its files") from e
             found = sorted(f for f in found.files if f.endswith(".parquet"))
             if not found:
                 raise MissingFileError(
@@ -296,15 +284,15 @@ def _partitions(files: list[str], base: str | None, label: str) -> tuple[list[di
         return [{} for _ in files], pa.schema([])
     try:  # a key inside the files too would fail below as a type clash or be loaded twice
         inside = [k for k in keys if k in parquet_module().read_schema(files[0]).names]
-    except _errors() as e:
-        raise _read_error(files[0], e, "reading its schema") from e
+    except read_errors() as e:
+        raise read_error(files[0], "Parquet", e, "reading its schema") from e
     if inside:
         raise _partition_clash(inside[0], files[0], label)
     try:
         dataset = ds.dataset(files, format="parquet", partitioning="hive", partition_base_dir=base)
         fragments = {os.path.normpath(f.path): f for f in dataset.get_fragments()}
-    except _errors() as e:
-        raise _read_error(base, e, "reading its partition folders") from e
+    except read_errors() as e:
+        raise read_error(base, "Parquet", e, "reading its partition folders") from e
     per_file = [ds.get_partition_keys(fragments[os.path.normpath(f)].partition_expression)
                 for f in files]  # fmt: skip
     found = {k for d in per_file for k in d}  # in folder order, as the dataset's schema
