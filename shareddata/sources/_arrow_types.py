@@ -124,7 +124,11 @@ def _text_kind(t: Any) -> str | None:
 
 
 def classify(t: Any, name: str, label: str) -> ArrowKind:
-    """The column kind an Arrow type is stored as, or an UnsupportedDtypeError with the fix."""
+    """The column kind an Arrow type is stored as, or an UnsupportedDtypeError with the fix.
+
+    (Nested) fixed-size lists of numbers are tensors, lists of numbers ragged; any other
+    type is what its level tree (:func:`level_of`) says: a number, text or nested lists.
+    """
     pa = pyarrow_module()
     if isinstance(t, pa.FixedShapeTensorType):
         perm = t.permutation
@@ -137,52 +141,44 @@ def classify(t: Any, name: str, label: str) -> ArrowKind:
         raise unsupported(
             name, label, t, "an extension type inside another type; store a plain Arrow type"
         )
-    if pa.types.is_dictionary(t):
+    if pa.types.is_dictionary(t) or pa.types.is_run_end_encoded(t):
         inner = classify(t.value_type, name, label)
-        if inner.kind not in ("tensor", "str", "bytes") or inner.shape:
+        if pa.types.is_dictionary(t) and (inner.kind in ("ragged", "nested") or inner.shape):
             raise unsupported(name, label, t, "decode the dictionary (pc.dictionary_decode)")
         return inner
-    if pa.types.is_run_end_encoded(t):
-        return classify(t.value_type, name, label)
-    dtype, text = _numeric(t, temporal=True), _text_kind(t)
-    if dtype is not None:
-        return ArrowKind("tensor", dtype)
-    if text is not None:
-        return ArrowKind(text, np.dtype(np.uint8))
-    if pa.types.is_fixed_size_list(t):
-        item = t.value_type
-        ok = _numeric(item) is not None or pa.types.is_fixed_size_list(item)
-        kind = classify(item, name, label) if ok else None
-        if kind is None or kind.kind != "tensor":
+    shape, item = (), t
+    while pa.types.is_fixed_size_list(item):
+        shape, item = (*shape, int(item.list_size)), item.value_type
+    if shape or (is_list(t) and _numeric(t.value_type) is not None):
+        dtype = _numeric(item if shape else t.value_type)
+        if dtype is None:
             raise unsupported(name, label, t, "a fixed-size list must hold numbers (or "
                               "fixed-size lists of numbers); store other values as separate "
                               "columns")  # fmt: skip
-        return ArrowKind("tensor", kind.dtype, (int(t.list_size), *kind.shape))
-    if is_list(t):
-        inner_dtype = _numeric(t.value_type)
-        if inner_dtype is not None:
-            return ArrowKind("ragged", inner_dtype)
-        try:
-            return ArrowKind("nested", np.dtype(np.uint8), (), level_of(t))
-        except Refused as e:
+        return ArrowKind("tensor" if shape else "ragged", dtype, shape)
+    try:
+        level = level_of(t)
+        if level.kind != "struct":  # a struct with fields: inside a dictionary
+            kind = {"list": "nested", "num": "tensor"}.get(level.kind, level.kind)
+            return ArrowKind(kind, np.dtype(level.dtype), (), level if kind == "nested" else None)
+    except Refused as e:
+        if is_list(t):
             raise unsupported(name, label, t, f"its elements hold {e.args[0]}, which a nested "
                               "column cannot store (lists, structs, strings, binary and numbers "
                               "can); cast that part to one of those") from None  # fmt: skip
-    if pa.types.is_struct(t):
-        fix = "a struct without fields (or inside a dictionary/extension type) has nothing to load"
-        fix += "; drop it"
-    elif pa.types.is_map(t):
-        fix = (
-            "a map: store its keys and its values as two list columns (pc.map_keys, pc.map_values)"
-        )
-    elif pa.types.is_decimal(t):
-        fix = ("decimals have no exact numpy type: cast it to float64 (pc.cast(column, "
-               "pa.float64())), to int64 in units of its scale, or to strings")  # fmt: skip
-    elif pa.types.is_null(t):
-        fix = "the column holds only nulls: drop it, or give it a type and values"
-    else:
-        fix = "cast it to numbers, strings or binary before loading"
-    raise unsupported(name, label, t, fix)
+    fix = next((fix for test, fix in _FIXES.items() if getattr(pa.types, test)(t)), None)
+    raise unsupported(name, label, t, fix or "cast it to numbers, strings or binary before loading")
+
+
+_FIXES = {  # what to do with a type no column kind holds
+    "is_struct": "a struct without fields (or inside a dictionary/extension type) has nothing "
+    "to load; drop it",
+    "is_map": "a map: store its keys and its values as two list columns (pc.map_keys, "
+    "pc.map_values)",
+    "is_decimal": "decimals have no exact numpy type: cast it to float64 (pc.cast(column, "
+    "pa.float64())), to int64 in units of its scale, or to strings",
+    "is_null": "the column holds only nulls: drop it, or give it a type and values",
+}
 
 
 def level_of(t: Any) -> Level:
