@@ -220,15 +220,12 @@ class IpcInput(ArrowInput):
             source = pa.BufferReader(pa.py_buffer(mapped))
             if info.stream:  # the stream reader slices the mapping, field or not
                 reader: Any = pa.ipc.open_stream(source, options=options)
-                batches, k = iter(reader), 0
-            elif info.sliced:  # uncompressed: every field is a slice, only j is read
-                reader = pa.ipc.open_file(source)
-                batches, k = map(reader.get_batch, range(reader.num_record_batches)), j
-            else:  # compressed: only field j is decompressed
-                reader = pa.ipc.open_file(source, options=options)
-                batches, k = map(reader.get_batch, range(reader.num_record_batches)), 0
+                batches: Any = iter(reader)
+            else:  # uncompressed: every field a slice, only j read; compressed: j decompressed
+                reader = pa.ipc.open_file(source, options=None if info.sliced else options)
+                batches = map(reader.get_batch, range(reader.num_record_batches))
             for batch in batches:
-                chunk = batch.column(k)
+                chunk = batch.column(j if info.sliced else 0)
                 del batch
                 yield chunk
                 del chunk
