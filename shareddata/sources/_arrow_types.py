@@ -146,7 +146,8 @@ def classify(t: Any, name: str, label: str) -> ArrowKind:
         if pa.types.is_dictionary(t) and (inner.kind in ("ragged", "nested") or inner.shape):
             raise unsupported(name, label, t, "decode the dictionary (pc.dictionary_decode)")
         return inner
-    shape, item = (), t
+    shape: tuple[int, ...] = ()
+    item = t
     while pa.types.is_fixed_size_list(item):
         shape, item = (*shape, int(item.list_size)), item.value_type
     if shape or (is_list(t) and _numeric(t.value_type) is not None):
