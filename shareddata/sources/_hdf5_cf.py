@@ -367,20 +367,22 @@ class Netcdf:
 
     def default_names(self) -> list[str]:
         """Variables along the rows' dimension: the first dimension of most data variables."""
-        data = [n for n, ds in self.variables.items() if ds.shape and n not in self.coordinates]
-        pool = data or [n for n, ds in self.variables.items() if ds.shape]
-        if not pool:
-            return []
-        rows = Counter(self.dimension(n) for n in pool).most_common(1)[0][0]
-        return [n for n, ds in self.variables.items() if ds.shape and self.dimension(n) == rows]
+        pool = [n for n, ds in self.variables.items() if ds.shape]
+        rows = self._rows(pool) if pool else ""
+        return [n for n in pool if self.dimension(n) == rows]
+
+    def _rows(self, paths: list[str]) -> str:
+        """The rows' dimension: the commonest first dimension of data (not coordinate) paths."""
+        dims = [self.dimension(p) for p in paths]
+        data = [d for p, d in zip(paths, dims) if p not in self.coordinates]
+        return Counter(data or dims).most_common(1)[0][0]
 
     def split(self, plans: list[Plan]) -> tuple[list[Plan], list[str]]:
         """Plans along the rows' dimension (most data variables' first), and the others."""
         if not plans:
             return plans, []
+        rows = self._rows([p.path for p in plans])
         dims = [self.dimension(p.path) for p in plans]
-        data = [d for p, d in zip(plans, dims) if p.path not in self.coordinates]
-        rows = Counter(data or dims).most_common(1)[0][0]
         along = [p for p, d in zip(plans, dims) if d == rows]
         others = [p.path for p, d in zip(plans, dims) if d != rows]
         others += sorted(

@@ -90,18 +90,6 @@ class Selection:
                 f"pass columns=[...] without {name!r}."
             ) from error
 
-    def _dataset_names(self, group: Any) -> list[str]:
-        """Paths of every dataset under ``group``, in visit order."""
-        names: list[str] = []
-        try:
-            group.visititems(
-                lambda n, o: names.append(f"{group.name}/{n}".strip("/"))
-                if isinstance(o, self._h5py.Dataset) else None
-            )  # fmt: skip
-        except (OSError, RuntimeError, KeyError) as error:
-            raise _corrupt(self.label, error) from error
-        return names
-
     def _get(self, name: str) -> Any:
         try:
             return self._file.get(name)
@@ -298,10 +286,12 @@ class Selection:
                 return frame_plans(h5py, obj, self._refuse, None)
             if self.encoded.is_element(obj):
                 return self.encoded.plans(obj, name, None)
-            inside = self._dataset_names(obj)
+            frames: list[str] = []
+            prefix = f"{name}/" if name else ""
+            inside = [n for n in self._names_and_frames(frames) if n.startswith(prefix)]
             raise MissingColumnError(
                 f"key {key!r} of {self.label} is a group, not a dataset; pass the datasets "
-                f"you want from it (columns=[...]). It holds: {_listing(inside)}."
+                f"you want from it (columns=[...]). It holds: {_listing(inside, frames)}."
             )
         if obj is not None:
             raise MissingColumnError(
