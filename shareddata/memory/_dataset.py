@@ -172,26 +172,17 @@ def holdings(obj: Any) -> Holdings:
     return found
 
 
-def estimate_nbytes(obj: Any) -> int:
-    """Estimate the bytes an object graph holds.
+def dataset_nbytes(dataset: Any, found: Holdings | None = None) -> int:
+    """The dataset's ``nbytes`` when it is an integer, else the estimate of its walk.
+
+    ``found``: its :func:`holdings`, if walked already.
 
     Example:
-        >>> estimate_nbytes({"x": np.zeros(1000, np.float64)}) >= 8000
+        >>> dataset_nbytes({"x": np.zeros(1000, np.float64)}) >= 8000
         True
     """
-    return holdings(obj).nbytes
-
-
-def dataset_nbytes(dataset: Any) -> int:
-    """The dataset's ``nbytes`` when it is an integer, else :func:`estimate_nbytes`."""
     nbytes = _integer(getattr(dataset, "nbytes", None))
-    return estimate_nbytes(dataset) if nbytes is None else nbytes
-
-
-def dataset_identity(dataset: Any) -> frozenset[tuple[int, int]] | None:
-    """The segments the dataset's shareddata parts map (equal: one copy); ``None`` if none."""
-    found = holdings(dataset)
-    return frozenset(found.segments) if found.count else None
+    return (found or holdings(dataset)).nbytes if nbytes is None else nbytes
 
 
 def pickled_nbytes(dataset: Any) -> int | None:

@@ -18,25 +18,7 @@ from ._process import KIB, MIB, ProcessMemory
 WORKING_FLOOR = 4 * MIB  # what a process's working memory may gain: arenas, caches, queues
 BATCHES_PER_WORKER = 3  # its items, the collated batch, the previous one
 EXACT_FLOOR = 64 * KIB  # exact counts decide above this a process: less is a few attributes
-DEFAULT_LIMIT = 1.10  # what judge() decides against when verify() is given no limit
-
-
-@dataclass(frozen=True)
-class Account:
-    """Where the memory beyond one copy of the dataset went, in bytes.
-
-    ``copies`` of the segments' pages (exact); ``excess``, the growth of working
-    memory beyond the baselines, which holds ``counted`` (copies counted exactly
-    outside the segments) and ``estimated`` (the rest above ``resolution``, at most
-    one copy a process of what is not counted exactly); ``attributed``, their sum.
-    """
-
-    copies: int
-    excess: int
-    resolution: int
-    attributed: int
-    counted: int = 0
-    estimated: int = 0
+DEFAULT_LIMIT = 1.10  # what conclude() decides against when verify() is given no limit
 
 
 def resolution(n_workers: int, batch_bytes: int, prefetch_factor: int | None) -> int:
@@ -51,97 +33,11 @@ def resolution(n_workers: int, batch_bytes: int, prefetch_factor: int | None) ->
     return WORKING_FLOOR + waiting * batch_bytes + workers
 
 
-def account(
-    before: Sequence[ProcessMemory],
-    after: Sequence[ProcessMemory],
-    baselines: int,
-    tolerance: int,
-    plain_bytes: int,
-    counted: int = 0,
-) -> Account:
-    """The copies between ``before`` (main process) and ``after`` (all processes).
-
-    ``baselines``: the workers' summed baselines; ``tolerance``: the estimate's
-    resolution; ``plain_bytes``: the part of the dataset not counted exactly.
-
-    Example:
-        >>> row = ProcessMemory(pid=1, role="main", rss=0, uss=0, pss=10, shared=0)
-        >>> grown = ProcessMemory(pid=2, role="worker 0", rss=0, uss=0, pss=100, shared=0)
-        >>> account([row], [row, grown], 10, 50, plain_bytes=1000).attributed
-        90
-        >>> account([row], [row, grown], 10, 50, plain_bytes=20).attributed  # 1 copy/process
-        40
-        >>> account([row], [row, grown], 10, 100, plain_bytes=99, counted=80).attributed
-        80
-    """
-    copies = max(sum(p.data_copied for p in after) - sum(p.data_copied for p in before), 0)
-    excess = sum(p.working for p in after) - sum(p.working for p in before) - baselines
-    rest = excess - counted  # the counted copies are part of the growth
-    estimated = max(min(rest, plain_bytes * len(after)), 0) if rest > tolerance else 0
-    return Account(copies, excess, tolerance, copies + counted + estimated, counted, estimated)
-
-
-@dataclass(frozen=True)
-class Judgement:
-    """Whether a measurement decides, the bytes not counted exactly, the size that would."""
-
-    conclusive: bool
-    unresolved: int
-    needed: int = 0
-
-
-def judge(
-    *,
-    dataset_bytes: int,
-    exact_bytes: int,
-    resolution: int,
-    processes: int,
-    duplication: float,
-    limit: float | None,
-    workers_missing: bool = False,
-    found: Account | None = None,
-) -> Judgement:
-    """Whether ``duplication`` answers the question against ``limit``, or "cannot tell".
-
-    Over the limit, it decides when the copies ``found`` are above their resolution
-    (:data:`EXACT_FLOOR` a process for exact counts, ``resolution`` for the estimate).
-    Within it, when no copy could have escaped: the part not counted exactly is above
-    the resolution or so small that a copy in every process stays within the limit.
-
-    Example:
-        >>> judge(dataset_bytes=4 * MIB, exact_bytes=0, resolution=15 * MIB, processes=3,
-        ...       duplication=1.0, limit=1.1)
-        Judgement(conclusive=False, unresolved=4194304, needed=15728641)
-        >>> pickles = Account(copies=0, excess=0, resolution=MIB, attributed=2048, counted=2048)
-        >>> judge(dataset_bytes=4096, exact_bytes=4096, resolution=MIB, processes=3,
-        ...       duplication=1.5, limit=1.1, found=pickles).conclusive  # 2 KiB: cannot tell
-        False
-    """
-    bound = DEFAULT_LIMIT if limit is None else limit
-    unresolved = max(dataset_bytes - exact_bytes, 0)
-    if duplication > bound:
-        within = 0  # copies within their resolution do not decide (copies of ranks do)
-        if found is not None:
-            exact = found.copies + found.counted
-            within = exact if exact <= EXACT_FLOOR * processes else 0
-            within += found.estimated if found.estimated <= found.resolution else 0
-        decided = duplication - within / dataset_bytes > bound
-        return Judgement(bound < 1.0 or decided, unresolved)
-    if workers_missing:
-        return Judgement(False, unresolved)
-    if unresolved > resolution or unresolved * processes <= (bound - 1.0) * dataset_bytes:
-        return Judgement(True, unresolved)
-    # The unresolved part grows with the dataset; the resolution does not.
-    needed = dataset_bytes * resolution // unresolved + 1 if unresolved else 0
-    return Judgement(False, unresolved, needed)
-
-
 def conclude(
     before: Sequence[ProcessMemory],
     after: Sequence[ProcessMemory],
     *,
     baselines: int,
-    plain: int,
     exact: int,
     workers_missing: bool,
     copies: int = 1,
@@ -149,35 +45,74 @@ def conclude(
 ) -> MemoryReport:
     """The report of two measurements: the copies, ``duplication`` and the verdict.
 
-    ``copies``: the dataset's copies held whole (one per local rank that loaded it);
+    ``before``: the main process (and forkserver) before the workers started; ``after``:
+    every process after the last batch; ``baselines``: the workers' summed baselines;
+    ``exact``: the bytes of the dataset whose copies are counted exactly (the rest is
+    estimated); ``copies``: the copies held whole (one per local rank that loaded it);
     ``known``: the report's fields measured already (``dataset_bytes``, ``resolution``,
-    ``counted_bytes``, ``max_duplication``, ...); the rest as for :func:`account`.
+    ``counted_bytes``, ``max_duplication``, ...).
+
+    The copies are the segments' private pages (exact), ``counted_bytes`` (exact) and
+    the estimate: the growth of working memory beyond the baselines and the counted
+    copies, if above ``resolution``, at most one copy a process of what is not
+    counted exactly. Over the limit, it decides when the copies are above their
+    resolution (:data:`EXACT_FLOOR` a process for exact counts, ``resolution`` for
+    the estimate). Within it, when no copy could have escaped: the part not counted
+    exactly is above the resolution or so small that a copy in every process stays
+    within the limit.
+
+    Example:
+        >>> main = ProcessMemory(pid=1, role="main", rss=0, uss=0, pss=10, shared=0)
+        >>> grown = ProcessMemory(pid=2, role="worker 0", rss=0, uss=0, pss=100, shared=0)
+        >>> def report(exact, counted=0, resolution=50, nbytes=1000, limit=None):
+        ...     return conclude([main], [main, grown], baselines=10, exact=exact,
+        ...                     workers_missing=False, dataset_bytes=nbytes,
+        ...                     resolution=resolution, counted_bytes=counted,
+        ...                     max_duplication=limit, baseline_bytes=10,
+        ...                     start_method="spawn", num_workers=1)
+        >>> report(exact=0).extra_bytes, report(exact=980).extra_bytes  # 1 copy/process
+        (90, 40)
+        >>> report(exact=1, counted=80, resolution=100).extra_bytes
+        80
+        >>> r = report(exact=0, nbytes=4 * MIB, resolution=15 * MIB, limit=1.1)
+        >>> r.status, r.unresolved_bytes, r.needed_bytes
+        ('inconclusive', 4194304, 15728641)
+        >>> report(exact=4096, counted=2048, resolution=MIB, nbytes=4096, limit=1.1).status
+        'inconclusive'
     """
-    nbytes = known["dataset_bytes"]
-    got = account(before, after, baselines, known["resolution"], plain, known["counted_bytes"])
-    duplication = copies + got.attributed / nbytes if nbytes > 0 else float(copies)
-    verdict = judge(
-        dataset_bytes=nbytes,
-        exact_bytes=exact,
-        resolution=known["resolution"],
-        processes=len(after),
-        duplication=duplication,
-        limit=known["max_duplication"],
-        workers_missing=workers_missing,
-        found=got,
-    )
+    nbytes, tolerance = known["dataset_bytes"], known["resolution"]
+    counted, processes = known["counted_bytes"], len(after)
+    copied = max(sum(p.data_copied for p in after) - sum(p.data_copied for p in before), 0)
+    excess = sum(p.working for p in after) - sum(p.working for p in before) - baselines
+    unresolved = max(nbytes - exact, 0)
+    rest = excess - counted  # the counted copies are part of the growth
+    estimated = max(min(rest, unresolved * processes), 0) if rest > tolerance else 0
+    attributed = copied + counted + estimated
+    duplication = copies + attributed / nbytes if nbytes > 0 else float(copies)
+    bound = DEFAULT_LIMIT if known["max_duplication"] is None else known["max_duplication"]
+    needed = 0
+    if duplication > bound:  # copies within their resolution do not decide (copies of ranks do)
+        within = copied + counted if copied + counted <= EXACT_FLOOR * processes else 0
+        within += estimated if estimated <= tolerance else 0
+        conclusive = bound < 1.0 or duplication - within / nbytes > bound
+    elif workers_missing:
+        conclusive = False
+    else:
+        conclusive = unresolved > tolerance or unresolved * processes <= (bound - 1.0) * nbytes
+        if not conclusive and unresolved:  # the unresolved part grows, the resolution does not
+            needed = nbytes * tolerance // unresolved + 1
     return MemoryReport(
         total_pss=sum(p.pss for p in after),
         duplication=duplication,
         processes=list(after),
         pss_before=sum(p.pss for p in before),
-        extra_bytes=(copies - 1) * nbytes + got.attributed,
+        extra_bytes=(copies - 1) * nbytes + attributed,
         rank_copies=copies,
-        copied_bytes=got.copies,
-        working_bytes=got.excess,
-        conclusive=verdict.conclusive,
-        unresolved_bytes=verdict.unresolved,
-        needed_bytes=verdict.needed,
+        copied_bytes=copied,
+        working_bytes=excess,
+        conclusive=conclusive,
+        unresolved_bytes=unresolved,
+        needed_bytes=needed,
         **known,
     )
 

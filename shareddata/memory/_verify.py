@@ -22,7 +22,6 @@ of the node at the same two moments. Measured cases: ``docs/internals.md#smaps``
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import inspect
 import itertools
@@ -45,11 +44,12 @@ from .._compat import (
     shutdown_dataloader_iterator,
     stop_dataloader_workers,
 )
-from ..distributed import NodeContext, exchange, node_context, resolve_timeout, socket_name
+from ..distributed import exchange, node_context, resolve_timeout, socket_name
 from ..errors import ArgumentTypeError, DuplicationError, InconclusiveError, InvalidArgumentError
-from ._dataset import dataset_identity, dataset_nbytes, holdings, pickled_nbytes
+from ._dataset import dataset_nbytes, holdings, pickled_nbytes
 from ._process import (
     KIB,
+    PAGE,
     Pages,
     ProcessMemory,
     Segments,
@@ -111,7 +111,7 @@ def verify(
     torch_loader = isinstance(loader, DataLoader)
     dataset = loader.dataset if torch_loader else _dataset_of(loader)
     found = holdings(dataset)
-    nbytes = dataset_nbytes(dataset) if dataset_bytes is None else int(dataset_bytes)
+    nbytes = dataset_nbytes(dataset, found) if dataset_bytes is None else int(dataset_bytes)
     if nbytes < 0:
         raise InvalidArgumentError(f"dataset_bytes must be >= 0, got {dataset_bytes!r}")
     plain = max(nbytes - found.shared_bytes, 0)
@@ -120,19 +120,16 @@ def verify(
     method = _start_method(loader) if torch_loader else None
     if torch_loader:
         _stop_persistent_workers(loader)
-    node = node_verifier(across_ranks, found.segments)
-    alone = functools.partial(measure_all, segments=found.segments)
-    measure_before = node.measurer("before") if node else alone
-    measure_after = node.measurer("after") if node else alone
+    node = NodeVerify(across_ranks, found.segments)
     pages = private_pages(found.buffers) if plain and method in ("fork", None) else ()
     with _frozen_heap(method == "fork" or not torch_loader):
         has_workers = torch_loader and loader.num_workers > 0
         baseline = probe_baseline(loader.multiprocessing_context, refs) if has_workers else 0
         server = _forkserver_pid() if method == "forkserver" else None
         gc.collect()
-        before = measure_before([(os.getpid(), "main"), (server, "forkserver")])
-        run = _Run(loader, None if batches is None else int(batches), server, measure_after)
-        run.iterate(pages, getattr(measure_after, "node_wide", False))
+        before = node.measure("before", [(os.getpid(), "main"), (server, "forkserver")])
+        run = _Run(loader, None if batches is None else int(batches), server, node)
+        run.iterate(pages)
         rows, n_workers = run.rows, sum(1 for p in run.rows if p.role.startswith("worker"))
         if not torch_loader:  # what its workers showed; a forkserver it started is no copy
             method = run.method
@@ -140,7 +137,7 @@ def verify(
             before += [p for p in rows if p.role == "forkserver" and p.pid != server]
     num_workers = loader.num_workers if torch_loader else n_workers
     received = pickled_nbytes(dataset) if method in ("spawn", "forkserver") and plain else None
-    buffer_bytes = min(sum(e - f for f, e in pages) * os.sysconf("SC_PAGE_SIZE"), plain)
+    buffer_bytes = min(sum(e - f for f, e in pages) * PAGE, plain)
     buffer_bytes = buffer_bytes if run.copies is not None and method == "fork" else 0
     by_value = min(received or 0, plain)
     counted = n_workers * by_value + (run.copies or 0 if buffer_bytes else 0)
@@ -151,7 +148,6 @@ def verify(
         before,
         rows,
         baselines=n_workers * baseline,
-        plain=nbytes - exact,
         exact=exact,
         workers_missing=num_workers > 0 and n_workers == 0,
         dataset_bytes=nbytes,
@@ -168,8 +164,7 @@ def verify(
         counted_bytes=counted,
         array_bytes=sum(n for _, n in found.buffers) + found.shared_bytes,
     )
-    if node is not None:
-        report = node.combine(report, dataset)
+    report = node.combine(report, frozenset(found.segments) if found.count else None)
     if report.status == "duplicated":
         raise DuplicationError(duplication_message(report), report)
     if report.status == "inconclusive" and max_duplication is not None:
@@ -183,8 +178,8 @@ _END = object()
 class _Run:
     """One pass over a loader, measured after its last batch (every batch if not known)."""
 
-    def __init__(self, loader: Any, batches: int | None, server: int | None, measurer: Any):
-        self.loader, self.server, self.measurer = loader, server, measurer
+    def __init__(self, loader: Any, batches: int | None, server: int | None, node: NodeVerify):
+        self.loader, self.server, self.node = loader, server, node
         try:
             length: int | None = len(loader)
         except TypeError:
@@ -195,8 +190,9 @@ class _Run:
         self.copies: int | None = None
         self.method: str | None = None
 
-    def iterate(self, pages: Pages, node_wide: bool) -> None:
+    def iterate(self, pages: Pages) -> None:
         loader, torch_loader = self.loader, isinstance(self.loader, DataLoader)
+        node_wide = self.node.ctx is not None
         every = self.target is None or isinstance(getattr(loader, "dataset", None), IterableDataset)
         if node_wide and self.target is None:  # one meeting, at a last batch known ahead
             raise InvalidArgumentError(
@@ -236,7 +232,8 @@ class _Run:
                 forked = "forkserver" if server and new[0].ppid() == server else "fork"
                 self.method = "spawn" if spawned else forked
         procs = [(os.getpid(), "main"), (server, "forkserver")]
-        self.rows = self.measurer(procs + [(pid, f"worker {i}") for i, pid in enumerate(pids)])
+        procs += [(pid, f"worker {i}") for i, pid in enumerate(pids)]
+        self.rows = self.node.measure("after", procs)
         workers = [p.pid for p in self.rows if p.role.startswith("worker")]
         if pages and workers and self.method in ("fork", None):
             counts = [copied_pages(pid, pages) for pid in workers]
@@ -411,25 +408,30 @@ _ROUNDS = itertools.count()
 
 
 class NodeVerify:
-    """``verify`` across the local ranks of a node, over ``distributed.exchange``.
+    """How ``verify`` measures: this process alone, or every local rank of the node at once.
 
-    Each :meth:`measurer` call is a node-wide barrier at which local rank 0 measures
-    the processes of every local rank at once; :meth:`combine` turns the ranks'
-    reports into the node's, the same on every rank.
+    Across local ranks (over ``distributed.exchange``), each :meth:`measure` is a
+    node-wide barrier at which local rank 0 measures the processes of every local rank;
+    :meth:`combine` turns the ranks' reports into the node's, the same on every rank.
     """
 
-    def __init__(self, ctx: NodeContext, segments: Segments = ()) -> None:
-        self.ctx, self.segments = ctx, sorted(segments)
-        self.timeout = resolve_timeout()
-        self.number = next(_ROUNDS)
+    def __init__(self, across_ranks: bool | None, segments: Segments = ()) -> None:
+        ctx = node_context() if across_ranks is not False else None
+        self.ctx = ctx if ctx is not None and ctx.local_world_size > 1 else None
+        self.segments = sorted(segments)
         self.rows: dict[str, list[ProcessMemory]] = {}
+        if self.ctx is not None:
+            self.timeout, self.number = resolve_timeout(), next(_ROUNDS)
 
     def _exchange(self, phase: str, value: Any, respond: Callable[[list[Any]], list[Any]]) -> Any:
+        assert self.ctx is not None
         name = socket_name(self.ctx, f"verify{phase}", self.number)
         return exchange(self.ctx, name, value, respond, self.timeout, "sd.verify()")
 
-    def measurer(self, phase: str) -> Callable[[list[tuple[int | None, str]]], list[ProcessMemory]]:
-        """A drop-in for ``measure_all`` that measures the whole node at once."""
+    def measure(self, phase: str, procs: list[tuple[int | None, str]]) -> list[ProcessMemory]:
+        """Measure each ``(pid, role)`` of this rank (across ranks: at ``phase``, node-wide)."""
+        if self.ctx is None:
+            return measure_all(procs, self.segments)
 
         def respond(per_rank: list[tuple[list[Any], list[Any]]]) -> list[Any]:
             owner: dict[int, tuple[int, str]] = {}
@@ -445,21 +447,20 @@ class NodeVerify:
                 mine[rank].append(replace(row, role=role))
             return mine
 
-        def measure(procs: list[tuple[int | None, str]]) -> list[ProcessMemory]:
-            return self._exchange(phase, (procs, self.segments), respond)  # type: ignore[no-any-return]
+        return self._exchange(phase, (procs, self.segments), respond)  # type: ignore[no-any-return]
 
-        measure.node_wide = True  # type: ignore[attr-defined]
-        return measure
-
-    def combine(self, report: MemoryReport, dataset: Any) -> MemoryReport:
-        """The node's report from every local rank's."""
+    def combine(self, report: MemoryReport, identity: frozenset[Any] | None) -> MemoryReport:
+        """The node's report from every local rank's (``identity``: the segments it maps)."""
+        if self.ctx is None:
+            return report
         info = {f.name: getattr(report, f.name) for f in fields(report) if f.name != "processes"}
         info["workers"] = sum(1 for p in report.processes if p.role.startswith("worker"))
-        info["identity"] = dataset_identity(dataset)
+        info["identity"] = identity
+        same = ("dataset_bytes", "start_method", "batches", "max_duplication", "shared_bytes")
+        same += ("received_bytes", "buffer_bytes", "array_bytes")
 
         def respond(infos: list[dict[str, Any]]) -> list[Any]:
-            first, nbytes = infos[0], infos[0]["dataset_bytes"]
-            identities = [i["identity"] for i in infos]
+            nbytes, identities = infos[0]["dataset_bytes"], [i["identity"] for i in infos]
 
             def total(key: str) -> Any:
                 return sum(i[key] for i in infos)
@@ -468,30 +469,17 @@ class NodeVerify:
                 self.rows["before"],
                 self.rows["after"],
                 baselines=sum(i["workers"] * i["baseline_bytes"] for i in infos),
-                plain=max(nbytes - first["shared_bytes"], 0),
                 exact=min(nbytes - i["unresolved_bytes"] for i in infos),
                 workers_missing=any(i["num_workers"] and not i["workers"] for i in infos),
                 copies=len({x for x in identities if x is not None}) + identities.count(None),
-                dataset_bytes=nbytes,
                 baseline_bytes=round(total("baseline_bytes") / len(infos)),
-                start_method=report.start_method,
                 num_workers=total("num_workers"),
-                batches=first["batches"],
-                max_duplication=report.max_duplication,
                 local_ranks=len(infos),
-                shared_bytes=first["shared_bytes"],
                 resolution=total("resolution"),
                 batch_bytes=max(i["batch_bytes"] for i in infos),
-                received_bytes=first["received_bytes"],
-                buffer_bytes=first["buffer_bytes"],
                 counted_bytes=total("counted_bytes"),
+                **{key: infos[0][key] for key in same},
             )
             return [node] * len(infos)
 
         return self._exchange("combine", info, respond)  # type: ignore[no-any-return]
-
-
-def node_verifier(across_ranks: bool | None, segments: Segments = ()) -> NodeVerify | None:
-    """The node-wide helper for ``verify``, or ``None`` to measure this process alone."""
-    ctx = node_context() if across_ranks is not False else None
-    return NodeVerify(ctx, segments) if ctx is not None and ctx.local_world_size > 1 else None

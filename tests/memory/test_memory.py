@@ -153,7 +153,7 @@ def test_dataset_bytes_estimate_is_bounded_on_cycles_and_depth():
         node["next"] = {"next": None, "payload": np.zeros(8)}
         node = node["next"]
     node["next"] = head  # a cycle
-    assert _dataset.estimate_nbytes(head) > 0
+    assert _dataset.dataset_nbytes(head) > 0
 
 
 # -- num_workers=0, report structure, the check itself -------------------------------
