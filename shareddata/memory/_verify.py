@@ -456,8 +456,8 @@ class NodeVerify:
         info = {f.name: getattr(report, f.name) for f in fields(report) if f.name != "processes"}
         info["workers"] = sum(1 for p in report.processes if p.role.startswith("worker"))
         info["identity"] = identity
-        same = ("dataset_bytes", "start_method", "batches", "max_duplication", "shared_bytes")
-        same += ("received_bytes", "buffer_bytes", "array_bytes")
+        same: tuple[str, ...] = ("dataset_bytes", "start_method", "batches", "max_duplication")
+        same += ("shared_bytes", "received_bytes", "buffer_bytes", "array_bytes")
 
         def respond(infos: list[dict[str, Any]]) -> list[Any]:
             nbytes, identities = infos[0]["dataset_bytes"], [i["identity"] for i in infos]
