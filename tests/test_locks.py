@@ -148,4 +148,4 @@ def test_a_ticket_never_overwrites_an_outstanding_one(monkeypatch):
     first = array.segment.handle(ticket=True)
     second = array.segment.handle(ticket=True)
     assert first[5][3] == 7 and second[5][3] == 9  # the slot of each ticket
-    assert _handoff.outstanding(array.segment.fd) == 2
+    assert _handoff.BOARD.outstanding(array.segment.fd) == 2

@@ -1,13 +1,13 @@
 """Shared memory: segments, their pages, and the arrays laid over them.
 
 Lower modules never import higher ones: ``_linux`` (libc), ``_capacity`` (room and
-errors), ``_pages``, ``_handoff``, ``_parent``, ``_segment``, ``_tensor``, ``_array``,
-``_writer``, ``_sweep``.
+errors), ``_pages``, ``_handoff``, ``_parent``, ``_segment`` (:class:`Segment`, the
+owner of a segment in a process), ``_tensor``, ``_array``, ``_writer``, ``_sweep``.
 """
 
 from ._array import SharedArray, allocate, seal, to_numpy_dtype
-from ._pages import populate, population_threads, ready
-from ._segment import Segment, attach, attached_segments
+from ._pages import populate, population_threads
+from ._segment import Segment, attach, attached_segments, ready
 from ._tensor import MemoryRef, SharedTensor, shared_tensor
 
 __all__ = [

@@ -19,11 +19,8 @@ from ..errors import (
     TooManyOpenFilesError,
     UnsupportedDtypeError,
 )
-from ._pages import ready
-from ._segment import Segment, attach
+from ._segment import Segment, attach, ready
 from ._tensor import SegmentRef, shared_tensor
-
-__all__ = ["SharedArray", "aligned", "allocate", "copy_chunked", "seal", "to_numpy_dtype"]
 
 _ALIGN = 64  # bytes; every array in a segment starts on a cache line
 

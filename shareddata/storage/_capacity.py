@@ -30,21 +30,6 @@ from ..errors import (
     TooManyOpenFilesError,
 )
 
-__all__ = [
-    "FULL_ERRNOS",
-    "STORAGE_ENV",
-    "available_memory",
-    "check_capacity",
-    "descriptor_error",
-    "fallocate",
-    "full_error",
-    "mapping_error",
-    "margin",
-    "named_os_errors",
-    "private_peak",
-    "resolve_storage_dir",
-]
-
 FULL_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT)
 STORAGE_ENV = "SHAREDDATA_STORAGE_DIR"
 

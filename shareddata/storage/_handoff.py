@@ -4,15 +4,18 @@ Note [Handing a segment over]
 =============================
 The receiver opens ``/proc/<pid>/fd/<fd>``, which works only while the sender holds
 ``fd`` (a pool worker may drop its result, or exit, first). So each ``multiprocessing``
-pickle carries a ticket: a random slot of the sender's *ticket board* (one small memfd
+pickle carries a ticket: a random slot of the sender's ticket board (one small memfd
 per process, since a loaded dataset's file is sealed, Note [Sealed segments] in
 ``_segment.py``) and a random nonce. The receiver, once it holds the file, opens the
 board via ``/proc`` (checked by device and inode) and ``pwrite``s the nonce into the
-slot. A dropped segment with tickets outstanding is held (descriptor only) until its
-nonces show up or ``HOLD`` passes; a reaper thread checks every ``POLL`` s. At exit a
+slot. A segment closed or dropped with tickets outstanding leaves its descriptor to
+the :class:`Board` (descriptor only), which holds it until its nonces show up or
+``HOLD`` passes; a reaper thread checks every ``POLL`` s. At exit a
 ``multiprocessing`` child waits up to ``EXIT_WAIT`` s (``$SHAREDDATA_HANDOFF_TIMEOUT``)
 for the tickets of segments it created. The finalizer takes no lock: it queues the
-descriptor for the reaper (Note [One lock rule] in ``_linux.py``).
+descriptor for the reaper (Note [One lock rule] in ``_linux.py``). A fork child gets
+a board of its own and closes the parent's held descriptors (``_segment.py``'s
+at-fork hook).
 
 Limits: a plain ``pickle.dumps`` draws no ticket; a ticket covers one receiver; a
 receiver barred from the board (``hidepid``) cannot acknowledge; a SIGKILLed sender
@@ -30,18 +33,6 @@ from dataclasses import dataclass, field
 
 from ._linux import ForkSafeLock, close_fd, file_identity
 
-__all__ = [
-    "EXIT_WAIT",
-    "HOLD",
-    "SLOTS",
-    "acknowledge",
-    "forget",
-    "held",
-    "outstanding",
-    "release",
-    "ticket",
-]
-
 SLOTS = 4096  # 8-byte slots of the ticket board (sparse)
 HOLD = 300.0  # seconds a dropped segment is held for a receiver that has not come
 EXIT_WAIT = 10.0  # seconds a multiprocessing child waits at exit for its receivers
@@ -53,63 +44,155 @@ IDLE_POLL = 1.0
 @dataclass
 class _Sent:
     created: bool  # this process created the segment: wait for its receivers at exit
-    dropped: bool = False  # the Segment is gone: the descriptor is ours to close
+    dropped: bool = False  # its Segment is gone: the descriptor is the board's to close
     pending: dict[int, tuple[bytes, float]] = field(default_factory=dict)  # slot: nonce, deadline
 
 
-_SENT: dict[int, _Sent] = {}
-_DROPPED: collections.deque[int] = collections.deque()  # queued by finalizers, for the reaper
-_TAKEN: set[int] = set()  # slots of the board with a ticket outstanding
-_LOCK = ForkSafeLock()
-_STATE = {"pid": 0}  # the process whose reaper runs and whose exit hook is set
-_BOARD = {"pid": 0, "fd": -1, "dev": 0, "ino": 0}  # this process's ticket board
-
-
-def _board() -> int:
-    """This process's ticket board; the caller holds ``_LOCK``."""
-    if _BOARD["pid"] != os.getpid():
-        fd = os.memfd_create("sd-handoff-tickets", os.MFD_CLOEXEC)
-        os.ftruncate(fd, 8 * SLOTS)
-        dev, ino = file_identity(fd)
-        _BOARD.update(pid=os.getpid(), fd=fd, dev=dev, ino=ino)
-    return _BOARD["fd"]
-
-
-def ticket(fd: int, created: bool) -> tuple[int, ...]:
-    """``(board, dev, ino, slot, nonce)`` for one pickle of ``fd``; ``()`` if all slots are taken.
+class Board:
+    """This process's ticket board, and the descriptors it holds for receivers.
 
     Example:
         >>> fd = os.memfd_create("t"); os.ftruncate(fd, 10)
-        >>> drawn = ticket(fd, created=True)
-        >>> outstanding(fd)
+        >>> drawn = BOARD.ticket(fd, created=True)
+        >>> BOARD.outstanding(fd)
         1
-        >>> acknowledge(os.getpid(), drawn); outstanding(fd)
+        >>> acknowledge(os.getpid(), drawn); BOARD.outstanding(fd)
         0
         >>> release(fd)  # no ticket left: closed at once
     """
-    nonce = secrets.randbits(63) | 1
-    with _LOCK:
-        board = _board()
-        if len(_TAKEN) >= SLOTS:  # tickets nobody redeemed yet: forget the expired ones
-            now = time.monotonic()
-            for held_fd, sent in list(_SENT.items()):
-                _reap_one(held_fd, sent, now)
-            if len(_TAKEN) >= SLOTS:
-                return ()
-        found = _SENT.get(fd)
-        sent = found if found is not None else _SENT.setdefault(fd, _Sent(created))
-        slot = secrets.randbelow(SLOTS)
-        while slot in _TAKEN:  # never overwrite a ticket still outstanding
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("sd-handoff-tickets", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, 8 * SLOTS)
+        self.identity = file_identity(self.fd)
+        self.sent: dict[int, _Sent] = {}  # by descriptor, while tickets are outstanding
+        self.dropped: collections.deque[int] = collections.deque()  # queued by finalizers
+        self.taken: set[int] = set()  # slots with a ticket outstanding
+        self.lock = ForkSafeLock()
+        self.reaping = False
+
+    def ticket(self, fd: int, created: bool) -> tuple[int, ...]:
+        """``(board, dev, ino, slot, nonce)`` for a pickle of ``fd``; ``()`` if no slot is free."""
+        nonce = secrets.randbits(63) | 1
+        with self.lock:
+            if len(self.taken) >= SLOTS:  # forget the expired tickets first
+                self._reap(time.monotonic())
+                if len(self.taken) >= SLOTS:
+                    return ()
+            sent = self.sent.get(fd) or self.sent.setdefault(fd, _Sent(created))
             slot = secrets.randbelow(SLOTS)
-        _TAKEN.add(slot)
-        sent.pending[slot] = (nonce.to_bytes(8, "little"), time.monotonic() + HOLD)
-        started = _STATE["pid"] != os.getpid()
-        if started:
-            _STATE["pid"] = os.getpid()
-            threading.Thread(target=_reaper, name="shareddata-handoff", daemon=True).start()
-    if started:
-        _register_exit_hook()
-    return (board, _BOARD["dev"], _BOARD["ino"], slot, nonce)
+            while slot in self.taken:  # never overwrite a ticket still outstanding
+                slot = secrets.randbelow(SLOTS)
+            self.taken.add(slot)
+            sent.pending[slot] = (nonce.to_bytes(8, "little"), time.monotonic() + HOLD)
+            start, self.reaping = not self.reaping, True
+        if start:
+            threading.Thread(target=self._reaper, name="shareddata-handoff", daemon=True).start()
+            import multiprocessing.util
+
+            if multiprocessing.parent_process() is not None:  # after Queue feeders (-5)
+                multiprocessing.util.Finalize(None, self._wait_at_exit, exitpriority=-100)
+        return (self.fd, *self.identity, slot, nonce)
+
+    def release(self, fd: int) -> None:
+        """Close ``fd``, or queue it for the reaper if tickets are out (lock-free: a finalizer)."""
+        if fd in self.sent:
+            self.dropped.append(fd)
+        else:
+            close_fd(fd)
+
+    def forget(self, fd: int) -> None:
+        """Drop the tickets of ``fd`` (freed on purpose); the caller closes it."""
+        with self.lock:
+            sent = self.sent.pop(fd, None)
+            self.taken.difference_update(sent.pending if sent else ())
+
+    def outstanding(self, fd: int) -> int:
+        """Tickets of ``fd`` not yet acknowledged (checked now)."""
+        with self.lock:
+            self._take_dropped()
+            if fd in self.sent:
+                self._reap_one(fd, self.sent[fd], time.monotonic())
+            return len(self.sent[fd].pending) if fd in self.sent else 0
+
+    def held(self) -> int:
+        """Descriptors held only for receivers that have not come yet."""
+        with self.lock:
+            self._take_dropped()
+            return sum(sent.dropped for sent in self.sent.values())
+
+    def reap(self, created_only: bool = False) -> int:
+        """Forget acknowledged and expired tickets, close what is done; how many are still out."""
+        with self.lock:
+            self._take_dropped()
+            return self._reap(time.monotonic(), created_only)
+
+    def _reap(self, now: float, created_only: bool = False) -> int:
+        left = 0
+        for fd, sent in list(self.sent.items()):
+            self._reap_one(fd, sent, now)
+            if fd in self.sent and (sent.created or not created_only):
+                left += len(sent.pending)
+        return left
+
+    def _take_dropped(self) -> None:
+        while self.dropped:
+            fd = self.dropped.popleft()
+            if fd in self.sent:
+                self.sent[fd].dropped = True
+            else:  # its tickets were all acknowledged meanwhile
+                close_fd(fd)
+
+    def _reap_one(self, fd: int, sent: _Sent, now: float) -> None:
+        for slot, (nonce, deadline) in list(sent.pending.items()):
+            try:
+                seen = os.pread(self.fd, 8, 8 * slot)
+            except OSError:
+                seen = nonce  # the board is unusable: nothing left to hold
+            if seen == nonce or now > deadline:
+                del sent.pending[slot]
+                self.taken.discard(slot)
+        if not sent.pending:
+            del self.sent[fd]
+            if sent.dropped:
+                close_fd(fd)
+
+    def _reaper(self) -> None:
+        while BOARD is self:  # a fork child has a board of its own (and not this thread)
+            time.sleep(POLL if self.sent or self.dropped else IDLE_POLL)
+            self.reap()
+
+    def _wait_at_exit(self) -> None:
+        try:
+            wait = float(os.environ.get(_EXIT_WAIT_ENV) or EXIT_WAIT)
+        except ValueError:
+            wait = EXIT_WAIT
+        deadline = time.monotonic() + wait
+        while self.reap(created_only=True) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close_in_child(self) -> None:
+        """In a fork child: close the parent's board and the descriptors it held."""
+        for fd in [fd for fd, sent in self.sent.items() if sent.dropped] + list(self.dropped):
+            close_fd(fd)
+        close_fd(self.fd)
+        self.sent.clear()  # inert: its exit wait, if it runs here, finds nothing
+        self.dropped.clear()
+
+
+BOARD = Board()  # made now, so the descriptor count stays flat once running
+
+
+def release(fd: int) -> None:
+    """A Segment's finalizer: :meth:`Board.release` on this process's board."""
+    BOARD.release(fd)
+
+
+def renew_in_child() -> None:
+    """A fork child's board of its own (called by ``_segment.py``'s at-fork hook)."""
+    global BOARD
+    BOARD.close_in_child()
+    BOARD = Board()
 
 
 def acknowledge(pid: int, drawn: tuple[int, ...]) -> None:
@@ -128,116 +211,3 @@ def acknowledge(pid: int, drawn: tuple[int, ...]) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def outstanding(fd: int) -> int:
-    """Tickets of ``fd`` not yet acknowledged (checked now)."""
-    with _LOCK:
-        _take_dropped()
-        sent = _SENT.get(fd)
-        if sent is None:
-            return 0
-        _reap_one(fd, sent, time.monotonic())
-        sent = _SENT.get(fd)
-        return 0 if sent is None else len(sent.pending)
-
-
-def release(fd: int) -> None:
-    """The Segment's finalizer, lock-free: close ``fd``, or queue it for the reaper."""
-    if fd in _SENT:
-        _DROPPED.append(fd)
-    else:
-        close_fd(fd)
-
-
-def forget(fd: int) -> None:
-    """Drop the tickets of ``fd`` (freed on purpose); the caller closes it."""
-    with _LOCK:
-        sent = _SENT.pop(fd, None)
-        _TAKEN.difference_update(sent.pending if sent else ())
-
-
-def held() -> int:
-    """Descriptors this process holds only for receivers that have not come yet."""
-    with _LOCK:
-        _take_dropped()
-        return sum(1 for sent in _SENT.values() if sent.dropped)
-
-
-def _take_dropped() -> None:
-    while _DROPPED:
-        fd = _DROPPED.popleft()
-        sent = _SENT.get(fd)
-        if sent is None:  # its tickets were all acknowledged meanwhile
-            close_fd(fd)
-        else:
-            sent.dropped = True
-
-
-def _reap_one(fd: int, sent: _Sent, now: float) -> None:
-    for slot, (nonce, deadline) in list(sent.pending.items()):
-        try:
-            seen = os.pread(_BOARD["fd"], 8, 8 * slot)
-        except OSError:
-            seen = nonce  # the board is unusable: nothing left to hold
-        if seen == nonce or now > deadline:
-            del sent.pending[slot]
-            _TAKEN.discard(slot)
-    if not sent.pending:
-        del _SENT[fd]
-        if sent.dropped:
-            close_fd(fd)
-
-
-def _reap(created_only: bool = False) -> int:
-    """Reap every descriptor; the tickets still outstanding."""
-    now, left = time.monotonic(), 0
-    with _LOCK:
-        _take_dropped()
-        for fd, sent in list(_SENT.items()):
-            _reap_one(fd, sent, now)
-            if fd in _SENT and (sent.created or not created_only):
-                left += len(sent.pending)
-    return left
-
-
-def _reaper() -> None:
-    pid = os.getpid()
-    while _STATE["pid"] == pid:
-        time.sleep(POLL if _SENT or _DROPPED else IDLE_POLL)
-        _reap()
-
-
-def _wait_at_exit() -> None:
-    try:
-        wait = float(os.environ.get(_EXIT_WAIT_ENV) or EXIT_WAIT)
-    except ValueError:
-        wait = EXIT_WAIT
-    deadline = time.monotonic() + wait
-    while _reap(created_only=True) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def _register_exit_hook() -> None:
-    import multiprocessing
-    import multiprocessing.util
-
-    if multiprocessing.parent_process() is not None:  # after Queue feeders (priority -5)
-        multiprocessing.util.Finalize(None, _wait_at_exit, exitpriority=-100)
-
-
-def _after_fork_in_child() -> None:
-    for fd, sent in list(_SENT.items()):
-        if sent.dropped or fd in _DROPPED:
-            close_fd(fd)
-    _SENT.clear()
-    _DROPPED.clear()
-    _TAKEN.clear()
-    _STATE["pid"] = 0
-    close_fd(_BOARD["fd"])
-    _BOARD.update(pid=0, fd=-1)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-with _LOCK:  # now, so the descriptor count stays flat once running
-    _board()

@@ -15,28 +15,6 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = [
-    "ForkSafeLock",
-    "MADV_HUGEPAGE",
-    "MADV_POPULATE_READ",
-    "MADV_POPULATE_WRITE",
-    "SEAL_ALL",
-    "SEAL_SIZE",
-    "add_seals",
-    "address_of",
-    "anonymous_file",
-    "array_at",
-    "close_fd",
-    "file_identity",
-    "is_tmpfs",
-    "libc",
-    "map_fd",
-    "page_floor",
-    "unmap",
-    "madvise",
-    "replace_with_anonymous",
-]
-
 MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux >= 5.14; the mmap module names them only on 3.13+
 MADV_POPULATE_WRITE = 23

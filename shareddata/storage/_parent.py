@@ -22,8 +22,6 @@ import time
 
 from ._linux import close_fd
 
-__all__ = ["POLL", "watch_parent"]
-
 POLL = 1.0  # seconds per bounded wait on the parent's pidfd
 _WORKER_WAIT = 10.0  # seconds a child whose parent died waits to show as a DataLoader worker
 _STATE = {"pid": 0, "pidfd": -1}  # the process whose watcher runs, and its pidfd
@@ -70,10 +68,8 @@ def _is_parent(pid: int) -> bool:
     return parent is not None and parent.pid == pid
 
 
-def _after_fork_in_child() -> None:
+def forget_in_child() -> None:
+    """In a fork child (``_segment.py``'s at-fork hook): the watcher is the parent's."""
     if _STATE["pidfd"] >= 0:
         close_fd(_STATE["pidfd"])
     _STATE.update(pid=0, pidfd=-1)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,17 +1,23 @@
-"""Segments: anonymous shared files, mapped here, pickled as handles, attached, sealed, freed.
+"""Segment: the one owner of a shared file in this process.
 
 Note [How shared segments are made, shared and freed]
 =====================================================
 A segment is a ``memfd`` (RAM) or an ``O_TMPFILE`` in ``storage_dir``: never named,
-so the kernel frees it with the last descriptor and mapping, whoever dies. Capacity
-is checked first and every page allocated up front (Note [Allocating shared pages]),
-so a full memory raises, never SIGBUSes. A segment pickles as a handle ``(pid, fd,
-dev, inode, size)`` plus a ticket; the receiver opens ``/proc/<pid>/fd/<fd>``
-(checked by device and inode) and hands out its own ``(pid, fd)`` in turn; the
-sender holds the file until the ticket is acknowledged (Note [Handing a segment
-over] in ``_handoff.py``). One mapping per segment per process. Read-only handles
+so the kernel frees it with the last descriptor and mapping, whoever dies. In each
+process one :class:`Segment` owns it: its descriptor, its one mapping, the threads
+that populate it and the tickets drawn on it. It is made by :meth:`Segment.create`
+(capacity checked first, every page populated up front: Note [Allocating shared
+pages] in ``_pages.py``, so a full memory raises, never SIGBUSes), by
+:meth:`Segment.adopt` (a file written with ``pwrite``) or by unpickling
+(:func:`attach`). It is open until :meth:`Segment.close` (or until nothing refers to
+it: every view holds it); a closed segment refuses every use. It pickles as a handle
+``(pid, fd, dev, inode, size)`` plus a ticket; the receiver opens
+``/proc/<pid>/fd/<fd>`` (checked by device and inode) and hands out its own
+``(pid, fd)`` in turn; the sender's board holds the file until the ticket is
+acknowledged (Note [Handing a segment over] in ``_handoff.py``). Read-only handles
 are opened O_RDONLY and mapped ``MAP_PRIVATE``; a loaded dataset is sealed (Note
-[Sealed segments]).
+[Sealed segments]). What a process holds besides its segments (the ticket board, the
+parent watcher) is reset in a fork child by this module's one at-fork hook.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AttachError
-from . import _handoff
+from . import _handoff, _parent
 from ._capacity import (
     FULL_ERRNOS,
     available_memory,
@@ -55,45 +61,53 @@ from ._linux import (
     replace_with_anonymous,
     unmap,
 )
-from ._pages import Population, populate, population_failed
-from ._parent import watch_parent
+from ._pages import Population
 
-__all__ = ["SEAL_WAIT", "Segment", "attach", "attached_segments"]
-
-SEAL_WAIT = 2.0
-"""Seconds a seal against writes waits for other processes' writable mappings to go."""
+SEAL_WAIT = 2.0  # seconds a seal against writes waits for others' writable mappings to go
 _ATTACHED: weakref.WeakValueDictionary[tuple[str, bool], Segment] = weakref.WeakValueDictionary()
-_ATTACH_LOCK = ForkSafeLock()
+_ATTACH_LOCK = ForkSafeLock()  # one mapping per segment (and access mode) per process
 
 
 class Segment:
-    """One anonymous shared file, mapped into this process (:meth:`create` or unpickle)."""
+    """One anonymous shared file, owned in this process (Note [How shared segments ...]).
+
+    Made by :meth:`create`, :meth:`adopt` or unpickling; a context manager; after
+    :meth:`close` every use raises ``ValueError``.
+
+    Example:
+        >>> with Segment.create(4096) as segment:
+        ...     segment.view(0, 3)[:] = 7
+        ...     segment.view(0, 3).tolist()
+        [7, 7, 7]
+        >>> segment.closed
+        True
+        >>> segment.view()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Segment(size=4096, ...) is closed...
+    """
+
+    closed = False
+    _population: Population | None = None
 
     def __init__(
-        self, fd: int, size: int, token: str, writable: bool = True, what: str = "a shared segment"
+        self,
+        fd: int,
+        size: int,
+        token: str,
+        writable: bool = True,
+        *,
+        created: bool = False,
+        what: str = "a shared segment",
     ) -> None:
-        self.fd = fd
-        self.size = size
-        self.token = token
-        self.writable = writable
-        self._ident = file_identity(fd)
+        self.fd, self.size, self.token, self.writable = fd, size, token, writable
+        self.created_here = created  # only the creator may discard()
+        self.identity = file_identity(fd)
         with named_os_errors(what, size):  # Note [One descriptor per segment]
             self.address = map_fd(fd, size, private=not writable)
         self._unmap = weakref.finalize(self, unmap, self.address, size)
-        self._unmap.atexit = False
-        self._finalizer = weakref.finalize(self, _handoff.release, fd)
-        self.created_here = False  # set by create(): only the creator may discard()
-
-    def view(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
-        """A writable ``uint8`` array over the mapping; it and its views hold the segment."""
-        if nbytes is None:
-            nbytes = self.size - offset
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
-            raise ValueError(f"bytes [{offset}, {offset + nbytes}) beyond a segment of {self.size}")
-        # over the whole segment: ctypes keeps one array type per length, forever
-        raw = (ctypes.c_uint8 * self.size).from_address(self.address)
-        raw.segment = self  # type: ignore[attr-defined]  # the base of every view
-        return np.frombuffer(memoryview(raw), np.uint8)[offset : offset + nbytes]
+        self._unmap.atexit = False  # other finalizers may still read it at exit
+        self._release = weakref.finalize(self, _handoff.release, fd)
 
     @classmethod
     def create(
@@ -104,76 +118,111 @@ class Segment:
         reserve: bool = True,
         ahead: bool = False,
     ) -> Segment:
-        """Allocate ``nbytes`` (RAM, or ``storage_dir``), every page reserved first.
+        """Allocate ``nbytes`` (RAM, or ``storage_dir``), every page populated first.
 
         ``reserve=False`` only sizes the file, for a writer using ``os.pwrite``.
-        ``ahead`` returns while threads allocate the pages (Note [Filling while the
-        pages are allocated]); end with :meth:`finish_population` or
-        :meth:`stop_population`. Raises SharedMemoryFullError when there is no room.
+        ``ahead`` returns while threads populate the pages (Note [Filling while the
+        pages are allocated] in ``_pages.py``): write a range after :func:`ready`, end
+        with :meth:`finish_population`. SharedMemoryFullError when there is no room.
         """
         directory = resolve_storage_dir(storage_dir)
+        size = max(int(nbytes), 1)
         with named_os_errors(what):  # no descriptor left (reading the room takes one too)
-            return cls._create(max(int(nbytes), 1), directory, what, reserve, ahead)
-
-    @classmethod
-    def _create(
-        cls, size: int, directory: str | None, what: str, reserve: bool, ahead: bool
-    ) -> Segment:
-        check_capacity(size, directory, what)
-        fd = anonymous_file(directory)
-        # Note [Allocating shared pages]
-        by_faults = reserve and (directory is None or is_tmpfs(fd))
-        try:
-            if reserve and not by_faults:
-                fallocate(fd, size, directory, what)
+            check_capacity(size, directory, what)
+            fd = anonymous_file(directory)
+            by_faults = reserve and (directory is None or is_tmpfs(fd))  # RAM: populated
             try:
-                os.ftruncate(fd, size)
-            except OSError as e:
-                if e.errno in FULL_ERRNOS:
-                    raise full_error(size, available_memory(directory), directory, what) from e
+                if reserve and not by_faults:  # a disk file is fallocate-d first
+                    fallocate(fd, size, directory, what)
+                try:
+                    os.ftruncate(fd, size)
+                except OSError as e:
+                    if e.errno in FULL_ERRNOS:
+                        raise full_error(size, available_memory(directory), directory, what) from e
+                    raise
+                segment = cls(fd, size, secrets.token_hex(8), created=True, what=what)
+            except BaseException:
+                os.close(fd)
                 raise
-            segment = cls(fd, size, secrets.token_hex(8), what=what)
-        except BaseException:
-            os.close(fd)
-            raise
-        segment.created_here = True
         if reserve:
+            failed = functools.partial(_population_failed, fd, size, directory, what)
+            ahead = ahead and directory is None and available_memory(None) >= 2 * size
             try:
-                if ahead and directory is None and available_memory(None) >= 2 * size:
-                    segment._population = Population(segment, directory, what)
+                if by_faults:  # Note [Allocating shared pages] in _pages.py
+                    madvise(segment.address, size, MADV_HUGEPAGE)  # a hint; may do nothing
+                segment._population = population = Population(
+                    segment.address, size, failed=failed if by_faults else None
+                )
+                if ahead:  # dropped before the end: the threads stop at their next step
+                    weakref.finalize(segment, setattr, population, "stopped", True)
                 else:
-                    segment._reserve(by_faults, directory, what)
+                    segment.finish_population()
             except BaseException:
                 segment.close()
                 raise
         return segment._register()
 
-    _population: Population | None = None
+    @classmethod
+    def adopt(cls, fd: int, written: int, what: str) -> Segment:
+        """The file ``fd``, filled with ``pwrite`` (``written`` bytes), as a segment owning it.
 
-    def _reserve(self, by_faults: bool, directory: str | None, what: str) -> None:
-        """Allocate (``by_faults``) and map every page: Note [Allocating shared pages]."""
-        if by_faults:
-            madvise(self.address, self.size, MADV_HUGEPAGE)  # a hint; may do nothing
-        error = populate(self.address, self.size)
-        if by_faults and error:
-            population_failed(error, self.fd, self.size, directory, what)
+        Its pages are mapped here (``MADV_POPULATE_READ``) as the writers do.
+        """
+        size = max(written, 1)
+        os.ftruncate(fd, size)
+        segment = cls(fd, size, secrets.token_hex(8), created=True, what=what)
+        if written:
+            madvise(segment.address, written, MADV_POPULATE_READ)
+        return segment._register()
+
+    def _register(self) -> Segment:
+        with _ATTACH_LOCK:
+            _ATTACHED[(self.token, self.writable)] = self
+        return self
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(
+                f"{self!r} is closed: this process let go of its memory. Use the arrays "
+                "of an open segment, or unpickle the handle again from a process holding it."
+            )
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """A writable ``uint8`` array over the mapping; it and its views hold the segment."""
+        self._check_open()
+        if nbytes is None:
+            nbytes = self.size - offset
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) beyond a segment of {self.size}")
+        # over the whole segment: ctypes keeps one array type per length, forever
+        raw = (ctypes.c_uint8 * self.size).from_address(self.address)
+        raw.segment = self  # type: ignore[attr-defined]  # the base of every view (ready())
+        return np.frombuffer(memoryview(raw), np.uint8)[offset : offset + nbytes]
+
+    def ready(self, end: int) -> None:
+        """Wait until bytes ``[0, end)`` may be written; SharedMemoryFullError if a page failed."""
+        population = self._population
+        if population is not None:
+            population.wait(end)
 
     def finish_population(self) -> None:
-        """Wait for the pages of ``create(ahead=True)``; SharedMemoryFullError if one failed."""
-        if self._population is not None:
-            self._population.finish()
+        """Wait for every page of ``create(ahead=True)``; SharedMemoryFullError if one failed."""
+        population = self._population
+        if population is not None:
+            population.finish()
             self._population = None
 
     def stop_population(self) -> None:
-        """Stop allocating the pages of ``create(ahead=True)`` and wait for the threads."""
-        if self._population is not None:
-            self._population.stop()
-            self._population = None
+        """Stop populating the pages of ``create(ahead=True)`` and wait for the threads."""
+        population, self._population = self._population, None
+        if population is not None:
+            population.stop()
 
     def handle(self, ticket: bool = False) -> tuple[Any, ...]:
         """What pickling sends; ``ticket`` holds the file until the receiver opened it."""
-        drawn = _handoff.ticket(self.fd, self.created_here) if ticket else ()
-        return (os.getpid(), self.fd, self._ident, self.size, self.token, drawn)
+        self._check_open()
+        drawn = _handoff.BOARD.ticket(self.fd, self.created_here) if ticket else ()
+        return (os.getpid(), self.fd, self.identity, self.size, self.token, drawn)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self._reduce(ticket=False)
@@ -181,22 +230,12 @@ class Segment:
     def _reduce(self, ticket: bool) -> tuple[Any, ...]:
         return (attach, (*self.handle(ticket), self.writable))
 
-    def _register(self) -> Segment:
-        with _ATTACH_LOCK:
-            _ATTACHED[(self.token, self.writable)] = self
-        return self
-
-    def close(self) -> None:
-        """Unmap and close now: for a segment that no array refers to (a failed create)."""
-        _ATTACHED.pop((self.token, self.writable), None)
-        self._unmap()
-        self._finalizer()
-
     def seal(self, write: bool = True) -> bool:
         """Seal against resizing and, with ``write``, any write: Note [Sealed segments].
 
         Returns whether the file is sealed (False in a ``storage_dir``).
         """
+        self._check_open()
         if write and self.writable:
             with named_os_errors("a loaded dataset's memory", self.size):
                 map_fd(self.fd, self.size, private=True, at=self.address)
@@ -223,18 +262,62 @@ class Segment:
         )
         return add_seals(self.fd, SEAL_SIZE)
 
+    def close(self) -> None:
+        """Let go of the file in this process now (idempotent): Note [Freeing a failed load].
+
+        Arrays still over it read zeros; a receiver with a ticket still gets the file.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self.stop_population()
+        with _ATTACH_LOCK:
+            if _ATTACHED.get((self.token, self.writable)) is self:
+                del _ATTACHED[(self.token, self.writable)]
+        if replace_with_anonymous(self.address, self.size):  # else the views keep it
+            self._release()  # closed now, or held for receivers by the board
+
     def discard(self) -> None:
-        """Free now, whatever refers to it (creator only): Note [Freeing a failed load]."""
+        """:meth:`close` with no receiver waited for: a failed load (the creator only)."""
         if not self.created_here:
             raise RuntimeError("only the process that created a segment may discard it")
-        _handoff.forget(self.fd)
-        _ATTACHED.pop((self.token, self.writable), None)
-        if not replace_with_anonymous(self.address, self.size):
-            return  # could not: the views keep it until they are gone
-        self._finalizer()
+        if not self.closed:
+            _handoff.BOARD.forget(self.fd)
+            self.close()
+
+    def __enter__(self) -> Segment:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"Segment(size={self.size}, fd={self.fd}, token={self.token!r})"
+
+
+def _population_failed(fd: int, size: int, directory: str | None, what: str, error: int) -> None:
+    """A page could not be populated: SharedMemoryFullError, or fallocate on Linux < 5.14."""
+    if error in FULL_ERRNOS or error == errno.EFAULT:  # EFAULT: the fault hit SIGBUS
+        raise full_error(size, available_memory(directory), directory, what)
+    fallocate(fd, size, directory, what)  # EINVAL: MADV_POPULATE_WRITE unknown
+
+
+def ready(array: np.ndarray, nbytes: int | None = None) -> None:
+    """Wait until the pages under ``array`` (its first ``nbytes``) may be written.
+
+    The segment is found through the array's base (:meth:`Segment.view`).
+
+    Example:
+        >>> ready(np.zeros(4))  # private memory: nothing to wait for
+    """
+    base: Any = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    segment = getattr(getattr(base, "obj", None), "segment", None)
+    if isinstance(segment, Segment) and segment._population is not None:
+        start = array.__array_interface__["data"][0] - segment.address
+        segment.ready(start + (array.nbytes if nbytes is None else nbytes))
 
 
 # Note [Freeing a failed load]
@@ -242,7 +325,8 @@ class Segment:
 # A failed load's traceback (or ``sys.last_value``) may still hold its arrays, which
 # would keep a huge load in RAM and fail the retry. The loader discards the segment at
 # once: the mapping is replaced in place by anonymous zero pages (``MAP_FIXED``), so
-# leftover arrays read zeros, and the only descriptor is closed.
+# leftover arrays read zeros, and the only descriptor is closed. ``close`` does the
+# same, but leaves the descriptor to the board while receivers hold tickets.
 
 
 # Note [One descriptor per segment]
@@ -274,48 +358,54 @@ def attach(
 ) -> Segment:
     """Map the segment ``pid`` holds as ``fd`` (unpickling), then acknowledge ``drawn``."""
     with _ATTACH_LOCK:
-        watch_parent(pid)  # a DataLoader worker exits with its main process: Note in _parent.py
+        _parent.watch_parent(pid)  # a worker exits with its main process: Note in _parent.py
         # a writable mapping serves read-only arrays too, never the other way
-        existing = _ATTACHED.get((token, True)) or (
+        segment = _ATTACHED.get((token, True)) or (
             None if writable else _ATTACHED.get((token, False))
         )
-        if existing is not None:
-            _handoff.acknowledge(pid, drawn)
-            return existing
-        path = f"/proc/{pid}/fd/{fd}"
-        what = f"shared segment {token} sent by process {pid}"
-        try:
-            with named_os_errors(what):
-                new_fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
-        except FileNotFoundError as e:
-            holder = "this process" if pid == os.getpid() else f"process {pid}, which sent it,"
+        if segment is None:
+            segment = _open(pid, fd, ident, size, token, drawn, writable)
+            _ATTACHED[(token, writable)] = segment
+            return segment
+    _handoff.acknowledge(pid, drawn)  # mapped here already: the sender may let go
+    return segment
+
+
+def _open(
+    pid: int, fd: int, ident: tuple[int, int], size: int, token: str, drawn: Any, writable: bool
+) -> Segment:
+    path = f"/proc/{pid}/fd/{fd}"
+    what = f"shared segment {token} sent by process {pid}"
+    try:
+        with named_os_errors(what):
+            new_fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        holder = "this process" if pid == os.getpid() else f"process {pid}, which sent it,"
+        raise AttachError(
+            f"cannot attach shared segment {token}: {holder} no longer holds it "
+            f"({path} is gone: the sender exited or was killed before this process "
+            f"received it, or {_handoff.HOLD:.0f} s passed). Keep the dataset or "
+            "SharedArray alive in the sending process until every receiver has "
+            "unpickled it."
+        ) from e
+    except PermissionError as e:
+        raise AttachError(
+            f"cannot attach shared segment {token}: opening {path} was refused ({e}). "
+            f"Attaching needs the same user as process {pid} and read access to its /proc "
+            "entry (ptrace read); a hardened /proc (hidepid) or a setuid/non-dumpable "
+            "sender prevents it."
+        ) from e
+    try:
+        if file_identity(new_fd) != tuple(ident):
             raise AttachError(
-                f"cannot attach shared segment {token}: {holder} no longer holds it "
-                f"({path} is gone: the sender exited or was killed before this process "
-                f"received it, or {_handoff.HOLD:.0f} s passed). Keep the dataset or "
-                "SharedArray alive in the sending process until every receiver has "
-                "unpickled it."
-            ) from e
-        except PermissionError as e:
-            raise AttachError(
-                f"cannot attach shared segment {token}: opening {path} was refused ({e}). "
-                f"Attaching needs the same user as process {pid} and read access to its /proc "
-                "entry (ptrace read); a hardened /proc (hidepid) or a setuid/non-dumpable "
-                "sender prevents it."
-            ) from e
-        try:
-            if file_identity(new_fd) != tuple(ident):
-                raise AttachError(
-                    f"cannot attach shared segment {token}: {path} now refers to another "
-                    "file (the sender closed the segment and reused the descriptor)."
-                )
-            _handoff.acknowledge(pid, drawn)
-            segment = Segment(new_fd, size, token, writable=writable, what=what)
-        except BaseException:
-            os.close(new_fd)
-            raise
-        _ATTACHED[(token, writable)] = segment
-        return segment
+                f"cannot attach shared segment {token}: {path} now refers to another "
+                "file (the sender closed the segment and reused the descriptor)."
+            )
+        _handoff.acknowledge(pid, drawn)  # the file is held here: the sender may let go
+        return Segment(new_fd, size, token, writable, what=what)
+    except BaseException:
+        os.close(new_fd)
+        raise
 
 
 def attached_segments() -> list[Segment]:
@@ -324,5 +414,11 @@ def attached_segments() -> list[Segment]:
         return list(_ATTACHED.values())
 
 
+def _after_fork_in_child() -> None:
+    _handoff.renew_in_child()  # the parent's held descriptors and board are not ours
+    _parent.forget_in_child()  # nor its parent watcher
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 # multiprocessing's pickler draws a ticket: Note [Handing a segment over]
 ForkingPickler.register(Segment, functools.partial(Segment._reduce, ticket=True))

@@ -20,8 +20,6 @@ import re
 import time
 from dataclasses import dataclass
 
-__all__ = ["Leftover", "auto_sweep", "leftovers", "sweep"]
-
 _TORCH_NAME = re.compile(r"^torch_(\d+)_")
 _SWEEP_ENV = "SHAREDDATA_SWEEP"
 

@@ -38,8 +38,6 @@ from ._capacity import named_os_errors
 from ._linux import array_at, map_fd, page_floor, unmap
 from ._segment import Segment, attach
 
-__all__ = ["MemoryRef", "SegmentRef", "SharedTensor", "rebuild_tensor", "shared_tensor"]
-
 
 class MemoryRef(Protocol):
     """What a :class:`SharedTensor` views: pickles as something that unpickles to a storage."""

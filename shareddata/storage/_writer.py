@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 from array import array
 from collections.abc import Iterable
 from itertools import accumulate, islice
@@ -21,11 +20,8 @@ from ._capacity import (
     named_os_errors,
     resolve_storage_dir,
 )
-from ._linux import MADV_POPULATE_READ, anonymous_file, madvise, page_floor
+from ._linux import anonymous_file
 from ._segment import Segment
-
-__all__ = ["VarStore", "pwrite_all"]
-
 
 # Note [Variable-length values go to shared memory as they come]
 # ===============================================================
@@ -136,14 +132,12 @@ class VarStore:
     def finish(self) -> tuple[Segment, int]:
         """Hand the file over, trimmed, as the caller's segment: ``(segment, elements)``."""
         self.flush()
-        size = max(self.written, 1)
-        os.ftruncate(self.fd, size)
-        segment = Segment(self.fd, size, secrets.token_hex(8))  # closes fd when dropped
-        segment.created_here = True
-        self.fd = -1
-        if self.written:  # map the written pages here
-            start = page_floor(segment.address)
-            madvise(start, segment.address + self.written - start, MADV_POPULATE_READ)
+        fd, self.fd = self.fd, -1
+        try:
+            segment = Segment.adopt(fd, self.written, self.what)
+        except BaseException:
+            os.close(fd)
+            raise
         return segment, self.written // self.dtype.itemsize
 
     def finish_with_offsets(self) -> tuple[SharedArray, SharedArray]:

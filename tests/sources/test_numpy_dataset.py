@@ -351,7 +351,7 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     # segment in address order while the file is read into its first pages; a read
     # waits until the pages it fills are in
     from shareddata.sources import _io
-    from shareddata.storage import _pages
+    from shareddata.storage import _pages, attached_segments
 
     nbytes = 160 << 20
     np.save(tmp_path / "x.npy", np.ones(nbytes // 4, np.float32))
@@ -359,9 +359,9 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     reads, real_preadv = [], os.preadv
 
     def preadv(fd, buffers, offset):
-        (population,) = _pages._POPULATIONS.values()
+        (population,) = [s._population for s in attached_segments() if s._population]
         address = np.frombuffer(buffers[0], np.uint8).ctypes.data
-        end = address + len(buffers[0]) - population.base
+        end = address + len(buffers[0]) - population.address
         reads.append((end, population._ready * _pages._POPULATE_STEP))
         return real_preadv(fd, buffers, offset)
 
@@ -370,7 +370,7 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     assert len(reads) == 10
     assert all(end <= populated for end, populated in reads)  # never ahead of the pages
     assert any(populated < nbytes for _, populated in reads)  # reads did not wait for all
-    assert not _pages._POPULATIONS
+    assert not [s for s in attached_segments() if s._population]
     assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
     segment = ds._columns["x"].arrays["data"].segment
     assert os.fstat(segment.fd).st_blocks * 512 >= nbytes  # every page allocated
@@ -381,13 +381,13 @@ def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkey
     from shareddata.storage import _pages
 
     np.save(tmp_path / "x.npy", np.ones((128 << 20) // 4, np.float32))
-    real = _pages.madvise
+    real, steps = _pages.madvise, []
 
-    def madvise(address, length, advice):  # memory runs out at the fourth step
-        populations = list(_pages._POPULATIONS.values())
-        step = address - populations[-1].base if populations else 0
-        if advice == _pages.MADV_POPULATE_WRITE and step >= 3 * _pages._POPULATE_STEP:
-            return errno.ENOMEM
+    def madvise(address, length, advice):  # memory runs out after three steps
+        if advice == _pages.MADV_POPULATE_WRITE:
+            steps.append(address)
+            if len(steps) > 3:
+                return errno.ENOMEM
         return real(address, length, advice)
 
     monkeypatch.setattr(_pages, "madvise", madvise)
@@ -397,7 +397,6 @@ def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkey
         sd.NumpyDataset(tmp_path / "x.npy")
     gc.collect()
     assert open_fds() == fds  # the segment is gone
-    assert not _pages._POPULATIONS
     assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
 
 
@@ -419,19 +418,18 @@ def test_populating_stops_every_thread_at_the_first_error(monkeypatch):
 
 
 def test_a_segment_dropped_while_its_pages_are_allocated_stops_the_threads():
-    from shareddata.storage import Segment, _pages
+    from shareddata.storage import Segment, ready
 
     segment = Segment.create(256 << 20, ahead=True)
-    assert len(_pages._POPULATIONS) == 1
+    assert segment._population is not None
     del segment
     gc.collect()
-    assert not _pages._POPULATIONS
     deadline = time.monotonic() + 10  # the threads stop at their next step (32 MiB)
     while [t for t in threading.enumerate() if t.name == "shareddata-populate"]:
         assert time.monotonic() < deadline, "population threads still run"
         time.sleep(0.01)
     small = sd.SharedArray.empty(16, np.uint8)  # new mappings are not mistaken for it
-    _pages.ready(small.numpy())
+    ready(small.numpy())
 
 
 def test_an_empty_selection_names_what_exists(tmp_path):
