@@ -230,6 +230,27 @@ def test_segments_close_their_descriptors():
     assert open_fds() == fds
 
 
+def test_a_segment_closes_once_and_refuses_every_use_after():
+    from multiprocessing.reduction import ForkingPickler
+
+    fds = open_fds()
+    with Segment.create(4096) as segment:
+        view = segment.view()
+        view[:4] = 9
+    assert segment.closed and open_fds() == fds  # its descriptor is gone at once
+    assert int(view[0]) == 0  # a leftover view reads zeros, still valid memory
+    segment.close()  # idempotent
+    uses = [segment.view, segment.handle, segment.seal, segment.__enter__]
+    for use in [*uses, lambda: pickle.dumps(segment), lambda: ForkingPickler.dumps(segment)]:
+        with pytest.raises(ValueError, match="is closed"):
+            use()
+    # a receiver with a ticket still gets a segment closed after it was sent
+    array = sd.SharedArray.from_array(np.arange(5))
+    data = ForkingPickler.dumps(array)
+    array.segment.close()
+    assert pickle.loads(data).numpy().tolist() == [0, 1, 2, 3, 4]
+
+
 def test_full_storage_dir_raises_and_small_dev_shm_is_not_a_limit():
     run = run_isolated(
         """

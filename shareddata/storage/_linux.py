@@ -28,7 +28,8 @@ _TMPFS_MAGIC = 0x01021994
 # Every lock is a :class:`ForkSafeLock` (Conditions are built over one), and:
 #
 # * a ``fork`` child gets every lock unlocked (a lock held by another thread at the
-#   fork would stay held forever); modules reset their registries in the child;
+#   fork would stay held forever); what the locks guard is reset in the child by one
+#   at-fork hook per owner (``_segment.py``, ``crossing/_transport.py``);
 # * a weakref callback or finalizer never takes a lock (it may run while its thread
 #   holds it): it only queues work (``deque.append``) or closes/unmaps what it owns;
 # * every wait has a bound: nothing shareddata does may hang a program.

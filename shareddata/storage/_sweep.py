@@ -46,10 +46,7 @@ def _alive(pid: int) -> bool:
 def _held(inodes: set[tuple[int, int]]) -> set[tuple[int, int]]:
     """Which of ``inodes`` a process holds as a descriptor or mapping."""
     held: set[tuple[int, int]] = set()
-    numbers = {ino for _, ino in inodes}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
@@ -59,22 +56,16 @@ def _held(inodes: set[tuple[int, int]]) -> set[tuple[int, int]]:
                 st = os.stat(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-            if (st.st_dev, st.st_ino) in inodes:
-                held.add((st.st_dev, st.st_ino))
+            held.add((st.st_dev, st.st_ino))
         try:
             with open(f"/proc/{pid}/maps") as f:
-                lines = f.read().splitlines()
-        except OSError:
+                for parts in (line.split(None, 5) for line in f):
+                    if len(parts) >= 5 and parts[4].isdigit() and parts[4] != "0":
+                        major, minor = (int(x, 16) for x in parts[3].split(":"))
+                        held.add((os.makedev(major, minor), int(parts[4])))
+        except (OSError, ValueError):
             continue
-        for line in lines:
-            parts = line.split(None, 5)
-            if len(parts) < 5 or not parts[4].isdigit() or int(parts[4]) not in numbers:
-                continue
-            major, minor = (int(x, 16) for x in parts[3].split(":"))
-            key = (os.makedev(major, minor), int(parts[4]))
-            if key in inodes:
-                held.add(key)
-    return held
+    return held & inodes
 
 
 def leftovers(directory: str = "/dev/shm", min_age: float = 5.0) -> list[Leftover]:
