@@ -201,20 +201,20 @@ def test_a_multiprocessing_pickle_keeps_the_segment_until_it_is_received():
     # Note [Handing a segment over]: ForkingPickler (queues, pools) draws a ticket
     from multiprocessing.reduction import ForkingPickler
 
-    from shareddata.storage import _handoff
+    from shareddata.storage._handoff import BOARD
 
     a = sd.SharedArray.from_array(np.arange(5))
     data, fd = ForkingPickler.dumps(a), a.segment.fd
-    held = _handoff.BOARD.held()  # (earlier tests may have left pickles that nobody received)
+    held = BOARD.held()  # (earlier tests may have left pickles that nobody received)
     del a
     gc.collect()
-    assert _handoff.BOARD.held() == held + 1 and _handoff.BOARD.outstanding(fd) == 1  # kept for the receiver
+    assert BOARD.held() == held + 1 and BOARD.outstanding(fd) == 1  # kept for the receiver
     b = pickle.loads(data)  # the receiver opens it and acknowledges
     assert b.numpy().tolist() == [0, 1, 2, 3, 4]
     deadline = time.monotonic() + 5
-    while _handoff.BOARD.outstanding(fd) and time.monotonic() < deadline:
+    while BOARD.outstanding(fd) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _handoff.BOARD.outstanding(fd) == 0
+    assert BOARD.outstanding(fd) == 0
 
 
 def test_segments_close_their_descriptors():

@@ -54,10 +54,12 @@ from ._linux import (
     ForkSafeLock,
     add_seals,
     anonymous_file,
+    array_at,
     file_identity,
     is_tmpfs,
     madvise,
     map_fd,
+    page_floor,
     replace_with_anonymous,
     unmap,
 )
@@ -145,22 +147,24 @@ class Segment:
                 os.close(fd)
                 raise
         if reserve:
-            failed = functools.partial(_population_failed, fd, size, directory, what)
-            ahead = ahead and directory is None and available_memory(None) >= 2 * size
             try:
-                if by_faults:  # Note [Allocating shared pages] in _pages.py
-                    madvise(segment.address, size, MADV_HUGEPAGE)  # a hint; may do nothing
-                segment._population = population = Population(
-                    segment.address, size, failed=failed if by_faults else None
-                )
-                if ahead:  # dropped before the end: the threads stop at their next step
-                    weakref.finalize(segment, setattr, population, "stopped", True)
-                else:
-                    segment.finish_population()
+                segment._reserve(by_faults, ahead, directory, what)
             except BaseException:
                 segment.close()
                 raise
         return segment._register()
+
+    def _reserve(self, by_faults: bool, ahead: bool, directory: str | None, what: str) -> None:
+        """Populate every page (Note [Allocating shared pages] in ``_pages.py``)."""
+        failed = None
+        if by_faults:  # a page that cannot be had is SharedMemoryFullError
+            failed = functools.partial(_population_failed, self.fd, self.size, directory, what)
+            madvise(self.address, self.size, MADV_HUGEPAGE)  # a hint; may do nothing
+        self._population = population = Population(self.address, self.size, failed=failed)
+        if ahead and directory is None and available_memory(None) >= 2 * self.size:
+            weakref.finalize(self, setattr, population, "stopped", True)  # if dropped
+        else:
+            self.finish_population()
 
     @classmethod
     def adopt(cls, fd: int, written: int, what: str) -> Segment:
@@ -198,6 +202,17 @@ class Segment:
         raw = (ctypes.c_uint8 * self.size).from_address(self.address)
         raw.segment = self  # type: ignore[attr-defined]  # the base of every view (ready())
         return np.frombuffer(memoryview(raw), np.uint8)[offset : offset + nbytes]
+
+    def private_view(self, offset: int, nbytes: int) -> np.ndarray:
+        """A copy-on-write mapping of its own over ``nbytes`` at ``offset``: writes stay here."""
+        self._check_open()
+        start = page_floor(offset)
+        length = offset + nbytes - start
+        with named_os_errors("a tensor received from another process", length):
+            address = map_fd(self.fd, length, start, private=True)
+        mapped = array_at(address, length)
+        weakref.finalize(mapped, unmap, address, length).atexit = False
+        return mapped[offset - start : offset - start + nbytes]
 
     def ready(self, end: int) -> None:
         """Wait until bytes ``[0, end)`` may be written; SharedMemoryFullError if a page failed."""

@@ -19,7 +19,6 @@ unpickles as :class:`~shareddata.errors.BatchSendError`.
 
 from __future__ import annotations
 
-import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Protocol
 
@@ -34,8 +33,6 @@ from .._compat import (
     view_base,
 )
 from ..errors import BatchSendError
-from ._capacity import named_os_errors
-from ._linux import array_at, map_fd, page_floor, unmap
 from ._segment import Segment, attach
 
 
@@ -239,17 +236,7 @@ class SegmentRef:
 def _rebuild_segment_storage(
     handle: tuple[Any, ...], offset: int, nbytes: int
 ) -> torch.UntypedStorage:
-    writable = handle[-1]
     segment = attach(*handle)
-    if writable:
-        array = segment.view(offset, nbytes)
-    else:
-        # a range of its own, copy-on-write: a receiver's writes stay its own
-        start = page_floor(offset)
-        length = offset + nbytes - start
-        with named_os_errors("a tensor received from another process", length):
-            address = map_fd(segment.fd, length, start, private=True)
-        mapped = array_at(address, length)
-        weakref.finalize(mapped, unmap, address, length).atexit = False
-        array = mapped[offset - start : offset - start + nbytes]
+    writable = handle[-1]  # else a range of its own: a receiver's writes stay its own
+    array = segment.view(offset, nbytes) if writable else segment.private_view(offset, nbytes)
     return torch.from_numpy(array).untyped_storage()

@@ -56,7 +56,7 @@ ABLATIONS = [  # (format, what is switched off, the patch that does it)
     (
         "npy",
         "as before: posix_fallocate, then 1 thread maps the pages, then the read",
-        NO_AHEAD + "def _reserve(self, by_faults, directory, what):\n"
+        NO_AHEAD + "def _reserve(self, by_faults, ahead, directory, what):\n"
         "    os.posix_fallocate(self.fd, 0, self.size)\n"
         "    _storage.populate(self.address, self.size, threads=1)\n"
         "_storage.Segment._reserve = _reserve",
