@@ -12,13 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import (
-    AttachError,
-    SharedDataError,
-    SharedMemoryFullError,
-    TooManyOpenFilesError,
-    UnsupportedDtypeError,
-)
+from ..errors import AttachError, SharedDataError, UnsupportedDtypeError
 from ._segment import Segment, attach, ready
 from ._tensor import SegmentRef, shared_tensor
 
@@ -263,7 +257,7 @@ def _rebuild(
     # never raises (a pool's result thread would die): the error comes on first use
     try:
         segment = attach(*handle)
-    except (AttachError, SharedMemoryFullError, TooManyOpenFilesError) as e:
+    except SharedDataError as e:  # AttachError, TooManyOpenFilesError, SharedMemoryFullError
         return SharedArray._unattached(e, shape, dtype, writable)
     return SharedArray(segment, offset, shape, dtype, writable)
 
