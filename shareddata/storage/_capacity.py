@@ -196,13 +196,7 @@ def full_error(
 
 
 def descriptor_error(error: OSError, what: str) -> TooManyOpenFilesError | None:
-    """The named error for ``EMFILE``/``ENFILE``; ``None`` for others.
-
-    Example:
-        >>> e = descriptor_error(OSError(errno.EMFILE, "Too many open files"), "a SharedArray")
-        >>> e.errno == errno.EMFILE, "ulimit -n" in str(e)
-        (True, True)
-    """
+    """The named error for ``EMFILE``/``ENFILE``; ``None`` for others."""
     if error.errno == errno.ENFILE:
         return TooManyOpenFilesError(
             errno.ENFILE,
@@ -234,13 +228,7 @@ def descriptor_error(error: OSError, what: str) -> TooManyOpenFilesError | None:
 
 
 def mapping_error(error: OSError, size: int, what: str) -> SharedMemoryFullError | None:
-    """The named error for ``ENOMEM`` from ``mmap`` (address space); ``None`` for others.
-
-    Example:
-        >>> e = mapping_error(OSError(errno.ENOMEM, "Cannot allocate memory"), 1 << 30, "x.npy")
-        >>> isinstance(e, MemoryError), "ulimit -v" in str(e)
-        (True, True)
-    """
+    """The named error for ``ENOMEM`` from ``mmap`` (address space); ``None`` for others."""
     if error.errno != errno.ENOMEM:
         return None
     import resource
