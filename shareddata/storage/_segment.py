@@ -146,12 +146,12 @@ class Segment:
             except BaseException:
                 os.close(fd)
                 raise
-        if reserve:
-            try:
-                segment._reserve(by_faults, ahead, directory, what)
-            except BaseException:
-                segment.close()
-                raise
+            if reserve:
+                try:
+                    segment._reserve(by_faults, ahead, directory, what)
+                except BaseException:
+                    segment.close()
+                    raise
         return segment._register()
 
     def _reserve(self, by_faults: bool, ahead: bool, directory: str | None, what: str) -> None:
