@@ -25,9 +25,11 @@ other leaf gives its rows, collated as ``default_collate`` would collate the ori
 
 from __future__ import annotations
 
+import operator
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import count
 from typing import Any
 
@@ -255,23 +257,19 @@ def nest_paths(names: Sequence[str], paths: Sequence[tuple[str, ...]]) -> Any:
             a dict at the same key), or two columns have the same path.
     """
     root: dict[str, Any] = {}
-    owner: dict[tuple[str, ...], str] = {}
+    placed: dict[tuple[str, ...], tuple[int, bool]] = {}  # first column there, ends there
     for k, (name, path) in enumerate(zip(names, paths)):
         node = root
-        for depth in range(len(path)):
-            key, prefix = path[depth], tuple(path[: depth + 1])
-            last = depth == len(path) - 1
-            if prefix in owner or (last and key in node):
-                other = owner.get(prefix) or next(
-                    n for n, p in zip(names, paths) if tuple(p[: depth + 1]) == prefix
-                )
+        for depth, key in enumerate(path):
+            prefix, last = tuple(path[: depth + 1]), depth == len(path) - 1
+            other, ends = placed.setdefault(prefix, (k, last))
+            if other != k and (ends or last):
                 raise InvalidArgumentError(
-                    f"nested=True cannot place column {name!r}: column {other!r} is already "
-                    f"at {'/'.join(prefix)!r}. Select one of them, or use nested=False."
+                    f"nested=True cannot place column {name!r}: column {names[other]!r} is "
+                    f"already at {'/'.join(prefix)!r}. Select one of them, or use nested=False."
                 )
             if last:
                 node[key] = k
-                owner[prefix] = name
             else:
                 node = node.setdefault(key, {})
 
@@ -302,6 +300,11 @@ def unnest(item: Any, node: Any, out: list[Any]) -> bool:
     return all(unnest(value, child, out) for value, child in zip(item, body))
 
 
+_VALUE_TYPE = operator.attrgetter(
+    "kind", "dtype", "torch_dtype", "tensor_type", "requires_grad", "array_dtype"
+)
+
+
 def check_leaf(leaf: Leaf, value: Any, index: int) -> None:
     """Raise :class:`ItemMismatchError` unless ``value`` can go in ``leaf``'s column."""
     if leaf.kind == "pickle":
@@ -311,16 +314,8 @@ def check_leaf(leaf: Leaf, value: Any, index: int) -> None:
         ok = False
     elif leaf.kind in ("intlist", "floatlist"):
         ok = got.kind in ("intlist", "floatlist", "") and (not value or got.kind == leaf.kind)
-    else:
-        ok = got.kind == leaf.kind
-        if ok and leaf.kind in ("tensor", "ndarray", "npscalar"):
-            ok = (
-                got.dtype == leaf.dtype
-                and got.torch_dtype == leaf.torch_dtype
-                and got.tensor_type is leaf.tensor_type
-                and got.requires_grad == leaf.requires_grad
-                and got.array_dtype == leaf.array_dtype
-            )
+    else:  # the same kind, and for tensors and arrays the same dtypes, class and grad
+        ok = _VALUE_TYPE(got) == _VALUE_TYPE(leaf)
     if not ok:
         raise ItemMismatchError(
             f"item {index}, field {field_name(leaf.path)}: expected {describe_leaf(leaf)} as in "
@@ -438,16 +433,12 @@ class LeafType:
         """The type of ``leaf``'s values, once every item is read."""
         kind = "bfloat16" if leaf.torch_dtype is torch.bfloat16 else leaf.kind
         plain = leaf.tensor_type is None and not leaf.requires_grad
-        if leaf.ragged:
-            collated = False
-        elif kind in ("tensor", "bfloat16"):
-            collated = plain
-        elif kind == "ndarray":
-            collated = leaf.array_dtype is None
-        elif kind == "npscalar":
-            collated = _scalars_collate(leaf.dtype)
-        else:
-            collated = kind in ("int", "float", "bool")
+        collated = not leaf.ragged and (
+            kind in ("int", "float", "bool")
+            or (kind in ("tensor", "bfloat16") and plain)
+            or (kind == "ndarray" and leaf.array_dtype is None)
+            or (kind == "npscalar" and _scalars_collate(leaf.dtype))
+        )
         return cls(
             kind, leaf.ragged, leaf.tensor_type, leaf.requires_grad, leaf.array_dtype, collated
         )
@@ -507,16 +498,8 @@ def unbind_rows(batch: torch.Tensor) -> list[Any]:
     return list(batch.unbind(0))
 
 
-def first_row(batch: torch.Tensor) -> Any:
-    return batch[0]
-
-
 def item_rows(batch: torch.Tensor) -> list[Any]:
     return batch.tolist()  # type: ignore[no-any-return]
-
-
-def first_item(batch: torch.Tensor) -> Any:
-    return batch[0].item()
 
 
 def array_rows(batch: torch.Tensor) -> list[Any]:
@@ -524,26 +507,23 @@ def array_rows(batch: torch.Tensor) -> list[Any]:
     return [array[i, ...] for i in range(len(array))]
 
 
-def first_array(batch: torch.Tensor) -> Any:
-    return batch.numpy()[0, ...]
-
-
 def scalar_rows(batch: torch.Tensor) -> list[Any]:
     return list(batch.numpy())
 
 
-def first_scalar(batch: torch.Tensor) -> Any:
-    return batch.numpy()[0]
+def row_0(split: Callable[[Any], list[Any]], batch: torch.Tensor) -> Any:
+    """Row 0 alone as ``split`` cuts the rows (without cutting the others)."""
+    return split(batch[:1])[0]
 
 
 _ROWS: dict[str, tuple[Callable[[Any], list[Any]], Callable[[Any], Any]]] = {
-    "tensor": (unbind_rows, first_row),
-    "bfloat16": (unbind_rows, first_row),
-    "ndarray": (array_rows, first_array),
-    "npscalar": (scalar_rows, first_scalar),
-    "int": (item_rows, first_item),
-    "float": (item_rows, first_item),
-    "bool": (item_rows, first_item),
+    "tensor": (unbind_rows, operator.itemgetter(0)),
+    "bfloat16": (unbind_rows, operator.itemgetter(0)),
+    "ndarray": (array_rows, partial(row_0, array_rows)),
+    "npscalar": (scalar_rows, partial(row_0, scalar_rows)),
+    "int": (item_rows, partial(row_0, item_rows)),
+    "float": (item_rows, partial(row_0, item_rows)),
+    "bool": (item_rows, partial(row_0, item_rows)),
 }
 
 
@@ -563,19 +543,13 @@ def leaf_batches(
         >>> stacked, splits[0](values[0]), firsts[0](values[0]), splits[1](values[1])
         ([True, False], [4, 2], 4, ['a', 'b'])
     """
-    values: list[Any] = []
-    stacked: list[bool] = []
-    splits: list[Callable[[Any], Any]] = []
-    firsts: list[Callable[[Any], Any] | None] = []
+    leaves: list[tuple[Any, bool, Callable[[Any], Any], Callable[[Any], Any] | None]] = []
     columns = iter(batched)
     for t in types:
         batch = next(columns)
         if t.collated:
-            split, first = _ROWS[t.kind]
-            values.append(batch.view(torch.bfloat16) if t.kind == "bfloat16" else batch)
-            stacked.append(True)
-            splits.append(split)
-            firsts.append(first)
+            batch = batch.view(torch.bfloat16) if t.kind == "bfloat16" else batch
+            leaves.append((batch, True, *_ROWS[t.kind]))
             continue
         if t.ragged:  # 1-D views of each row's values, and the rows' shapes
             shapes = next(columns).tolist()
@@ -586,8 +560,8 @@ def leaf_batches(
             rows = batch
         else:
             rows = [restore(t, v) for v in batch]
-        values.append(rows)
-        stacked.append(False)
-        splits.append(as_is)
-        firsts.append(None)
+        leaves.append((rows, False, as_is, None))
+    if not leaves:
+        return [], [], [], []
+    values, stacked, splits, firsts = map(list, zip(*leaves))
     return values, stacked, splits, firsts
