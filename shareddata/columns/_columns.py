@@ -369,7 +369,7 @@ class UUID(uuid.UUID):
     __slots__ = ()
 
 
-class UuidColumn(TensorColumn):
+class UuidColumn(Column):
     """Rows of 16 bytes (``data`` ``(rows, 16)`` uint8), each a :class:`UUID`.
 
     Example:
@@ -384,19 +384,18 @@ class UuidColumn(TensorColumn):
 
     kind = "uuid"
     split = staticmethod(as_is)
+    layout = staticmethod(TensorColumn.layout)
+
+    def __init__(self, spec: ColumnSpec, arrays: dict[str, SharedArray]) -> None:
+        super().__init__(spec, arrays)
+        self._np = arrays["data"].numpy()
 
     def get(self, index: int) -> uuid.UUID:
         return UUID(bytes=self._np[index].tobytes())
 
-    def gather(self, indices: torch.Tensor, alloc: Any = None, out: Any = None) -> Any:
+    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
         """Rows ``indices`` (checked by the dataset) as a list of :class:`UUID`."""
         return [UUID(bytes=row.tobytes()) for row in self._np[indices.numpy()]]
-
-    def batch_parts(self, indices: torch.Tensor) -> Parts:
-        return []
-
-    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
-        return self.gather(indices)
 
 
 def collate_uuids(batch: list[uuid.UUID], *, collate_fn_map: Any = None) -> list[uuid.UUID]:

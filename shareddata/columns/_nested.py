@@ -35,6 +35,8 @@ from ._columns import (
 
 __all__ = ["Level", "NestedColumn", "NestedSpec", "children"]
 
+_NOT_ARROW = {"bool", "float16"}  # num dtypes Note [Gathering through Arrow] leaves out
+
 
 @dataclass(frozen=True)
 class Level:
@@ -119,19 +121,16 @@ class NestedColumn(Column):
         self._tree = children(spec.tree)
         self._np = {k: a.numpy() for k, a in arrays.items()}
         self._records = spec.records
-        self._arrow: Any = None  # built on first use: Note [Gathering through Arrow]
-        # where Arrow's to_pylist gives what the Python path gives
-        self._arrow_ok = spec.records and not any(
-            (level.kind == "num" and level.dtype in ("bool", "float16"))
-            or (level.kind == "list" and level.children[0].kind == "num")  # tensors
-            for level in spec.tree.levels()
-        )
         # (list level, its numbers' level) of every list of numbers (1-D tensors)
         self._tensor_levels = [
             (i, kids[0])
             for i, (level, kids) in enumerate(self._tree)
             if level.kind == "list" and self._tree[kids[0]][0].kind == "num"
         ]
+        self._arrow: Any = None  # built on first use: Note [Gathering through Arrow]
+        # where Arrow's to_pylist gives what the Python path gives
+        numbers = {level.dtype for level, _ in self._tree if level.kind == "num"}
+        self._arrow_ok = spec.records and not self._tensor_levels and not numbers & _NOT_ARROW
 
     @staticmethod
     def layout(spec: ColumnSpec) -> dict[str, Any]:
@@ -232,12 +231,11 @@ class NestedColumn(Column):
         ranges = self._row_ranges(idx)
         supply: dict[int, Iterator[Any]] = {}
         for (i, k), out in zip(self._tensor_levels, outs):
-            # the rows' numbers side by side, then split into one tensor per list
-            rows = gather_rows(self._np[f"{k}.data"], *ranges[k], out)
-            flat = out[: sum(len(r) for r in rows)]  # views of ``out``, of its type
+            # the rows' numbers side by side (they fill ``out``), then one view per list
+            gather_rows(self._np[f"{k}.data"], *ranges[k], out)
             offsets = self._np[f"{i}.offsets"]
             lists = row_elements(*ranges[i])[0]
-            supply[i] = iter(flat.split((offsets[lists + 1] - offsets[lists]).tolist()))
+            supply[i] = iter(out.split((offsets[lists + 1] - offsets[lists]).tolist()))
         return [self._range(0, r, r + 1, supply)[0] for r in idx.tolist()]
 
     def _as_arrow(self) -> Any:
