@@ -162,10 +162,8 @@ class _Plan:
                 out[key] = self._fill
             elif fn in _STACKING:
                 out[key] = self._noting(_STACKING[fn])
-            elif fn in _NUMBERS:
-                out[key] = self._numbers(fn)
-            else:
-                out[key] = self._kept(fn)
+            else:  # torch's number functions with this pass's registry, the user's with theirs
+                out[key] = self._calling(fn, numbers=fn in _NUMBERS)
         return out
 
     # first pass
@@ -188,31 +186,22 @@ class _Plan:
 
         return note
 
-    def _numbers(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def note(batch: Any, *, collate_fn_map: Any = None) -> Any:
-            entry: list[Any] = ["raised", fn, collate_fn_map]  # until it returns
-            self.entries.append(entry)
-            made = fn(batch, collate_fn_map=collate_fn_map)
-            if type(made) is torch.Tensor and made.numel():
-                entry[:] = ["copy", len(self.parts), made]
-                self.parts.append((tuple(made.shape), made.dtype))
-            else:
-                entry[:] = ["made", made]
-            return made
+    def _calling(self, fn: Callable[..., Any], numbers: bool) -> Callable[..., Any]:
+        def call(batch: Any, *, collate_fn_map: Any = None) -> Any:
+            return self._call(fn, batch, collate_fn_map if numbers else self.fn_map, numbers)
 
-        return note
+        return call
 
-    def _kept(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def keep(batch: Any, *, collate_fn_map: Any = None) -> Any:
-            return self._call(fn, batch, self.fn_map)
-
-        return keep
-
-    def _call(self, fn: Callable[..., Any], batch: Any, fn_map: Any) -> Any:
+    def _call(self, fn: Callable[..., Any], batch: Any, fn_map: Any, numbers: bool = False) -> Any:
+        """``fn``'s result, noted (a tensor of numbers: to copy into the memfd)."""
         entry: list[Any] = ["raised", fn, fn_map]  # until it returns
         self.entries.append(entry)
         made = fn(batch, collate_fn_map=fn_map)
-        entry[:] = ["made", made]
+        if numbers and type(made) is torch.Tensor and made.numel():
+            entry[:] = ["copy", len(self.parts), made]
+            self.parts.append((tuple(made.shape), made.dtype))
+        else:
+            entry[:] = ["made", made]
         return made
 
     # second pass
@@ -280,7 +269,7 @@ class Samples(list):  # type: ignore[type-arg]
         n: the number of rows (used when there are no columns).
         nesting: nested samples' schema (Note [Nested items] in ``columns/_items.py``).
         tuples: ``RowTuple`` samples rather than ``Row``.
-        firsts: per column, what makes row 0's value alone (None: from ``splits``).
+        firsts: per column, what makes row 0's value alone (None: ``batched[k][0]``).
         portable: ``splits`` and ``firsts`` are module-level: pickled with the columns.
 
     Example:
@@ -362,10 +351,7 @@ class Samples(list):  # type: ignore[type-arg]
             if self._first is None:
                 firsts = self._firsts or [None] * len(self.batched)
                 self._first_values = [
-                    first(b) if first is not None else b[0] if stacked else split(b)[0]
-                    for split, first, b, stacked in zip(
-                        self._splits, firsts, self.batched, self.stacked
-                    )
+                    b[0] if first is None else first(b) for first, b in zip(firsts, self.batched)
                 ]
                 self._first = self._make([tuple(self._first_values)])[0]
             return self._first
@@ -381,10 +367,13 @@ class Samples(list):  # type: ignore[type-arg]
         if self._pending and self._first is None:
             # never looked at (``collate_fn=lambda b: b``): cross as the gathered
             # columns, a few tensors instead of one per row and column; the samples
-            # are made where they are first used (Note [Samples made when first used])
-            portable = (self._splits, self._firsts) if self._portable else (None, None)
-            args = (self.names, self.batched, self.stacked, self._n, self.nesting, self._tuples)
-            return _from_columns, (*args, *portable)
+            # are made where they are first used (Note [Samples made when first used]);
+            # splits that are columns' methods cross as the module-level ones they stand for
+            splits, firsts = self._splits, self._firsts
+            if not self._portable:
+                splits, firsts = [unbind_rows if s else as_is for s in self.stacked], None
+            args = (self.names, self.batched, self.stacked, splits, self._n, self.nesting)
+            return Samples, (*args, self._tuples, firsts, True)
         return list, (list(self),)
 
     def intact(self) -> bool:
@@ -415,23 +404,6 @@ class Samples(list):  # type: ignore[type-arg]
             except KeyError:
                 return False
         return True
-
-
-def _from_columns(
-    names: list[str],
-    batched: list[Any],
-    stacked: list[bool],
-    n: int,
-    nesting: Any,
-    tuples: bool,
-    splits: Any = None,
-    firsts: Any = None,
-) -> Samples:
-    """Unpickle :class:`Samples` that crossed as their columns (still to be made)."""
-    portable = splits is not None
-    if splits is None:
-        splits = [unbind_rows if s else as_is for s in stacked]
-    return Samples(names, batched, stacked, splits, n, nesting, tuples, firsts, portable)
 
 
 def _forcing(name: str) -> Callable[..., Any]:
@@ -546,18 +518,15 @@ def collate_columns(
                 out[k] = list(column)
         return out
 
-    columns = list(batched)
     if rows and get_worker_info() is not None:  # leaving a worker: one memfd in all
-        done = [k for k, b in enumerate(batched) if k not in rows]
+        done = [k for k, s in enumerate(stacked) if s]
         collated, moved = collate_beside(
             collate_rows_of, collate_fn_map, [batched[k] for k in done]
         )
-        for k, b in zip(done, moved):
-            columns[k] = b
+        collated.update(zip(done, moved))
     else:
         collated = collate_rows_of(collate_fn_map)
-    for k, b in collated.items():
-        columns[k] = b
+    columns = [collated.get(k, b) for k, b in enumerate(batched)]
     if schema is not None:
         return rebuild(schema, columns, batch=True)
     return columns if tuples else dict(zip(names, columns))
