@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -148,7 +149,8 @@ class _Plan:
     def __init__(self, fn_map: FnMap) -> None:
         self.fn_map = fn_map
         self.parts: list[tuple[tuple[int, ...], torch.dtype]] = []
-        self.entries: list[Any] = []  # per call of a replaced function, in call order
+        # per call of a replaced function, in call order: what the second pass returns
+        self.replays: list[Callable[[Any], Any]] = []
         self.buffers: list[torch.Tensor] = []
         self.at = 0
 
@@ -177,10 +179,10 @@ class _Plan:
                 if not lenient:  # torch's error, with nothing allocated
                     return self._call(_stack, batch, collate_fn_map)
                 # the list of the rows, copied into the batch's memfd with the rest
-                self.entries.append(["rows", len(self.parts)])
+                self.replays.append(partial(self._copy, len(self.parts)))
                 self.parts.extend((tuple(t.shape), t.dtype) for t in batch)
                 return list(batch)
-            self.entries.append(len(self.parts))
+            self.replays.append(partial(self._stack_into, len(self.parts)))
             self.parts.append(((len(batch), *shape), elem.dtype))
             return None  # made by the second pass
 
@@ -193,40 +195,35 @@ class _Plan:
         return call
 
     def _call(self, fn: Callable[..., Any], batch: Any, fn_map: Any, numbers: bool = False) -> Any:
-        """``fn``'s result, noted (a tensor of numbers: to copy into the memfd)."""
-        entry: list[Any] = ["raised", fn, fn_map]  # until it returns
-        self.entries.append(entry)
+        """``fn``'s result, kept for the second pass (a tensor of numbers: copied there)."""
+        at = len(self.replays)
+        # until it returns: a caller that goes on (a lenient collate) has it run again
+        self.replays.append(partial(fn, collate_fn_map=fn_map))
         made = fn(batch, collate_fn_map=fn_map)
         if numbers and type(made) is torch.Tensor and made.numel():
-            entry[:] = ["copy", len(self.parts), made]
+            copy = partial(self._copy, len(self.parts), [made])
+            self.replays[at] = lambda batch: copy()[0]
             self.parts.append((tuple(made.shape), made.dtype))
         else:
-            entry[:] = ["made", made]
+            self.replays[at] = lambda batch: made
         return made
 
     # second pass
     def _fill(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
-        entry = self.entries[self.at]
         self.at += 1
-        if type(entry) is int:
-            out = self.buffers[entry]
-            torch.stack(batch, 0, out=out.as_subclass(torch.Tensor))  # as torch does in a worker
-            return out
-        tag = entry[0]
-        if tag == "rows":
-            rows = self.buffers[entry[1] : entry[1] + len(batch)]
-            for out, row in zip(rows, batch):
-                out.as_subclass(torch.Tensor).copy_(row)
-            return rows
-        if tag == "copy":
-            out = self.buffers[entry[1]]
-            out.as_subclass(torch.Tensor).copy_(entry[2])
-            return out
-        if tag == "made":
-            return entry[1]
-        # it raised in the first pass (a caller went on: a lenient collate): again
-        _, fn, fn_map = entry
-        return fn(batch, collate_fn_map=fn_map)
+        return self.replays[self.at - 1](batch)
+
+    def _stack_into(self, k: int, batch: Any) -> torch.Tensor:
+        out = self.buffers[k]
+        torch.stack(batch, 0, out=out.as_subclass(torch.Tensor))  # as torch does in a worker
+        return out
+
+    def _copy(self, k: int, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``rows`` copied into buffers ``k, k + 1, ...``."""
+        outs = self.buffers[k : k + len(rows)]
+        for out, row in zip(outs, rows):
+            out.as_subclass(torch.Tensor).copy_(row)
+        return outs
 
 
 # -- Note [The default collate's shortcut] ----------------------------------------------
