@@ -52,10 +52,6 @@ class Level:
     names: tuple[str, ...] = ()
     children: tuple[Level, ...] = ()
 
-    def levels(self) -> list[Level]:
-        """This level and every level under it, in preorder (the buffer order)."""
-        return [self, *(level for child in self.children for level in child.levels())]
-
     def describe(self) -> str:
         """The Arrow-like type, e.g. ``list<struct<role: str, content: str>>``."""
         if self.kind == "list":
@@ -137,7 +133,7 @@ class NestedColumn(Column):
         """Buffers ``"<level>.offsets"``, ``".values"``, ``".data"`` of each level."""
         assert isinstance(spec, NestedSpec)
         out: dict[str, Any] = {}
-        for i, (level, (n, values)) in enumerate(zip(spec.tree.levels(), spec.counts)):
+        for i, ((level, _), (n, values)) in enumerate(zip(children(spec.tree), spec.counts)):
             if level.kind in ("list", "str", "bytes"):
                 out[f"{i}.offsets"] = ((n + 1,), np.dtype(np.int64))
             if level.kind in ("str", "bytes"):
