@@ -32,9 +32,9 @@ __all__ = [
     "torch_dtype",
 ]  # fmt: skip
 
-Alloc = Callable[[list[tuple[tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
-"""Makes empty tensors of the given ``(shape, dtype)`` parts: where a batch is gathered."""
 Parts = list[tuple[tuple[int, ...], torch.dtype]]
+Alloc = Callable[[Parts], list[torch.Tensor]]
+"""Makes empty tensors of the given ``(shape, dtype)`` parts: where a batch is gathered."""
 Layout = dict[str, tuple[tuple[int, ...], Any]]
 
 

@@ -94,11 +94,8 @@ class SparseColumn(Column):
         whose indices and values cross by handle.
         """
         parts = self.batch_parts(indices)
-        if alloc is not None:
-            return self.gather_into(indices, alloc(parts))
-        return self.gather_into(
-            indices, [torch.empty(shape, dtype=dtype) for shape, dtype in parts]
-        )
+        outs = alloc(parts) if alloc is not None else [torch.empty(s, dtype=d) for s, d in parts]
+        return self.gather_into(indices, outs)
 
     def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor:
         """:meth:`gather` into the buffers of :meth:`batch_parts`."""
