@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..._compat import shutdown_dataloader_iterator
-from ...columns._columns import BytesColumn, ColumnSpec, RaggedColumn, StringColumn, TensorColumn
+from ...columns._columns import COLUMN_KINDS, ColumnSpec, TensorColumn
 from ...columns._items import (
     FIXED,
     INT64_MAX,
@@ -210,9 +210,8 @@ class Builder:
         )
         self.fixed = dict(zip(self._fixed, arrays))
         self.segment = arrays[0].segment if arrays else None
-        self.var = {n: self._store(n, leaf.dtype) for n, leaf in enumerate(self.leaves)}
-        for n in self.fixed:
-            del self.var[n]
+        var = [n for n in range(len(self.leaves)) if n not in self.fixed]
+        self.var = {n: self._store(n, self.leaves[n].dtype) for n in var}
 
     def _store(self, n: int, dtype: Any) -> VarStore:
         what = f"SharedDataset's field {field_name(self.leaves[n].path)}"
@@ -359,15 +358,8 @@ class Builder:
 
     def _add_block(self, block: Block, snapshot: list[tuple[str, bool]]) -> None:
         """Add the rows a worker read (Note [Materialising with workers])."""
-        rows = block.stop - block.start
         if block.items is not None:  # not every item fitted the columns: add them one by one
-            fast = self.fast
-            for index, boxed in enumerate(block.items, block.start):
-                item = unbox(boxed)
-                if not fast(item):
-                    self._add_checked(index, item)
-                    fast = self.fast
-            self._flush(rows)
+            self.run(enumerate(map(unbox, block.items), block.start), lambda rows: None)
             return
         var = block.var
         if var is None:  # a worker sends either the items or the var leaves' values
@@ -387,7 +379,7 @@ class Builder:
                     changed = changed or adapted
         if changed:
             self.fast = compile_fast_path(self.schema, self.leaves, self.sinks)
-        self._flush(rows, written=True)
+        self._flush(block.stop - block.start, written=True)
 
     def _flush(self, rows: int, written: bool = False) -> None:
         """Hand the fixed-size values to the writer; encode the variable-length ones.
@@ -474,24 +466,17 @@ class Builder:
     def finish(self) -> tuple[list[Part], list[LeafType]]:
         """Every column; the variable-length files become segments as they are.
 
-        Their offsets (and shapes) are copied into one small segment (Note
-        [Variable-length values go to shared memory as they come] in ``storage/_writer.py``).
+        Each file gets its offsets written after its values (one segment per leaf);
+        the shapes of ragged leaves go into one small segment (Note [Variable-length
+        values go to shared memory as they come] in ``storage/_writer.py``).
         """
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        layouts: list[tuple[tuple[int, ...], Any]] = []
-        values: dict[int, SharedArray] = {}
-        for n in sorted(self.var):  # leaf order: the order the columns are built in below
-            buffer = self.var[n]
-            segment, count = buffer.finish()
-            self.alloc.adopt(segment)
-            values[n] = SharedArray(segment, 0, (count,), buffer.dtype)
-            layouts.append(((len(buffer.offsets),), np.int64))
-            if self.leaves[n].ragged:
-                layouts.append(((self.rows, len(self.leaves[n].shape)), np.int64))
-        what = "SharedDataset's variable-length offsets"
-        shared = iter(self.alloc(layouts, what) if layouts else [])
+        ragged = [n for n in self.var if self.leaves[n].ragged]
+        layouts = [((self.rows, len(self.leaves[n].shape)), np.int64) for n in ragged]
+        what = "SharedDataset's ragged shapes"
+        shapes = dict(zip(ragged, self.alloc(layouts, what) if layouts else []))
         parts: list[Part] = []
         kinds: list[LeafType] = []
         taken: set[str] = set()
@@ -507,24 +492,22 @@ class Builder:
 
         for n, leaf in enumerate(self.leaves):
             name = unique(leaf.path or "value")
+            kinds.append(LeafType.of(leaf))
             if n in self.fixed:
                 spec = ColumnSpec(name, self.rows, leaf.dtype, leaf.shape)
                 parts.append((TensorColumn, spec, {"data": self.fixed[n]}))
-            else:
-                buffer = self.var.pop(n)
-                offsets = next(shared)
-                offsets.numpy()[:] = np.frombuffer(buffer.offsets, np.int64)
-                kind = {"str": "str", "bytes": "bytes", "pickle": "bytes"}.get(leaf.kind, "ragged")
-                spec = ColumnSpec(name, self.rows, buffer.dtype, (), kind, len(values[n]))
-                cls = {"str": StringColumn, "bytes": BytesColumn, "ragged": RaggedColumn}[kind]
-                parts.append((cls, spec, {"offsets": offsets, "values": values[n]}))
-                if leaf.ragged:
-                    shapes = next(shared)
-                    shapes.numpy()[:] = np.asarray(buffer.shapes, np.int64).reshape(shapes.shape)
-                    spec = ColumnSpec(
-                        unique(name + ".shape"), self.rows, np.dtype(np.int64), (len(leaf.shape),)
-                    )
-                    parts.append((TensorColumn, spec, {"data": shapes}))
-                del buffer  # free the private offsets now
-            kinds.append(LeafType.of(leaf))
+                continue
+            values, offsets = self.var[n].finish_with_offsets()
+            self.alloc.adopt(values.segment)
+            buffer = self.var.pop(n)  # its private offsets go with it
+            kind = {"str": "str", "bytes": "bytes", "pickle": "bytes"}.get(leaf.kind, "ragged")
+            spec = ColumnSpec(name, self.rows, buffer.dtype, (), kind, len(values))
+            parts.append((COLUMN_KINDS[kind], spec, {"offsets": offsets, "values": values}))
+            if n in shapes:
+                data = shapes[n]
+                data.numpy()[:] = np.asarray(buffer.shapes, np.int64).reshape(data.shape)
+                spec = ColumnSpec(
+                    unique(name + ".shape"), self.rows, np.dtype(np.int64), (len(leaf.shape),)
+                )
+                parts.append((TensorColumn, spec, {"data": data}))
         return parts, kinds
