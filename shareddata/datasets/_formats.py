@@ -1,11 +1,12 @@
 """One Dataset class per source format: NumPy, HDF5, Parquet, Arrow.
 
 Each only makes its source (``sources/``) and the key local ranks agree on;
-:class:`FileDataset` loads it with the options every kind takes.
+:class:`LoadOptions` loads it with the options every kind takes.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -24,37 +25,12 @@ from ..sources.parquet import ParquetInput
 from ._dataset import ColumnDataset, Output
 from ._load import LoadOptions, Shard, Share
 
-__all__ = ["ArrowDataset", "FileDataset", "HDF5Dataset", "NumpyDataset", "ParquetDataset"]
+__all__ = ["ArrowDataset", "HDF5Dataset", "NumpyDataset", "ParquetDataset"]
 
 PathLike = str | os.PathLike
 
 
-class FileDataset(ColumnDataset):
-    """A :class:`ColumnDataset` loaded from a source with the options every kind takes.
-
-    Args:
-        source: the source, or a function making it (called only where it loads).
-        key: what local ranks compare (the arguments that make the dataset).
-        options: storage_dir, progress, share, shard and timeout (:class:`LoadOptions`).
-        paths: each column's key path, for ``nested``.
-    """
-
-    def __init__(
-        self,
-        source: Any,
-        key: Any,
-        options: LoadOptions,
-        *,
-        transform: Callable[[Any], Any] | None,
-        output: Output,
-        nested: bool = False,
-        paths: dict[str, tuple[str, ...]] | None = None,
-    ) -> None:
-        load = options.loader(source, key)
-        super().__init__(load, transform=transform, output=output, nested=nested, paths=paths)
-
-
-class NumpyDataset(FileDataset):
+class NumpyDataset(ColumnDataset):
     """A dataset of NumPy arrays, loaded once into shared memory.
 
     Args:
@@ -105,16 +81,13 @@ class NumpyDataset(FileDataset):
         shard: Shard | None = None,
         timeout: float | None = None,
     ) -> None:
-        super().__init__(
-            lambda: NumpySource(source, columns),  # made only where the data loads
-            ("NumpyDataset", source, columns),
-            LoadOptions(storage_dir, progress, share, shard, timeout),
-            transform=transform,
-            output=output,
-        )
+        options = LoadOptions(storage_dir, progress, share, shard, timeout)
+        make = functools.partial(NumpySource, source, columns)  # made only where it loads
+        load = options.loader(make, ("NumpyDataset", source, columns))
+        super().__init__(load, transform=transform, output=output)
 
 
-class HDF5Dataset(FileDataset):
+class HDF5Dataset(ColumnDataset):
     """Datasets of an HDF5 file as columns, loaded once into shared memory.
 
     Each HDF5 dataset is a column, its first dimension the row: numbers (any
@@ -219,11 +192,10 @@ class HDF5Dataset(FileDataset):
         }
         self.attrs = source.attrs
         names = [p.name for p in source.plans]
+        options = LoadOptions(storage_dir, progress, share, shard, timeout)
         try:
             super().__init__(
-                source,
-                ("HDF5Dataset", source.label, names, sparse, decode_cf),
-                LoadOptions(storage_dir, progress, share, shard, timeout),
+                options.loader(source, ("HDF5Dataset", source.label, names, sparse, decode_cf)),
                 transform=transform,
                 output=output,
                 nested=nested,
@@ -234,7 +206,7 @@ class HDF5Dataset(FileDataset):
             raise
 
 
-class ArrowBacked(FileDataset):
+class ArrowBacked(ColumnDataset):
     """What :class:`ParquetDataset` and :class:`ArrowDataset` share: an :class:`ArrowSource`."""
 
     def __init__(
@@ -260,7 +232,7 @@ class ArrowBacked(FileDataset):
         names = [c.name for c in source.columns]
         key += (names, repr(fill_value), records, uuid_as, sorted(map(str, types.items())))
         super().__init__(
-            source, key, options, transform=transform, output=output, nested=nested,
+            options.loader(source, key), transform=transform, output=output, nested=nested,
             paths={c.name: c.path for c in source.columns},
         )  # fmt: skip
 
