@@ -44,7 +44,7 @@ from ._dataset import Closable
 from ._indexing import index_shape, index_tensor, is_int, nest_rows
 from ._load import Allocator, LoadOptions, Part, Shard, Share, progress_bar
 
-__all__ = ["ItemPickler", "SharedList"]
+__all__ = ["ItemPickler", "SharedList", "sampled_key"]
 
 
 class SharedList(Closable, Sequence):
@@ -96,7 +96,9 @@ class SharedList(Closable, Sequence):
             )
         size = len(items) if isinstance(items, Sized) else None
         options = LoadOptions(storage_dir, progress, share, shard, timeout)
-        columns = options.loader(_Items(items), functools.partial(_list_key, items, size))()
+        indexed = isinstance(items, (Sequence, np.ndarray, torch.Tensor))
+        key = functools.partial(sampled_key, "SharedList", items, size, indexed)
+        columns = options.loader(_Items(items), key)()
         self._column = columns["items"]
         self.node_shard = columns.node_shard
 
@@ -280,18 +282,23 @@ def tensor_from_bytes(bits: np.ndarray, dtype: torch.dtype, shape: tuple[int, ..
     return tensor_from_array(bits).view(dtype).reshape(shape)
 
 
-def _list_key(items: Any, size: int | None) -> tuple[Any, ...]:
-    """What local ranks compare: the type, length and a sample of the items.
+def sampled_key(label: str, items: Any, size: int | None, indexed: bool = True) -> tuple[Any, ...]:
+    """What local ranks compare: ``label``, the type, length and a sample of ``items``.
 
-    A sequence is sampled across its length, another re-iterable collection by its
-    first items, a one-shot iterable not at all (reading it would consume it).
+    Indexable items are sampled across their length, other re-iterable ones by their
+    first items, a one-shot iterable (or one without a length) not at all: reading it
+    would consume it.
+
+    Example:
+        >>> sampled_key("SharedList", iter([1, 2]), None)
+        ('SharedList', 'builtins.list_iterator', None)
     """
     kind = f"{type(items).__module__}.{type(items).__qualname__}"
-    if size is not None and isinstance(items, (Sequence, np.ndarray, torch.Tensor)):
+    if size is not None and indexed:
         sample = sample_digest(lambda i: items[i], size)
     elif size is not None and not isinstance(items, (Iterator, AbstractSet)):
         first = list(islice(iter(items), SAMPLE_ITEMS))
         sample = sample_digest(first.__getitem__, len(first))
     else:
-        return ("SharedList", kind, size)
-    return ("SharedList", kind, size, f"sampled items {sample}")
+        return (label, kind, size)
+    return (label, kind, size, f"sampled items {sample}")

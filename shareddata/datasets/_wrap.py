@@ -12,9 +12,9 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ..columns._columns import Column
 from ..columns._items import LeafType, leaf_batches, rebuild, restore
-from ..distributed import sample_digest
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ._dataset import BatchValues, ColumnDataset
+from ._list import sampled_key
 from ._load import LoadOptions, Shard, Share
 from ._materialise import DatasetProducer
 
@@ -96,7 +96,8 @@ class SharedDataset(ColumnDataset):
             raise InvalidArgumentError(f"{kind.__name__} is empty: there is nothing to share")
         producer = DatasetProducer(dataset, num_workers)  # reads items only where it loads
         options = LoadOptions(storage_dir, progress, share, shard, timeout)
-        columns = options.loader(producer, functools.partial(_dataset_key, dataset, rows))()
+        key = functools.partial(sampled_key, "SharedDataset", dataset, rows)
+        columns = options.loader(producer, key)()
         kinds, schema = columns.meta
         self._init(columns, kinds, transform, schema)
         if producer.varies is not None:
@@ -151,15 +152,3 @@ class SharedDataset(ColumnDataset):
         SharedDataset._init(
             self, state["columns"], state["restore"], state["transform"], state["schema"]
         )
-
-
-def _dataset_key(dataset: Any, rows: int) -> tuple[Any, ...]:
-    """What local ranks compare: the dataset's class, length and a sample of items."""
-    kind = type(dataset)
-    sample = sample_digest(lambda i: dataset[i], rows)
-    return (
-        "SharedDataset",
-        f"{kind.__module__}.{kind.__qualname__}",
-        rows,
-        f"sampled items {sample}",
-    )
