@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
@@ -24,35 +24,11 @@ from ._indexing import (
 )
 from ._load import Source, check_lengths
 
-__all__ = ["ColumnDataset", "Source"]
+__all__ = ["ColumnDataset", "Leaves", "Source"]
 
 Output = Literal["dict", "tuple"]
-
-
-class BatchValues(NamedTuple):
-    """What a gathered batch's samples are made of: columns, or ``SharedDataset``'s leaves."""
-
-    names: list[Any]
-    batched: list[Any]
-    stacked: list[bool]
-    splits: list[Callable[[Any], Any]]
-    firsts: list[Callable[[Any], Any] | None] | None
-    nesting: Any
-    tuples: bool
-    portable: bool = False
-
-    def samples(self, n: int) -> Samples:
-        """The :class:`Samples` of ``n`` rows, made when first used."""
-        return Samples(
-            self.names, self.batched, self.stacked, self.splits, n, self.nesting,
-            self.tuples, self.firsts, self.portable,
-        )  # fmt: skip
-
-    def collated(self) -> Any:
-        """The samples' ``default_collate``; a column it cannot collate stays a list of rows."""
-        return collate_columns(
-            self.names, self.batched, self.stacked, self.nesting, self.tuples, lenient=True
-        )
+Leaves = tuple[list[Any], list[bool], list[Callable[[Any], Any]], list[Any] | None]
+"""A gathered batch's leaves: per leaf its batch, whether stacked, its split, its first."""
 
 
 class Closed:
@@ -165,6 +141,7 @@ class ColumnDataset(Closable, Dataset):
         self._nesting = (
             nest_paths(self._names, [self._paths[n] for n in self._names]) if nested else None
         )
+        self._batch = (self._names, self._nesting, output != "dict")  # what samples are made of
         # index_select checks the bounds itself: see _gather
         self._torch_bounds = bool(columns) and all(
             type(c).gather is TensorColumn.gather for c in columns.values()
@@ -236,11 +213,12 @@ class ColumnDataset(Closable, Dataset):
             else:
                 shared = get_worker_info() is not None  # leaving a worker: in shared memory
                 idx, batched = self._gather(index, shared)
+                names, nesting, tuples = self._batch
                 if len(idx):  # each column's batch as gathered, the others collated
-                    return self._values(batched).collated()
+                    values, stacked, _, _ = self._leaves(batched)
+                    return collate_columns(names, values, stacked, nesting, tuples, lenient=True)
                 if type(self)._pack is ColumnDataset._pack:
                     # no row: each column as gathered, 0 rows or no value
-                    names, nesting, tuples = self._names, self._nesting, self.output != "dict"
                     if tuples and nesting is None:  # as the default collate: tuples of text
                         text = [c.kind in ("str", "bytes") for c in self._columns.values()]
                         batched = [() if t else b for b, t in zip(batched, text)]
@@ -283,17 +261,21 @@ class ColumnDataset(Closable, Dataset):
         """
         idx, batched = self._gather(indices, get_worker_info() is not None)
         if self.transform is None:
-            return self._values(batched).samples(len(idx))
+            names, nesting, tuples = self._batch
+            values, stacked, splits, firsts = self._leaves(batched)
+            return Samples(
+                names, values, stacked, splits, len(idx), nesting, tuples, firsts, self._portable
+            )
         values = [c.split(b) for c, b in zip(self._columns.values(), batched)]
         rows = zip(*values) if values else [[]] * len(idx)
         return [self.transform(self._pack(row)) for row in rows]
 
-    def _values(self, batched: list[Any]) -> BatchValues:
+    _portable = False  # the leaves' splits are module-level: Samples pickle them
+
+    def _leaves(self, batched: list[Any]) -> Leaves:
         """What a gathered batch's samples are made of (``SharedDataset``: its leaves)."""
         stacked = [isinstance(b, torch.Tensor) for b in batched]
-        splits: list[Callable[[Any], Any]] = [c.split for c in self._columns.values()]
-        tuples = self.output != "dict"
-        return BatchValues(self._names, batched, stacked, splits, None, self._nesting, tuples)
+        return batched, stacked, [c.split for c in self._columns.values()], None
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(self._len):

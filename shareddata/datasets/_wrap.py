@@ -13,7 +13,7 @@ from torch.utils.data import Dataset, IterableDataset
 from ..columns._columns import Column
 from ..columns._items import LeafType, leaf_batches, rebuild, restore
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ._dataset import BatchValues, ColumnDataset
+from ._dataset import ColumnDataset, Leaves
 from ._list import sampled_key
 from ._load import LoadOptions, Shard, Share
 from ._materialise import DatasetProducer
@@ -122,10 +122,9 @@ class SharedDataset(ColumnDataset):
         tag, body = schema
         children = [c for _, c in body] if tag == "dict" else body if tag != "leaf" else None
         flat = children is not None and all(c == ("leaf", k) for k, c in enumerate(children))
-        self._leaf_names: list[Any] = [k for k, _ in body] if flat and tag == "dict" else []
-        self._leaf_names = self._leaf_names or [str(k) for k in range(len(types))]
-        self._flat_tuples = flat and tag == "tuple"
-        self._leaf_nesting = None if flat and tag != "list" else schema
+        names: list[Any] = [k for k, _ in body] if flat and tag == "dict" else []
+        names = names or [str(k) for k in range(len(types))]
+        self._batch = (names, None if flat and tag != "list" else schema, flat and tag == "tuple")
 
     def _pack(self, values: Sequence[Any]) -> Any:
         leaf_values: list[Any] = []
@@ -137,13 +136,11 @@ class SharedDataset(ColumnDataset):
             leaf_values.append(restore(t, value))
         return rebuild(self._schema, leaf_values)
 
-    def _values(self, batched: list[Any]) -> BatchValues:
+    _portable = True
+
+    def _leaves(self, batched: list[Any]) -> Leaves:
         """The leaves' batches (Note [What comes back] in ``columns/_items.py``)."""
-        values, stacked, splits, firsts = leaf_batches(self._types, batched)
-        return BatchValues(
-            self._leaf_names, values, stacked, splits, firsts, self._leaf_nesting,
-            self._flat_tuples, portable=True,
-        )  # fmt: skip
+        return leaf_batches(self._types, batched)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "restore": self._types, "schema": self._schema}
