@@ -300,9 +300,8 @@ def _fill(source: Source, alloc: Allocator, progress: bool) -> list[Part]:
             (COLUMN_KINDS[spec.kind], spec, {k: next(arrays) for k in layout})
             for spec, layout in layouts
         ]
-        total = sum(a.nbytes for _, _, group in parts for a in group.values())
-        desc = f"loading {os.path.basename(source.label) or source.label} ({format_bytes(total)})"
-        with progress_bar(total, desc, progress) as update:
+        desc = f"loading {os.path.basename(source.label) or source.label} ({format_bytes(size)})"
+        with progress_bar(size, desc, progress) as update:
             for _, spec, group in parts:
                 source.read(spec, {k: as_buffer(a.numpy()) for k, a in group.items()}, update)
     return parts

@@ -111,12 +111,10 @@ class BlockWriter:
         stage: Any = self._stages.get(id(target))
         if stage is None:
             shape = (self.chunk, *leaf.shape)
-            tensor = leaf.kind == "tensor"
-            stage = (
-                torch.empty(shape, dtype=leaf.torch_dtype)
-                if tensor
-                else np.empty(shape, leaf.dtype)
-            )
+            if leaf.kind == "tensor":
+                stage = torch.empty(shape, dtype=leaf.torch_dtype)
+            else:
+                stage = np.empty(shape, leaf.dtype)
             self._stages[id(target)] = stage
         if leaf.kind == "ndarray":
             return np.stack(values, out=stage[:rows])
