@@ -341,20 +341,18 @@ class Builder:
 
     def _to_pickle(self, n: int, leaf: Leaf) -> None:
         """Leaf ``n`` stops being a list of numbers: keep every list pickled instead."""
-        old, buffer = self.var[n], self._store(n, np.uint8)
-        self.var[n] = buffer  # freed by discard() from now on
-        offsets, step = old.offsets, 4096
-        for first in range(0, len(offsets) - 1, step):  # a block of rows at a time
-            bounds = offsets[first : first + step + 1]
-            values = old.read(bounds[0], bounds[-1])
-            base = bounds[0]
-            blobs = [
-                pickle.dumps(values[a - base : b - base].tolist(), pickle.HIGHEST_PROTOCOL)
-                for a, b in zip(bounds[:-1], bounds[1:])
-            ]
-            buffer.extend(b"".join(blobs), map(len, blobs))
-        old.discard()
+        old, self.var[n] = self.var[n], self._store(n, np.uint8)  # discard() frees the new one
         leaf.kind, leaf.dtype = "pickle", np.dtype(np.uint8)
+        offsets, step = old.offsets, 4096
+        try:
+            for first in range(0, len(offsets) - 1, step):  # a block of rows at a time
+                bounds = offsets[first : first + step + 1]
+                values = old.read(bounds[0], bounds[-1])
+                base = bounds[0]
+                rows = zip(bounds[:-1], bounds[1:])
+                self._put_var(n, leaf, [values[a - base : b - base].tolist() for a, b in rows])
+        finally:
+            old.discard()
 
     def _add_block(self, block: Block, snapshot: list[tuple[str, bool]]) -> None:
         """Add the rows a worker read (Note [Materialising with workers])."""
