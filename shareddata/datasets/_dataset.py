@@ -270,7 +270,7 @@ class ColumnDataset(Closable, Dataset):
         rows = zip(*values) if values else [[]] * len(idx)
         return [self.transform(self._pack(row)) for row in rows]
 
-    _portable = False  # the leaves' splits are module-level: Samples pickle them
+    _portable = False  # True: the splits are module-level functions, pickled with Samples
 
     def _leaves(self, batched: list[Any]) -> Leaves:
         """What a gathered batch's samples are made of (``SharedDataset``: its leaves)."""

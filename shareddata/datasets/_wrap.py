@@ -136,7 +136,7 @@ class SharedDataset(ColumnDataset):
             leaf_values.append(restore(t, value))
         return rebuild(self._schema, leaf_values)
 
-    _portable = True
+    _portable = True  # leaf_batches' splits are module-level
 
     def _leaves(self, batched: list[Any]) -> Leaves:
         """The leaves' batches (Note [What comes back] in ``columns/_items.py``)."""
