@@ -43,17 +43,7 @@ from ...storage import SharedArray
 from ...storage._capacity import private_peak
 from ...storage._writer import VarStore
 from .._load import Allocator, Part, progress_bar
-from ._writer import (
-    TRIM_BYTES,
-    Block,
-    BlockReader,
-    HeapTrim,
-    Writer,
-    chunk_rows,
-    fetch,
-    identity,
-    unbox,
-)
+from ._writer import TRIM_BYTES, Block, BlockReader, HeapTrim, Writer, chunk_rows, fetch, identity
 
 __all__ = ["Builder", "DatasetProducer"]
 
@@ -357,7 +347,7 @@ class Builder:
     def _add_block(self, block: Block, snapshot: list[tuple[str, bool]]) -> None:
         """Add the rows a worker read (Note [Materialising with workers])."""
         if block.items is not None:  # not every item fitted the columns: add them one by one
-            self.run(enumerate(map(unbox, block.items), block.start), lambda rows: None)
+            self.run(enumerate(block.items, block.start), lambda rows: None)
             return
         var = block.var
         if var is None:  # a worker sends either the items or the var leaves' values

@@ -27,7 +27,7 @@ from ...storage._writer import pwrite_all
 
 __all__ = [
     "TRIM_BYTES", "Block", "BlockReader", "BlockWriter", "HeapTrim", "Writer", "box",
-    "chunk_rows", "fetch", "identity", "unbox",
+    "chunk_rows", "fetch", "identity",
 ]  # fmt: skip
 
 
@@ -237,9 +237,10 @@ def identity(x: Any) -> Any:
 # allocated in parallel. Here the rows are mapped and the values added.
 #
 # Otherwise the worker writes nothing and sends the items back (tensors as numpy
-# arrays, pickled by value); they take the usual path here, which names an error's
-# index and field or adapts the columns. A leaf made ragged since still gets fixed
-# rows from the workers: those are read back from its old array (``orphans``).
+# arrays, pickled by value, unpickled as tensors); they take the usual path here,
+# which names an error's index and field or adapts the columns. A leaf made ragged
+# since still gets fixed rows from the workers: those are read back from its old
+# array (``orphans``).
 
 
 @dataclass
@@ -253,45 +254,30 @@ class Block:
 
 
 class _Box:
-    """A tensor carried as a numpy array (pickled by value), or a non-native array."""
+    """A value pickled as ``rebuild(*args)``: unpickled, it is that value again."""
 
-    def __init__(self, array: np.ndarray, dtype: np.dtype | None = None) -> None:
-        self.array, self.dtype = array, dtype
+    def __init__(self, rebuild: Callable[..., Any], *args: Any) -> None:
+        self.rebuild, self.args = rebuild, args
 
-
-def _tree(leaf: Callable[[Any], Any], value: Any) -> Any:
-    """``value`` with ``leaf`` applied to each value inside its tuples, lists and dicts."""
-    if type(value) in (tuple, list):
-        return type(value)(_tree(leaf, v) for v in value)
-    if type(value) is dict:
-        return {k: _tree(leaf, v) for k, v in value.items()}
-    return leaf(value)
-
-
-def _box(value: Any) -> Any:
-    if type(value) is torch.Tensor and not value.requires_grad and value.dtype in _BOXABLE:
-        return _Box(value.cpu().numpy())  # (a Parameter, a subclass: pickled as they are)
-    if isinstance(value, np.ndarray) and not value.dtype.isnative:
-        return _Box(value.astype(value.dtype.newbyteorder("=")), value.dtype)
-    return value
-
-
-def _unbox(value: Any) -> Any:
-    if type(value) is not _Box:
-        return value
-    if value.dtype is not None:
-        return value.array.astype(value.dtype)
-    return torch.from_numpy(value.array)
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.rebuild, self.args
 
 
 def box(value: Any) -> Any:
-    """``value`` with its tensors as :class:`_Box` (a block sent back by a worker)."""
-    return _tree(_box, value)
+    """``value`` with the tensors in its tuples, lists and dicts as :class:`_Box` es.
 
-
-def unbox(value: Any) -> Any:
-    """``value`` with its :class:`_Box` es as tensors again (:func:`box` undone)."""
-    return _tree(_unbox, value)
+    What a worker sends back: a tensor as its numpy array, a non-native array as a
+    native one (a Parameter, a subclass: as they are).
+    """
+    if type(value) in (tuple, list):
+        return type(value)(box(v) for v in value)
+    if type(value) is dict:
+        return {k: box(v) for k, v in value.items()}
+    if type(value) is torch.Tensor and not value.requires_grad and value.dtype in _BOXABLE:
+        return _Box(torch.from_numpy, value.cpu().numpy())
+    if isinstance(value, np.ndarray) and not value.dtype.isnative:
+        return _Box(np.ndarray.astype, value.astype(value.dtype.newbyteorder("=")), value.dtype)
+    return value
 
 
 _BOXABLE = {
