@@ -339,14 +339,15 @@ print(json.dumps(out))
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_descriptor_per_dataset_and_a_named_error_past_the_limit(kind, tmp_path):
     """Each dataset holds one descriptor (a SharedDataset one more per variable-length
-    field, and one for their offsets; before: twice as many, as Python's mmap kept a
-    duplicate). Past ``ulimit -n``: TooManyOpenFilesError naming the limit and the fix
-    (before: a bare ``OSError: [Errno 24]``), and nothing left open."""
+    field, its offsets after its values, and one for ragged fields' shapes; before: twice
+    as many, as Python's mmap kept a duplicate). Past ``ulimit -n``: TooManyOpenFilesError
+    naming the limit and the fix (before: a bare ``OSError: [Errno 24]``), and nothing
+    left open."""
     command = [sys.executable, "-c", _DESCRIPTORS_SCRIPT, kind, str(tmp_path), TESTS]
     run = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    per_dataset = 3 if kind == "shared_dataset" else 1  # x, y in one segment; t; offsets
+    per_dataset = 2 if kind == "shared_dataset" else 1  # x, y in one segment; t + offsets
     assert out["per_dataset"] == per_dataset, out
     assert out["mro"][:3] == ["TooManyOpenFilesError", "SharedDataError", "OSError"], out
     assert (
