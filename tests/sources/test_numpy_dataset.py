@@ -356,15 +356,23 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     nbytes = 160 << 20
     np.save(tmp_path / "x.npy", np.ones(nbytes // 4, np.float32))
     monkeypatch.setattr(_io, "_CHUNK", 16 << 20)
-    reads, real_preadv = [], os.preadv
+    reads, real_preadv, real_populate = [], os.preadv, _pages.Population._populate
+    first_read = threading.Event()
+
+    def populate(self, step):  # the steps after the first wait (bounded) for a first read,
+        if step:  # so a busy machine cannot finish them all before it: a read that
+            first_read.wait(10)  # waited for every page is then seen below
+        return real_populate(self, step)
 
     def preadv(fd, buffers, offset):
         (population,) = [s._population for s in attached_segments() if s._population]
         address = np.frombuffer(buffers[0], np.uint8).ctypes.data
         end = address + len(buffers[0]) - population.address
         reads.append((end, population._ready * _pages._POPULATE_STEP))
+        first_read.set()
         return real_preadv(fd, buffers, offset)
 
+    monkeypatch.setattr(_pages.Population, "_populate", populate)
     monkeypatch.setattr(os, "preadv", preadv)
     ds = sd.NumpyDataset(tmp_path / "x.npy")
     assert len(reads) == 10
