@@ -488,16 +488,21 @@ def _publish(
     def serve(sock: socket.socket, pid: int) -> None:
         _, message = recv(sock, time.monotonic() + STALL, ("hi",))
         rank, fp, their = hello(message, ctx, str, str)
-        if fp != wanted:
-            finish(rank, f"it built dataset #{number} from {their}{_differ(their, label)}")
-            send(sock, "mismatch", label, time.monotonic() + STALL)
+        if fp != wanted:  # told before it counts as done: done, this rank closes the server
+            try:
+                send(sock, "mismatch", label, time.monotonic() + STALL)
+            finally:
+                finish(rank, f"it built dataset #{number} from {their}{_differ(their, label)}")
             return
         while not ready.wait(_HEARTBEAT):
             send(sock, "beat", None, time.monotonic() + STALL)
         kind, data = payload[0]
-        send(sock, kind, data, time.monotonic() + STALL)
+        try:
+            send(sock, kind, data, time.monotonic() + STALL)
+        finally:
+            if kind == "error":
+                finish(rank, None)  # told (or gone): nothing to attach
         if kind == "error":
-            finish(rank, None)  # told: nothing to attach
             return
         kind, data = recv(sock, time.monotonic() + timeout, ("ack", "fail"))
         finish(rank, None if kind == "ack" else str(data))
