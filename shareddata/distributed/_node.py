@@ -497,12 +497,9 @@ def _publish(
         while not ready.wait(_HEARTBEAT):
             send(sock, "beat", None, time.monotonic() + STALL)
         kind, data = payload[0]
-        try:
-            send(sock, kind, data, time.monotonic() + STALL)
-        finally:
-            if kind == "error":
-                finish(rank, None)  # told (or gone): nothing to attach
+        send(sock, kind, data, time.monotonic() + STALL)
         if kind == "error":
+            finish(rank, None)  # told: nothing to attach
             return
         kind, data = recv(sock, time.monotonic() + timeout, ("ack", "fail"))
         finish(rank, None if kind == "ack" else str(data))
