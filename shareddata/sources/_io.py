@@ -1,7 +1,7 @@
-"""Files read straight into shared memory: the package's one ``preadv`` loop.
+"""Files read straight into shared memory: the package's one read loop.
 
-``os.preadv`` copies from the page cache into the mapped shared pages: one kernel
-copy, no private buffer, the GIL released while it runs.
+``sendfile`` copies from the page cache into a segment's file (``os.preadv`` into
+other memory): one kernel copy, no private buffer, the GIL released while it runs.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import MissingFileError, SourceReadError
+from ..errors import MissingFileError, SharedDataError, SourceReadError
+from ..storage import segment_of
 
 __all__ = ["read_into"]
 
@@ -21,7 +22,10 @@ _CHUNK = 64 << 20  # bytes per preadv call (one progress update each)
 def read_into(
     path: str, offset: int, out: np.ndarray, progress: Callable[[int], None], what: str
 ) -> None:
-    """Fill ``out`` (C-contiguous, pages ready) from ``path`` at byte ``offset``.
+    """Fill ``out`` (C-contiguous) from ``path`` at byte ``offset``.
+
+    Over a shared segment the kernel copies into its file (:meth:`Segment.copy_file`,
+    no page need be ready); into other memory, ``os.preadv``.
 
     A truncated file or an I/O error is a SourceReadError naming ``what`` and the fix.
 
@@ -35,12 +39,17 @@ def read_into(
         [3, 4, 5, 6]
     """
     view = out.reshape(-1).view(np.uint8).data.cast("B")
+    found = segment_of(out)  # a segment's file is filled by the kernel, without its mapping
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             pos = 0
             while pos < len(view):
-                n = os.preadv(fd, [view[pos : pos + _CHUNK]], offset + pos)
+                if found is not None:
+                    segment, at = found
+                    n = segment.copy_file(fd, offset + pos, at + pos, min(_CHUNK, len(view) - pos))
+                else:
+                    n = os.preadv(fd, [view[pos : pos + _CHUNK]], offset + pos)
                 if n == 0:
                     raise SourceReadError(
                         f"{what} ended early, after {pos} of {len(view)} bytes of data: the "
@@ -50,7 +59,7 @@ def read_into(
                 progress(n)
         finally:
             os.close(fd)
-    except SourceReadError:
+    except SharedDataError:  # SourceReadError, or the memory's own (full, no descriptor)
         raise
     except OSError as e:  # an I/O error of the disk or file system: name the file
         raise SourceReadError(

@@ -194,9 +194,10 @@ class _NpyFile(_Entry):
             return
         row_bytes = self.row_bytes()
         for a, b in _blocks(out):
-            rows = out.rows(a, b)
+            rows = out.view(np.ndarray)[a:b]  # read_into needs no page ready
             read_into(self.path, self.offset + (start + a) * row_bytes, rows, progress, self.path)
-            _byteswap_if_needed(rows, self.dtype)
+            if not self.dtype.isnative and self.dtype.itemsize > 1:
+                out.rows(a, b).byteswap(inplace=True)
 
 
 _ZIP_ERRORS = (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error)

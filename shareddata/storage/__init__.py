@@ -7,7 +7,7 @@ owner of a segment in a process), ``_tensor``, ``_array``, ``_writer``, ``_sweep
 
 from ._array import SharedArray, allocate, seal, to_numpy_dtype
 from ._pages import populate, population_threads
-from ._segment import Segment, attach, attached_segments, ready
+from ._segment import Segment, attach, attached_segments, ready, segment_of
 from ._tensor import MemoryRef, SharedTensor, shared_tensor
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "population_threads",
     "ready",
     "seal",
+    "segment_of",
     "shared_tensor",
     "to_numpy_dtype",
 ]

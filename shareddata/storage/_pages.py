@@ -14,13 +14,15 @@ not exist) allocates what is missing itself.
 
 Note [Filling while the pages are allocated]
 ============================================
-``Segment.create(ahead=True)`` returns once the file is sized, while its
-:class:`Population` allocates the pages in address order and the source copies into
-the first ones. A writer calls ``ready`` for the range it is about to fill, so a page
-is written only once allocated and a failure is SharedMemoryFullError there, never a
-SIGBUS. The loader ends with ``finish_population`` or, on error, ``discard`` (which
-stops the threads first). Only RAM segments with twice their size free are filled
-this way; the others are populated before ``create`` returns.
+``Segment.create(ahead=True)`` returns once the file is sized; the first ``ready``
+starts its :class:`Population`, which allocates the pages in address order while the
+source copies into the first ones. A writer calls ``ready`` for the range it is about
+to fill, so a page is written only once allocated and a failure is
+SharedMemoryFullError there, never a SIGBUS. A file copied by ``Segment.copy_file``
+(``sendfile``) needs no population: the kernel allocates as it writes, and a full
+memory is its ``ENOSPC``. The loader ends with ``finish_population`` or, on error,
+``discard`` (which stops the threads first). Only RAM segments with twice their size
+free are filled this way; the others are populated before ``create`` returns.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import secrets
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -91,6 +92,8 @@ class Segment:
 
     closed = False
     _population: Population | None = None
+    _start_population: Callable[[], Population] | None = None
+    _room: tuple[str | None, str] = (None, "a shared segment")  # storage_dir, what (errors)
 
     def __init__(
         self,
@@ -143,6 +146,7 @@ class Segment:
                         raise full_error(size, available_memory(directory), directory, what) from e
                     raise
                 segment = cls(fd, size, secrets.token_hex(8), created=True, what=what)
+                segment._room = (directory, what)
             except BaseException:
                 os.close(fd)
                 raise
@@ -160,10 +164,11 @@ class Segment:
         if by_faults:  # a page that cannot be had is SharedMemoryFullError
             failed = functools.partial(_population_failed, self.fd, self.size, directory, what)
             madvise(self.address, self.size, MADV_HUGEPAGE)  # a hint; may do nothing
-        self._population = population = Population(self.address, self.size, failed=failed)
+        start = functools.partial(Population, self.address, self.size, failed=failed)
         if ahead and directory is None and available_memory(None) >= 2 * self.size:
-            weakref.finalize(self, setattr, population, "stopped", True)  # if dropped
+            self._start_population = start  # by the first ready(): a copy_file needs none
         else:
+            self._population = start()
             self.finish_population()
 
     @classmethod
@@ -216,12 +221,39 @@ class Segment:
 
     def ready(self, end: int) -> None:
         """Wait until bytes ``[0, end)`` may be written; SharedMemoryFullError if a page failed."""
+        start, self._start_population = self._start_population, None
+        if start is not None:
+            self._population = population = start()
+            weakref.finalize(self, setattr, population, "stopped", True)  # if dropped
         population = self._population
         if population is not None:
             population.wait(end)
 
+    def copy_file(self, src: int, src_offset: int, offset: int, nbytes: int) -> int:
+        """Copy up to ``nbytes`` of file ``src`` at ``src_offset`` to ``offset``: bytes copied.
+
+        The kernel copies into the file (``sendfile``), not through the mapping, so its
+        pages need no :meth:`ready` and a full memory is SharedMemoryFullError, never a
+        SIGBUS; 0 means ``src`` ended. Note [Filling while the pages are allocated].
+        """
+        self._check_open()
+        with named_os_errors(self._room[1]):  # its own file position
+            fd = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.lseek(fd, offset, os.SEEK_SET)
+            try:
+                return os.sendfile(fd, src, src_offset, nbytes)
+            except OSError as e:
+                if e.errno not in FULL_ERRNOS:
+                    raise
+                directory, what = self._room
+                raise full_error(self.size, available_memory(directory), directory, what) from e
+        finally:
+            os.close(fd)
+
     def finish_population(self) -> None:
         """Wait for every page of ``create(ahead=True)``; SharedMemoryFullError if one failed."""
+        self._start_population = None
         population = self._population
         if population is not None:
             population.finish()
@@ -230,6 +262,7 @@ class Segment:
     def stop_population(self) -> None:
         """Stop populating the pages of ``create(ahead=True)`` and wait for the threads."""
         population, self._population = self._population, None
+        self._start_population = None
         if population is not None:
             population.stop()
 
@@ -253,8 +286,7 @@ class Segment:
         self._check_open()
         if write and self.writable:
             with named_os_errors("a loaded dataset's memory", self.size):
-                map_fd(self.fd, self.size, private=True, at=self.address)
-            madvise(self.address, self.size, MADV_POPULATE_READ)  # map its pages here again
+                map_fd(self.fd, self.size, private=True, at=self.address)  # pages fault in
             with _ATTACH_LOCK:
                 _ATTACHED.pop((self.token, True), None)
                 self.writable = False
@@ -318,20 +350,31 @@ def _population_failed(fd: int, size: int, directory: str | None, what: str, err
     fallocate(fd, size, directory, what)  # EINVAL: MADV_POPULATE_WRITE unknown
 
 
-def ready(array: np.ndarray, nbytes: int | None = None) -> None:
-    """Wait until the pages under ``array`` (its first ``nbytes``) may be written.
-
-    The segment is found through the array's base (:meth:`Segment.view`).
+def segment_of(array: np.ndarray) -> tuple[Segment, int] | None:
+    """The segment under ``array`` (through its base, :meth:`Segment.view`) and its offset.
 
     Example:
-        >>> ready(np.zeros(4))  # private memory: nothing to wait for
+        >>> segment_of(np.zeros(4)) is None  # private memory
+        True
     """
     base: Any = array
     while isinstance(base, np.ndarray):
         base = base.base
     segment = getattr(getattr(base, "obj", None), "segment", None)
-    if isinstance(segment, Segment) and segment._population is not None:
-        start = array.__array_interface__["data"][0] - segment.address
+    if not isinstance(segment, Segment):
+        return None
+    return segment, array.__array_interface__["data"][0] - segment.address
+
+
+def ready(array: np.ndarray, nbytes: int | None = None) -> None:
+    """Wait until the pages under ``array`` (its first ``nbytes``) may be written.
+
+    Example:
+        >>> ready(np.zeros(4))  # private memory: nothing to wait for
+    """
+    found = segment_of(array)
+    if found is not None:
+        segment, start = found
         segment.ready(start + (array.nbytes if nbytes is None else nbytes))
 
 
@@ -356,7 +399,7 @@ def ready(array: np.ndarray, nbytes: int | None = None) -> None:
 # Any process of the user could reopen a segment read-write via ``/proc`` and write or
 # ``ftruncate`` it. Once a load is complete (``seal`` in ``_array.py``) the loader
 # remaps the file copy-on-write at the same address (``F_SEAL_WRITE`` is EBUSY while a
-# shared writable mapping exists; ``MADV_POPULATE_READ`` maps the pages back) and adds
+# shared writable mapping exists; the pages fault in again when read) and adds
 # ``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``. Receivers open it
 # O_RDONLY and acknowledge on the sender's ticket board (``_handoff.py``). A
 # ``SharedArray`` is sealed against resizing only; ``storage_dir`` files cannot be.

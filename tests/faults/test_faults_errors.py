@@ -93,16 +93,15 @@ def _npy_folder(tmp_path, monkeypatch):
 def _npy_eio(tmp_path, monkeypatch):
     for name in "ab":
         np.save(tmp_path / f"{name}.npy", np.ones((1 << 18, 4), np.float32))
-    real, calls = os.preadv, []
+    real, calls = os.sendfile, []
 
-    def preadv(fd, buffers, offset, *args):  # the disk fails while b.npy is read
-        calls.append(fd)
+    def sendfile(out_fd, in_fd, offset, count):  # the disk fails while b.npy is read
+        calls.append(in_fd)
         if len(calls) > 1:
-            del buffers  # like the C function: the error's frame holds no buffer
             raise OSError(5, "Input/output error")
-        return real(fd, buffers, offset, *args)
+        return real(out_fd, in_fd, offset, count)
 
-    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "sendfile", sendfile)
     return lambda: sd.NumpyDataset(tmp_path), "b.npy"
 
 

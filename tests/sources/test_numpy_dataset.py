@@ -346,38 +346,53 @@ def test_verify_passes_a_numpy_dataset_with_4_workers(method):
     assert len([p for p in report.processes if p.role.startswith("worker")]) == 4
 
 
-def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, monkeypatch):
-    # Note [Filling while the pages are allocated]: threads allocate and map the
-    # segment in address order while the file is read into its first pages; a read
-    # waits until the pages it fills are in
-    from shareddata.sources import _io
+def test_npy_data_is_copied_into_the_file_by_the_kernel_without_page_threads(tmp_path):
+    # read_into over a segment: sendfile fills its file, so no page is populated through
+    # the writable mapping (the seal's remap is then cheap) and every page is allocated
+    from shareddata.storage import attached_segments
+
+    nbytes = 96 << 20
+    np.save(tmp_path / "x.npy", np.arange(nbytes // 4, dtype=np.float32))
+    ds = sd.NumpyDataset(tmp_path / "x.npy")
+    assert not [s for s in attached_segments() if s._population]
+    assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
+    segment = ds._columns["x"].arrays["data"].segment
+    assert os.fstat(segment.fd).st_blocks * 512 >= nbytes  # every page allocated
+    assert np.array_equal(ds[:]["x"].numpy(), np.arange(nbytes // 4, dtype=np.float32))
+
+
+def test_pages_are_allocated_ahead_of_the_writes_and_never_overtaken(tmp_path, monkeypatch):
+    # Note [Filling while the pages are allocated]: threads allocate and map the segment
+    # in address order while a source writes its first pages through the mapping (a
+    # Fortran-order .npy is copied row block by row block); a write waits for its pages
+    from shareddata.sources import _source, npy
     from shareddata.storage import _pages, attached_segments
 
     nbytes = 160 << 20
-    np.save(tmp_path / "x.npy", np.ones(nbytes // 4, np.float32))
-    monkeypatch.setattr(_io, "_CHUNK", 16 << 20)
-    reads, real_preadv, real_populate = [], os.preadv, _pages.Population._populate
-    first_read = threading.Event()
+    np.save(tmp_path / "x.npy", np.asfortranarray(np.ones((nbytes // 16, 4), np.float32)))
+    monkeypatch.setattr(npy, "_CHUNK", 16 << 20)
+    writes, real_rows, real_populate = [], _source.Buffer.rows, _pages.Population._populate
+    first_write = threading.Event()
 
-    def populate(self, step):  # the steps after the first wait (bounded) for a first read,
-        if step:  # so a busy machine cannot finish them all before it: a read that
-            first_read.wait(10)  # waited for every page is then seen below
+    def populate(self, step):  # the steps after the first wait (bounded) for a first write,
+        if step:  # so a busy machine cannot finish them all before it: a write that
+            first_write.wait(10)  # waited for every page is then seen below
         return real_populate(self, step)
 
-    def preadv(fd, buffers, offset):
+    def rows(self, start, stop):
+        view = real_rows(self, start, stop)  # waits for the pages under the view
         (population,) = [s._population for s in attached_segments() if s._population]
-        address = np.frombuffer(buffers[0], np.uint8).ctypes.data
-        end = address + len(buffers[0]) - population.address
-        reads.append((end, population._ready * _pages._POPULATE_STEP))
-        first_read.set()
-        return real_preadv(fd, buffers, offset)
+        end = view.ctypes.data + view.nbytes - population.address
+        writes.append((end, population._ready * _pages._POPULATE_STEP))
+        first_write.set()
+        return view
 
     monkeypatch.setattr(_pages.Population, "_populate", populate)
-    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(_source.Buffer, "rows", rows)
     ds = sd.NumpyDataset(tmp_path / "x.npy")
-    assert len(reads) == 10
-    assert all(end <= populated for end, populated in reads)  # never ahead of the pages
-    assert any(populated < nbytes for _, populated in reads)  # reads did not wait for all
+    assert len(writes) == 10
+    assert all(end <= populated for end, populated in writes)  # never ahead of the pages
+    assert any(populated < nbytes for _, populated in writes)  # writes did not wait for all
     assert not [s for s in attached_segments() if s._population]
     assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
     segment = ds._columns["x"].arrays["data"].segment
@@ -385,11 +400,15 @@ def test_pages_are_allocated_ahead_of_the_reads_and_never_overtaken(tmp_path, mo
     assert float(ds[:]["x"].sum()) == nbytes // 4
 
 
-def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkeypatch, order):
+    # a C-order .npy is copied by sendfile (a full memory is its ENOSPC), a Fortran-order
+    # one through the mapping after the page threads (their ENOMEM); both are refused
     from shareddata.storage import _pages
 
-    np.save(tmp_path / "x.npy", np.ones((128 << 20) // 4, np.float32))
-    real, steps = _pages.madvise, []
+    data = np.ones(((128 << 20) // 16, 4), np.float32)
+    np.save(tmp_path / "x.npy", np.asfortranarray(data) if order == "F" else data)
+    real, real_sendfile, steps = _pages.madvise, os.sendfile, []
 
     def madvise(address, length, advice):  # memory runs out after three steps
         if advice == _pages.MADV_POPULATE_WRITE:
@@ -398,12 +417,20 @@ def test_a_page_that_cannot_be_allocated_fails_the_load_cleanly(tmp_path, monkey
                 return errno.ENOMEM
         return real(address, length, advice)
 
+    def sendfile(out_fd, in_fd, offset, count):  # the same, for the kernel's copy
+        steps.append(offset)
+        if len(steps) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_sendfile(out_fd, in_fd, offset, min(count, 32 << 20))
+
     monkeypatch.setattr(_pages, "madvise", madvise)
+    monkeypatch.setattr(os, "sendfile", sendfile)
     gc.collect()
     fds = open_fds()
     with pytest.raises(sd.SharedMemoryFullError, match=r"x\.npy needs 128\.0 MiB"):
         sd.NumpyDataset(tmp_path / "x.npy")
     gc.collect()
+    assert steps
     assert open_fds() == fds  # the segment is gone
     assert not [t for t in threading.enumerate() if t.name == "shareddata-populate"]
 
@@ -429,6 +456,7 @@ def test_a_segment_dropped_while_its_pages_are_allocated_stops_the_threads():
     from shareddata.storage import Segment, ready
 
     segment = Segment.create(256 << 20, ahead=True)
+    segment.ready(1)  # the first write to come starts the threads
     assert segment._population is not None
     del segment
     gc.collect()
