@@ -27,14 +27,14 @@ from ..errors import AttachError
 from ..storage import SharedArray, to_numpy_dtype
 
 __all__ = [
-    "COLUMN_KINDS", "UUID", "Alloc", "BytesColumn", "Column", "ColumnSpec", "RaggedColumn",
+    "COLUMN_KINDS", "UUID", "BytesColumn", "Column", "ColumnSpec", "Fill", "RaggedColumn",
     "StringColumn", "TensorColumn", "UuidColumn", "as_is", "gather_rows", "row_elements",
     "torch_dtype",
 ]  # fmt: skip
 
 Parts = list[tuple[tuple[int, ...], torch.dtype]]
-Alloc = Callable[[Parts], list[torch.Tensor]]
-"""Makes empty tensors of the given ``(shape, dtype)`` parts: where a batch is gathered."""
+Fill = Callable[[list[torch.Tensor]], Any]
+"""Gathers a planned batch into empty tensors of its ``(shape, dtype)`` parts."""
 Layout = dict[str, tuple[tuple[int, ...], Any]]
 
 
@@ -75,9 +75,10 @@ class Column:
     """One column of a dataset over buffers in shared memory.
 
     Subclasses define :meth:`layout`, :meth:`get` (one row), :meth:`gather` (a batch
-    of int64 indices, into ``alloc``'s buffers if given: a worker's one memfd per
-    batch, Note [How a batch leaves a worker] in ``crossing/_transport.py``) and,
-    for rows gathered as Python objects, ``split = as_is``.
+    of int64 indices), :meth:`gather_plan` where a batch has tensors to fill in a
+    worker's one memfd (Note [How a batch leaves a worker] in
+    ``crossing/_transport.py``) and, for rows gathered as Python objects,
+    ``split = as_is``.
     """
 
     kind: ClassVar[str]
@@ -101,21 +102,20 @@ class Column:
         """The value of row ``index`` (0 <= index < len)."""
         return self.gather(torch.tensor([index]))[0]
 
-    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
-        """The batched values of rows ``indices`` (alloc None: fresh private memory)."""
+    def gather(self, indices: torch.Tensor) -> Any:
+        """The batched values of rows ``indices``, in fresh private memory."""
         raise NotImplementedError
 
     def split(self, batch: Any) -> list[Any]:
         """Per-row values of a batch returned by :meth:`gather`."""
         return list(batch.unbind(0))
 
-    def batch_parts(self, indices: torch.Tensor) -> Parts:
-        """The buffers :meth:`gather_into` fills; empty: rows cross by value."""
-        return []
+    def gather_plan(self, indices: torch.Tensor) -> tuple[Parts, Fill]:
+        """The buffers a batch of rows ``indices`` needs, and what gathers it into them.
 
-    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
-        """:meth:`gather` into the buffers of :meth:`batch_parts` (same order)."""
-        return self.gather(indices)
+        The rows' ranges are worked out once, for both; no part: rows cross by value.
+        """
+        return [], lambda outs: self.gather(indices)
 
     @property
     def name(self) -> str:
@@ -199,16 +199,12 @@ class TensorColumn(Column):
         """A copy of row ``index`` (a 0-d tensor for a scalar column)."""
         return self._data[index].clone()
 
-    def gather(
-        self, indices: torch.Tensor, alloc: Alloc | None = None, out: torch.Tensor | None = None
-    ) -> Any:
+    def gather(self, indices: torch.Tensor, out: torch.Tensor | None = None) -> Any:
         """Rows ``indices`` stacked by one ``index_select`` (into ``out`` if given).
 
         Raises ``IndexError`` for an index outside ``[0, len)``, negatives too
         (``ColumnDataset`` relies on it).
         """
-        if out is None and alloc is not None:
-            out = alloc(self.batch_parts(indices))[0]
         if self._torch_gather:
             try:
                 if out is None:
@@ -227,11 +223,9 @@ class TensorColumn(Column):
         out.as_subclass(torch.Tensor).copy_(batch)
         return out
 
-    def batch_parts(self, indices: torch.Tensor) -> Parts:
-        return [((len(indices), *self.spec.shape), self._data.dtype)]
-
-    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
-        return self.gather(indices, out=outs[0])
+    def gather_plan(self, indices: torch.Tensor) -> tuple[Parts, Fill]:
+        parts = [((len(indices), *self.spec.shape), self._data.dtype)]
+        return parts, lambda outs: self.gather(indices, outs[0])
 
 
 class _VarColumn(Column):
@@ -255,7 +249,7 @@ class _VarColumn(Column):
         start, stop = self._offsets[index], self._offsets[index + 1]
         return self._make(self._values[start:stop].copy())
 
-    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
+    def gather(self, indices: torch.Tensor) -> Any:
         """The rows as a list: one slice per row (each row is its own object anyway)."""
         idx = indices.numpy()
         starts, stops = self._offsets[idx].tolist(), self._offsets[idx + 1].tolist()
@@ -280,20 +274,12 @@ class RaggedColumn(_VarColumn):
     def _make(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values)
 
-    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
-        """With ``alloc`` (in a worker) the rows are views of ONE buffer: one memfd per batch."""
-        if alloc is None:
-            return super().gather(indices)
-        return self.gather_into(indices, alloc(self.batch_parts(indices)))
-
-    def batch_parts(self, indices: torch.Tensor) -> Parts:
+    def gather_plan(self, indices: torch.Tensor) -> tuple[Parts, Fill]:
+        """In a worker the rows are views of ONE buffer: one memfd per batch."""
         idx = indices.numpy()
-        total = int((self._offsets[idx + 1] - self._offsets[idx]).sum())
-        return [((total,), torch_dtype(self._values.dtype))]
-
-    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
-        idx = indices.numpy()
-        return gather_rows(self._values, self._offsets[idx], self._offsets[idx + 1], outs[0])
+        starts, stops = self._offsets[idx], self._offsets[idx + 1]
+        parts: Parts = [((int((stops - starts).sum()),), torch_dtype(self._values.dtype))]
+        return parts, lambda outs: gather_rows(self._values, starts, stops, outs[0])
 
 
 def row_elements(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -311,21 +297,25 @@ def row_elements(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def gather_rows(
-    values: np.ndarray, starts: np.ndarray, stops: np.ndarray, out: torch.Tensor
+    values: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    out: torch.Tensor,
+    lengths: list[int] | None = None,
 ) -> list[torch.Tensor]:
-    """Rows ``values[starts[k]:stops[k]]`` copied side by side into ``out``; views of it.
+    """Rows ``values[starts[k]:stops[k]]`` copied side by side into ``out`` (their size).
+
+    Returns views of ``out``, of its type: one per row, or per ``lengths`` if given.
 
     Example:
         >>> values, out = np.arange(10, dtype=np.int32), torch.empty(3, dtype=torch.int32)
         >>> gather_rows(values, np.array([6, 0]), np.array([8, 1]), out)
         [tensor([6, 7], dtype=torch.int32), tensor([0], dtype=torch.int32)]
     """
-    flat, at = out.as_subclass(torch.Tensor).numpy(), 0
-    lengths = (stops - starts).tolist()
-    for start, length in zip(starts.tolist(), lengths):
-        flat[at : at + length] = values[start : start + length]
-        at += length
-    return list(out[:at].split(lengths))  # views of ``out``, of its type
+    if len(starts):
+        rows = [values[a:b] for a, b in zip(starts.tolist(), stops.tolist())]
+        np.concatenate(rows, out=out.as_subclass(torch.Tensor).numpy())
+    return list(out.split((stops - starts).tolist() if lengths is None else lengths))
 
 
 class StringColumn(_VarColumn):
@@ -393,7 +383,7 @@ class UuidColumn(Column):
     def get(self, index: int) -> uuid.UUID:
         return UUID(bytes=self._np[index].tobytes())
 
-    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
+    def gather(self, indices: torch.Tensor) -> Any:
         """Rows ``indices`` (checked by the dataset) as a list of :class:`UUID`."""
         return [UUID(bytes=row.tobytes()) for row in self._np[indices.numpy()]]
 

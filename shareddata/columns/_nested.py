@@ -24,9 +24,10 @@ import torch
 from ..storage import SharedArray
 from ._columns import (
     COLUMN_KINDS,
-    Alloc,
     Column,
     ColumnSpec,
+    Fill,
+    Parts,
     as_is,
     gather_rows,
     row_elements,
@@ -148,7 +149,7 @@ class NestedColumn(Column):
         """The values of elements ``[start, stop)`` of level ``i`` (a list, or a dict).
 
         ``supply``: per list-of-numbers level, its tensors in visiting order, already
-        gathered (:meth:`gather_into`); None copies each one.
+        gathered (:meth:`gather_plan`); None copies each one.
         """
         level, kids = self._tree[i]
         if level.kind == "num":
@@ -183,10 +184,8 @@ class NestedColumn(Column):
     def get(self, index: int) -> Any:
         return self._range(0, index, index + 1)[0]
 
-    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
-        """The rows ``indices``; with ``alloc``, lists of numbers are views of its buffers."""
-        if alloc is not None and self._tensor_levels:
-            return self.gather_into(indices, alloc(self.batch_parts(indices)))
+    def gather(self, indices: torch.Tensor) -> Any:
+        """The rows ``indices`` (Note [Gathering through Arrow] where it serves)."""
         arrow = self._as_arrow() if self._arrow_ok else None
         if arrow is not None:
             import pyarrow as pa
@@ -210,29 +209,27 @@ class NestedColumn(Column):
                 ranges[k] = (starts, stops)
         return ranges
 
-    def batch_parts(self, indices: torch.Tensor) -> list[Any]:
+    def gather_plan(self, indices: torch.Tensor) -> tuple[Parts, Fill]:
         """One buffer per list-of-numbers level (text and records cross by value)."""
         if not self._tensor_levels:
-            return []
-        ranges = self._row_ranges(indices.numpy())
-        return [
+            return super().gather_plan(indices)
+        idx = indices.numpy()
+        ranges = self._row_ranges(idx)
+        parts: Parts = [
             ((int((ranges[k][1] - ranges[k][0]).sum()),), torch_dtype(self._np[f"{k}.data"].dtype))
             for _, k in self._tensor_levels
         ]
 
-    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> Any:
-        if not self._tensor_levels:
-            return self.gather(indices)
-        idx = indices.numpy()
-        ranges = self._row_ranges(idx)
-        supply: dict[int, Iterator[Any]] = {}
-        for (i, k), out in zip(self._tensor_levels, outs):
-            # the rows' numbers side by side (they fill ``out``), then one view per list
-            gather_rows(self._np[f"{k}.data"], *ranges[k], out)
-            offsets = self._np[f"{i}.offsets"]
-            lists = row_elements(*ranges[i])[0]
-            supply[i] = iter(out.split((offsets[lists + 1] - offsets[lists]).tolist()))
-        return [self._range(0, r, r + 1, supply)[0] for r in idx.tolist()]
+        def fill(outs: list[torch.Tensor]) -> Any:
+            supply: dict[int, Iterator[Any]] = {}
+            for (i, k), out in zip(self._tensor_levels, outs):
+                # the rows' numbers side by side (they fill ``out``), one view per list
+                offsets, lists = self._np[f"{i}.offsets"], row_elements(*ranges[i])[0]
+                lengths = (offsets[lists + 1] - offsets[lists]).tolist()
+                supply[i] = iter(gather_rows(self._np[f"{k}.data"], *ranges[k], out, lengths))
+            return [self._range(0, r, r + 1, supply)[0] for r in idx.tolist()]
+
+        return parts, fill
 
     def _as_arrow(self) -> Any:
         """An Arrow array over the shared buffers (no copy), or None without pyarrow.

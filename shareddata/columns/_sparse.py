@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..storage import SharedArray, SharedTensor, shared_tensor
-from ._columns import COLUMN_KINDS, Alloc, Column, ColumnSpec, row_elements, torch_dtype
+from ._columns import COLUMN_KINDS, Column, ColumnSpec, Fill, Parts, row_elements, torch_dtype
 
 __all__ = ["SPARSE_OUTPUTS", "SparseColumn", "SparseSpec"]
 
@@ -79,56 +79,52 @@ class SparseColumn(Column):
             "data": ((spec.values,), spec.dtype),
         }
 
-    def batch_parts(self, indices: torch.Tensor) -> list[Any]:
-        """Dense: the ``(batch, columns)`` tensor; COO: its indices and values."""
-        if self._dense:
-            return [((len(indices), self._width), self._dtype)]
-        idx = indices.numpy()
-        nnz = int((self._indptr[idx + 1] - self._indptr[idx]).sum())
-        return [((2, nnz), torch.int64), ((nnz,), self._dtype)]
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        """Rows ``indices`` as one ``(batch, columns)`` tensor, dense or sparse COO."""
+        parts, fill = self.gather_plan(indices)
+        return fill([torch.empty(s, dtype=d) for s, d in parts])  # type: ignore[no-any-return]
 
-    def gather(self, indices: torch.Tensor, alloc: Alloc | None = None) -> Any:
-        """Rows ``indices`` as one ``(batch, columns)`` tensor, dense or sparse COO.
+    def gather_plan(self, indices: torch.Tensor) -> tuple[Parts, Fill]:
+        """Dense: the ``(batch, columns)`` tensor; COO: its indices and values.
 
-        With ``alloc`` (in a worker) a COO batch is a sparse :class:`SharedTensor`,
-        whose indices and values cross by handle.
+        In a worker a COO batch is a sparse :class:`SharedTensor`, whose indices and
+        values cross by handle.
         """
-        parts = self.batch_parts(indices)
-        outs = alloc(parts) if alloc is not None else [torch.empty(s, dtype=d) for s, d in parts]
-        return self.gather_into(indices, outs)
-
-    def gather_into(self, indices: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor:
-        """:meth:`gather` into the buffers of :meth:`batch_parts`."""
         idx = indices.numpy()
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"index out of range for column {self.name!r} of {len(self)} rows")
-        starts, stops = self._indptr[idx], self._indptr[idx + 1]
-        positions, rows = row_elements(starts, stops)
-        columns = torch.from_numpy(self._indices[positions].astype(np.int64, copy=False))
-        values = torch.from_numpy(self._data[positions])
-        if self._dense:
-            out = outs[0].as_subclass(torch.Tensor)
-            out.zero_()
-            flat = torch.from_numpy(rows) * self._width + columns
-            out.view(-1).index_put_((flat,), values, accumulate=True)
-            return outs[0]
-        coords, vals = outs[0].as_subclass(torch.Tensor), outs[1].as_subclass(torch.Tensor)
-        coords[0].copy_(torch.from_numpy(rows))
-        coords[1].copy_(columns)
-        vals.copy_(values)
-        # canonical (sorted, no duplicates) when each row's indices strictly increase
-        step = np.diff(columns.numpy())
-        ordered = bool(np.all((step > 0) | (np.diff(rows) > 0))) if step.size else True
-        batch = torch.sparse_coo_tensor(
-            coords,
-            vals,
-            (len(idx), self._width),
-            is_coalesced=ordered,
-            check_invariants=False,
+        positions, rows = row_elements(self._indptr[idx], self._indptr[idx + 1])
+        nnz, shape = len(positions), (len(idx), self._width)
+        parts: Parts = (
+            [(shape, self._dtype)]
+            if self._dense
+            else [((2, nnz), torch.int64), ((nnz,), self._dtype)]
         )
-        if isinstance(outs[0], SharedTensor):  # in a worker's memfd: it crosses by handle
-            return shared_tensor(batch, outs[0].__dict__["_shared"])
-        return batch
+
+        def fill(outs: list[torch.Tensor]) -> torch.Tensor:
+            columns = torch.from_numpy(self._indices[positions].astype(np.int64, copy=False))
+            values = torch.from_numpy(self._data[positions])
+            if self._dense:
+                out = outs[0].as_subclass(torch.Tensor)
+                out.zero_()
+                flat = torch.from_numpy(rows) * self._width + columns
+                out.view(-1).index_put_((flat,), values, accumulate=True)
+                return outs[0]
+            coords, vals = outs[0].as_subclass(torch.Tensor), outs[1].as_subclass(torch.Tensor)
+            coords[0].copy_(torch.from_numpy(rows))
+            coords[1].copy_(columns)
+            vals.copy_(values)
+            # canonical (sorted, no duplicates) when each row's indices strictly increase
+            step = np.diff(columns.numpy())
+            ordered = bool(np.all((step > 0) | (np.diff(rows) > 0))) if step.size else True
+            batch = torch.sparse_coo_tensor(
+                coords, vals, shape, is_coalesced=ordered, check_invariants=False
+            )
+            if isinstance(outs[0], SharedTensor):  # in a worker's memfd: it crosses by handle
+                return shared_tensor(batch, outs[0].__dict__["_shared"])
+            return batch
+
+        return parts, fill
 
 
 COLUMN_KINDS.setdefault(SparseColumn.kind, SparseColumn)

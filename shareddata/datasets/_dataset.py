@@ -248,9 +248,9 @@ class ColumnDataset(Closable, Dataset):
             return [c.gather(idx) for c in columns]
         # Leaving a worker: every numeric column of the batch (fixed-shape and ragged)
         # in one memfd (Note [How a batch leaves a worker] in crossing/_transport.py).
-        parts = [c.batch_parts(idx) for c in columns]
-        outs = iter(worker_buffers([p for ps in parts for p in ps]))
-        return [c.gather_into(idx, [next(outs) for _ in ps]) for c, ps in zip(columns, parts)]
+        plans = [c.gather_plan(idx) for c in columns]
+        outs = iter(worker_buffers([p for ps, _ in plans for p in ps]))
+        return [fill([next(outs) for _ in ps]) for ps, fill in plans]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples ``indices``, gathering each column once (what the DataLoader calls).
