@@ -117,6 +117,13 @@ class Column:
         """
         return [], lambda outs: self.gather(indices)
 
+    def _checked(self, indices: torch.Tensor) -> np.ndarray:
+        """``indices`` as an array; ``IndexError`` for one outside ``[0, len)``, negatives too."""
+        idx = indices.numpy()
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"index out of range for column {self.name!r} of {len(self)} rows")
+        return idx
+
     @property
     def name(self) -> str:
         return self.spec.name
@@ -214,13 +221,10 @@ class TensorColumn(Column):
                 return out
             except (RuntimeError, NotImplementedError):  # dtype without a torch kernel
                 self._torch_gather = False
-        idx = indices.numpy()
-        if idx.size and (idx.min() < 0 or idx.max() >= len(self._np)):
-            raise IndexError(f"index out of range for column {self.name!r} of {len(self)} rows")
-        batch = torch.from_numpy(np.take(self._np, idx, axis=0))
+        idx = self._checked(indices)
         if out is None:
-            return batch
-        out.as_subclass(torch.Tensor).copy_(batch)
+            return torch.from_numpy(np.take(self._np, idx, axis=0))
+        np.take(self._np, idx, axis=0, out=out.as_subclass(torch.Tensor).numpy())
         return out
 
     def gather_plan(self, indices: torch.Tensor) -> tuple[Parts, Fill]:

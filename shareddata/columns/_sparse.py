@@ -90,9 +90,7 @@ class SparseColumn(Column):
         In a worker a COO batch is a sparse :class:`SharedTensor`, whose indices and
         values cross by handle.
         """
-        idx = indices.numpy()
-        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
-            raise IndexError(f"index out of range for column {self.name!r} of {len(self)} rows")
+        idx = self._checked(indices)
         positions, rows = row_elements(self._indptr[idx], self._indptr[idx + 1])
         nnz, shape = len(positions), (len(idx), self._width)
         parts: Parts = (
