@@ -13,8 +13,10 @@ dataset's fingerprint, then wait as long as rank 0's one-second heartbeat comes;
 0 returns once every rank acknowledged (so its fds outlive every attach), at most
 ``timeout`` after the load. A failed load sends its error instead (re-raised as the
 same type), a fingerprint that differs gets a mismatch (a ``LocalRankError`` on both
-sides). Datasets are numbered per process: every local rank builds the same datasets
-in the same order. Only the rank process coordinates: DataLoader workers load alone.
+sides). :func:`exchange` (``sd.verify``) is the same round (:class:`_Round`,
+:func:`_attend`), its answers computed from every rank's hi. Datasets are numbered per
+process: every local rank builds the same datasets in the same order. Only the rank
+process coordinates: DataLoader workers load alone.
 
 Note [Framing on the node socket]
 =================================
@@ -30,6 +32,7 @@ own thread, so a peer that breaks any of this is dropped and logged alone.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import hashlib
 import io
 import itertools
@@ -61,9 +64,9 @@ log = logging.getLogger("shareddata")
 STALL = 10.0  # seconds in which a peer that connected or started a message must complete it
 MAGIC = b"SDN\x01"  # shareddata node protocol, version 1
 FROM_PEER = ("hi", "ack", "fail")  # sent to local rank 0: builtins only
-_KINDS = FROM_PEER + ("beat", "data", "error", "mismatch", "reply")  # code: index + 1
+_KINDS = FROM_PEER + ("beat", "reply", "error", "mismatch")  # code: index + 1
 _HEADER = struct.Struct("!4sBI")
-_LIMIT = {"hi": 1 << 20, "ack": 64, "fail": 64 << 10, "beat": 64, "data": 64 << 20}
+_LIMIT = {"hi": 1 << 20, "ack": 64, "fail": 64 << 10, "beat": 64}  # else 64 MiB
 _MAX_PEERS = 64  # connections local rank 0 serves at once
 _HEARTBEAT = 1.0  # seconds between local rank 0's "still loading" messages
 _DATASETS = itertools.count()
@@ -208,17 +211,37 @@ def plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
-class Server:
-    """Local rank 0's end of a node socket: every connection served in its own thread.
+class _Round:
+    """Local rank 0's end of one meeting on socket ``name``; Note [How local ranks share one copy].
 
-    Each peer that passes the uid check is served by ``serve(conn, pid)``; one that
-    raises is dropped and logged (``dropped``), one that returns stays until :meth:`close`.
+    Every connection is served in its own thread: a peer that fails the uid check or
+    breaks the protocol is dropped and logged alone (``dropped``). A local rank says hi
+    (``(local rank, *values of types)``, kept in ``said``); ``check(*values)`` may name a
+    problem, and then the rank is sent ``("mismatch", label)`` before it counts as done.
+    Else it gets a heartbeat every second until :meth:`answer`, then its answer, and
+    counts as done (in ``done``: ``None`` or its problem) once it acknowledged a reply.
     """
 
     def __init__(
-        self, name: str, backlog: int, serve: Callable[[socket.socket, int], None]
+        self,
+        ctx: NodeContext,
+        name: str,
+        types: tuple[type, ...],
+        timeout: float,
+        check: Callable[..., str | None] = lambda *values: None,
+        label: str = "",
     ) -> None:
-        self.name, self.serve = name, serve
+        self.ctx, self.name, self.types, self.timeout = ctx, name, types, timeout
+        self.check, self.label = check, label
+        self.ranks = range(1, ctx.local_world_size)
+        self.said: dict[int, tuple[Any, ...]] = {}
+        self.done: dict[int, str | None] = {}
+        self.answers: list[tuple[str, Any]] = []  # by local rank, set before ready
+        self.ready, self.changed = threading.Event(), threading.Condition()
+        self.lock = threading.Lock()
+        self.conns: set[socket.socket] = set()
+        self.dropped: list[str] = []
+        self.closed = False
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.listener.bind("\0" + name)
@@ -229,11 +252,7 @@ class Server:
                 "node serves the same job, node and dataset number. Is the same job (same "
                 "TORCHELASTIC_RUN_ID, MASTER_ADDR:MASTER_PORT and GROUP_RANK) started twice?"
             ) from e
-        self.listener.listen(max(1, backlog))
-        self.lock = threading.Lock()
-        self.conns: set[socket.socket] = set()
-        self.dropped: list[str] = []
-        self.closed = False
+        self.listener.listen(ctx.local_world_size)
         threading.Thread(target=self._accept, name="shareddata-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -260,7 +279,7 @@ class Server:
 
     def _run(self, conn: socket.socket, pid: int) -> None:
         try:
-            self.serve(conn, pid)
+            self._serve(conn)
         except TimeoutError as e:
             self._drop(conn, pid, f"it stalled: {e}")
         except Closed:
@@ -269,6 +288,51 @@ class Server:
             self._drop(conn, pid, f"it sent {e}")
         except Exception as e:  # never let one peer end the server
             self._drop(conn, pid, f"serving it failed: {e!r}")
+
+    def _serve(self, conn: socket.socket) -> None:
+        _, message = recv(conn, time.monotonic() + STALL, ("hi",))
+        rank, *values = hello(message, self.ctx, *self.types)
+        with self.changed:
+            if rank in self.said:
+                raise Refused(f"a 'hi' from local rank {rank}, which already said hi")
+            self.said[rank] = tuple(values)
+            self.changed.notify_all()
+        problem = self.check(*values)
+        if problem is not None:  # told before it counts as done: done, rank 0 closes the server
+            try:
+                send(conn, "mismatch", self.label, time.monotonic() + STALL)
+            finally:
+                self._finish(rank, problem)
+            return
+        while not self.ready.wait(_HEARTBEAT):
+            send(conn, "beat", None, time.monotonic() + STALL)
+        kind, data = self.answers[rank]
+        send(conn, kind, data, time.monotonic() + STALL)
+        if kind == "reply":
+            kind, data = recv(conn, time.monotonic() + self.timeout, ("ack", "fail"))
+            problem = None if kind == "ack" else str(data)
+        self._finish(rank, problem)  # an error: told, nothing to attach
+
+    def _finish(self, rank: int, problem: str | None) -> None:
+        with self.changed:
+            self.done[rank] = problem
+            self.changed.notify_all()
+
+    def wait(self, table: Mapping[int, Any], ranks: Collection[int], timeout: float) -> list[int]:
+        """Wait until each of ``ranks`` is in ``table`` (at most ``timeout``); those missing."""
+        with self.changed:
+            self.changed.wait_for(lambda: all(r in table for r in ranks), max(0.0, timeout))
+            return [r for r in ranks if r not in table]
+
+    def answer(
+        self, answers: list[tuple[str, Any]], ranks: Collection[int], timeout: float
+    ) -> dict[int, str | None]:
+        """Send each local rank its answer; wait until ``ranks`` are done, at most ``timeout``."""
+        self.answers[:] = answers
+        self.ready.set()
+        self.wait(self.done, ranks, timeout)
+        with self.changed:
+            return dict(self.done)
 
     def _drop(self, conn: socket.socket, pid: int | None, reason: str) -> None:
         with self.lock:
@@ -296,6 +360,70 @@ class Server:
             except OSError:
                 pass
             sock.close()
+
+
+def _attend(
+    ctx: NodeContext,
+    name: str,
+    hi: tuple[Any, ...],
+    timeout: float,
+    doing: str,
+    hint: str,
+    mismatch: Callable[[str], str] | None = None,
+) -> Any:
+    """Another local rank's end of a round: hi, beats, the answer, then ack (or fail).
+
+    ``doing`` says what rank 0 does (for messages), ``hint`` what to check if it never
+    comes; ``mismatch`` makes the message of a ``"mismatch"`` from rank 0's label.
+    """
+    where = f"local rank {ctx.local_rank} of node {ctx.node}"
+    start = time.monotonic()
+    sock = connect(name, start + timeout)
+    if sock is None:
+        raise LocalRankTimeoutError(
+            f"{where} {_waited(start)} for local rank 0 to start {doing} (on socket @{name}), "
+            f"and it never did: {hint}. Raise {TIMEOUT_ENV} if it is just slow to get there."
+        )
+    kinds = ("beat", "reply", "error") + (("mismatch",) if mismatch else ())
+    with sock:
+        pid = peer(sock)
+        since = time.monotonic()
+        try:
+            send(sock, "hi", plain((ctx.local_rank, *hi)), since + STALL)
+            kind = "beat"
+            while kind == "beat":
+                since = time.monotonic()
+                kind, data = recv(sock, since + timeout, kinds)
+        except Closed:
+            raise LocalRankError(
+                f"{where}: local rank 0 (pid {pid}) exited while {doing}, before it answered; "
+                "its log says why."
+            ) from None
+        except TimeoutError:
+            raise LocalRankTimeoutError(
+                f"{where}: local rank 0 (pid {pid}) stopped answering: nothing for "
+                f"{time.monotonic() - since:.1f} s while {doing}. Raise {TIMEOUT_ENV} if "
+                "it is expected."
+            ) from None
+        except Refused as e:
+            raise LocalRankError(
+                f"{where}: local rank 0 (pid {pid}) sent {e} while {doing}"
+            ) from None
+        if kind == "mismatch" and mismatch is not None:
+            raise LocalRankError(f"{where} {mismatch(data)}")
+        if kind == "error":
+            prefix = f"local rank 0 (pid {pid}) of node {ctx.node} failed while {doing}: "
+            raise rebuild_error(data, prefix)
+        try:
+            value = pickle.loads(data)
+        except BaseException as error:
+            with contextlib.suppress(Closed, OSError):
+                problem = f"{type(error).__name__}: {error}"[:4000]
+                send(sock, "fail", problem, time.monotonic() + STALL)
+            raise
+        with contextlib.suppress(Closed, OSError):  # rank 0 left: the value is ours already
+            send(sock, "ack", None, time.monotonic() + STALL)
+        return value
 
 
 def error_info(error: BaseException) -> dict[str, str]:
@@ -344,79 +472,34 @@ def exchange(
     """Send ``value`` to local rank 0, which answers every local rank at once.
 
     Returns this rank's element of ``respond(values by local rank)``, computed on
-    local rank 0: a node barrier whose every wait is bounded by ``timeout``.
+    local rank 0: a node barrier whose every wait is bounded by ``timeout``; an error
+    of local rank 0 (one that never came included) is raised on every rank.
     """
+    if ctx.local_rank != 0:
+        hint = "it must be called on every local rank"
+        return _attend(ctx, name, (value,), timeout, f"running {what}", hint)
     start = time.monotonic()
-    deadline = start + timeout
-    size = ctx.local_world_size
-    if ctx.local_rank == 0:
-        values: dict[int, Any] = {0: value}
-        conns: dict[int, socket.socket] = {}
-        arrived = threading.Condition()
-
-        def serve(conn: socket.socket, pid: int) -> None:
-            _, message = recv(conn, time.monotonic() + STALL, ("hi",))
-            rank, data = hello(message, ctx, object)
-            with arrived:
-                if rank in values:
-                    raise Refused(f"a 'hi' from local rank {rank}, which already said hi")
-                values[rank], conns[rank] = data, conn
-                arrived.notify_all()
-
-        server = Server(name, size, serve)
+    meeting = _Round(ctx, name, (object,), timeout)
+    try:
         try:
-            with arrived:
-                arrived.wait_for(lambda: len(values) == size, deadline - time.monotonic())
-                missing = sorted(set(range(size)) - set(values))
+            missing = meeting.wait(meeting.said, meeting.ranks, timeout)
             if missing:
                 raise LocalRankTimeoutError(
                     f"on node {ctx.node}, local rank 0 {_waited(start)} in {what} for local "
-                    f"rank(s) {', '.join(map(str, missing))}, which never came{server.why()}: "
+                    f"rank(s) {', '.join(map(str, missing))}, which never came{meeting.why()}: "
                     f"it must be called on every local rank. Raise {TIMEOUT_ENV} if they are slow."
                 )
-            try:
-                replies = respond([values[r] for r in range(size)])
-            except Exception as error:
-                info = error_info(error)
-                _answer(conns, lambda r: ("error", info))
-                raise
-            _answer(conns, lambda r: ("reply", replies[r]))
-            return replies[0]
-        finally:
-            server.close()
-    where = f"local rank {ctx.local_rank} of node {ctx.node}"
-    client = connect(name, deadline)
-    if client is None:
-        raise LocalRankTimeoutError(
-            f"{where} {_waited(start)} in {what} for local rank 0, which never came: it must "
-            f"be called on every local rank. Raise {TIMEOUT_ENV} if it is slow."
-        )
-    with client:
-        pid = peer(client)
-        try:
-            send(client, "hi", (ctx.local_rank, plain(value)), time.monotonic() + STALL)
-            kind, data = recv(client, deadline, ("reply", "error"))
-        except Closed:
-            raise LocalRankError(f"{where}: local rank 0 (pid {pid}) exited in {what}") from None
-        except TimeoutError:
-            raise LocalRankTimeoutError(
-                f"{where} {_waited(start)} in {what} for the other local ranks. Raise "
-                f"{TIMEOUT_ENV} if they are slow."
-            ) from None
-        except Refused as e:
-            raise LocalRankError(f"{where}: local rank 0 (pid {pid}) sent {e} in {what}") from None
-        if kind == "error":
-            raise rebuild_error(data, f"local rank 0 (pid {pid}) failed in {what}: ")
-        return data
-
-
-def _answer(conns: Mapping[int, socket.socket], message: Callable[[int], tuple[str, Any]]) -> None:
-    """Send each rank its message; a rank that cannot take it within ``STALL`` s misses it."""
-    for rank, conn in conns.items():
-        try:
-            send(conn, *message(rank), time.monotonic() + STALL)
-        except (Closed, TimeoutError, OSError) as e:
-            log.warning("could not answer local rank %d on the node socket: %r", rank, e)
+            replies = respond([value, *(meeting.said[r][0] for r in meeting.ranks)])
+        except Exception as error:
+            meeting.answer(
+                [("error", error_info(error))] * ctx.local_world_size, meeting.said, STALL
+            )
+            raise
+        answers = [("reply", pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)) for r in replies]
+        meeting.answer(answers, meeting.ranks, STALL)
+        return replies[0]
+    finally:
+        meeting.close()
 
 
 def load_on_node(
@@ -476,53 +559,25 @@ def _publish(
     timeout: float,
 ) -> T:
     """Local rank 0's side: serve every other local rank from before the load until it attached."""
-    payload: list[tuple[str, Any]] = []  # set before ready
-    ready, changed = threading.Event(), threading.Condition()
-    done: dict[int, str | None] = {}  # local rank -> None (attached) or a problem
 
-    def finish(rank: int, problem: str | None) -> None:
-        with changed:
-            done[rank] = problem
-            changed.notify_all()
+    def check(fp: str, their: str) -> str | None:
+        return (
+            None
+            if fp == wanted
+            else f"it built dataset #{number} from {their}{_differ(their, label)}"
+        )
 
-    def serve(sock: socket.socket, pid: int) -> None:
-        _, message = recv(sock, time.monotonic() + STALL, ("hi",))
-        rank, fp, their = hello(message, ctx, str, str)
-        if fp != wanted:  # told before it counts as done: done, this rank closes the server
-            try:
-                send(sock, "mismatch", label, time.monotonic() + STALL)
-            finally:
-                finish(rank, f"it built dataset #{number} from {their}{_differ(their, label)}")
-            return
-        while not ready.wait(_HEARTBEAT):
-            send(sock, "beat", None, time.monotonic() + STALL)
-        kind, data = payload[0]
-        send(sock, kind, data, time.monotonic() + STALL)
-        if kind == "error":
-            finish(rank, None)  # told: nothing to attach
-            return
-        kind, data = recv(sock, time.monotonic() + timeout, ("ack", "fail"))
-        finish(rank, None if kind == "ack" else str(data))
-
-    def served(kind: str, data: Any) -> dict[int, str | None]:
-        """Serve ``(kind, data)`` to every rank; wait until each took it, at most ``timeout``."""
-        payload.append((kind, data))
-        ready.set()
-        with changed:
-            changed.wait_for(lambda: all(r in done for r in ranks), timeout)
-            return dict(done)
-
-    ranks = range(1, ctx.local_world_size)
-    server = Server(name, ctx.local_world_size, serve)
+    meeting = _Round(ctx, name, (str, str), timeout, check, label)
+    everyone = ctx.local_world_size
     try:
         try:
             columns = load()
         except Exception as error:
-            served("error", error_info(error))
+            meeting.answer([("error", error_info(error))] * everyone, meeting.ranks, timeout)
             raise
         data = pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
         start = time.monotonic()
-        got = served("data", data)
+        got = meeting.answer([("reply", data)] * everyone, meeting.ranks, timeout)
         failed = {r: p for r, p in got.items() if p is not None}
         if failed:
             listing = "; ".join(f"local rank {r}: {p}" for r, p in sorted(failed.items()))
@@ -533,18 +588,18 @@ def _publish(
                 "share='process' to a dataset that differs between ranks or is built on some "
                 "ranks only."
             )
-        missing = [r for r in ranks if r not in got]
+        missing = [r for r in meeting.ranks if r not in got]
         if missing:
             raise LocalRankTimeoutError(
                 f"on node {ctx.node}, local rank 0 loaded dataset #{number} ({label}) and "
                 f"{_waited(start)} for local rank(s) {', '.join(map(str, missing))} to attach, "
-                f"but they never did{server.why()}. Every local rank must build the same "
+                f"but they never did{meeting.why()}. Every local rank must build the same "
                 "datasets in the same order; pass share='process' to a dataset built on some "
                 f"ranks only. Raise {TIMEOUT_ENV} if they are just slow."
             )
         return columns
     finally:
-        server.close()
+        meeting.close()
 
 
 def _differ(mine: str, theirs: str) -> str:
@@ -559,61 +614,18 @@ def _receive(
     ctx: NodeContext, name: str, number: int, wanted: str, label: str, timeout: float
 ) -> Any:
     """Another local rank's side: connect, wait while rank 0 loads, attach, acknowledge."""
-    where = f"local rank {ctx.local_rank} of node {ctx.node}"
     what = f"dataset #{number} ({label})"
-    start = time.monotonic()
-    sock = connect(name, start + timeout)
-    if sock is None:
-        raise LocalRankTimeoutError(
-            f"{where} {_waited(start)} for local rank 0 to start loading {what} (on socket "
-            f"@{name}), and it never did: local rank 0 is busy elsewhere, builds its datasets "
-            f"in another order, or died (see its log). Raise {TIMEOUT_ENV} if it is just slow "
-            "to get there; pass share='process' to a dataset that not every local rank builds."
+
+    def mismatch(theirs: str) -> str:
+        return (
+            f"built {what}, but local rank 0 built dataset #{number} from "
+            f"{theirs}{_differ(label, theirs)}: every local rank must build the same datasets "
+            "in the same order. Pass share='process' to a dataset that differs between "
+            "ranks or is built on some ranks only."
         )
-    with sock:
-        pid = peer(sock)
-        since = time.monotonic()
-        try:
-            send(sock, "hi", (ctx.local_rank, wanted, label), since + STALL)
-            kind = "beat"
-            while kind == "beat":
-                since = time.monotonic()
-                kind, data = recv(sock, since + timeout, ("beat", "data", "error", "mismatch"))
-        except Closed:
-            raise LocalRankError(
-                f"{where}: local rank 0 (pid {pid}) exited while loading {what}, before it "
-                "could publish it; its log says why."
-            ) from None
-        except TimeoutError:
-            raise LocalRankTimeoutError(
-                f"{where}: local rank 0 (pid {pid}) stopped answering: nothing for "
-                f"{time.monotonic() - since:.1f} s while loading {what}. Raise {TIMEOUT_ENV} if "
-                "it is expected."
-            ) from None
-        except Refused as e:
-            raise LocalRankError(f"{where}: local rank 0 (pid {pid}) sent {e} for {what}") from None
-        if kind == "mismatch":
-            raise LocalRankError(
-                f"{where} built {what}, but local rank 0 built dataset #{number} from "
-                f"{data}{_differ(label, data)}: every local rank must build the same datasets "
-                "in the same order. Pass share='process' to a dataset that differs between "
-                "ranks or is built on some ranks only."
-            )
-        if kind == "error":
-            raise rebuild_error(
-                data, f"local rank 0 (pid {pid}) of node {ctx.node} failed to load {what}: "
-            )
-        try:
-            columns = pickle.loads(data)
-        except BaseException as error:
-            try:
-                problem = f"{type(error).__name__}: {error}"[:4000]
-                send(sock, "fail", problem, time.monotonic() + STALL)
-            except (Closed, OSError):
-                pass
-            raise
-        try:
-            send(sock, "ack", None, time.monotonic() + STALL)
-        except (Closed, OSError):
-            pass  # rank 0 left: this rank holds descriptors of its own already
-        return columns
+
+    hint = (
+        "local rank 0 is busy elsewhere, builds its datasets in another order, or died (see "
+        "its log); pass share='process' to a dataset that not every local rank builds"
+    )
+    return _attend(ctx, name, (wanted, label), timeout, f"loading {what}", hint, mismatch)
