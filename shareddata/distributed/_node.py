@@ -9,14 +9,14 @@ on an abstract Unix socket named from job, node and the dataset's number, which 
 0 binds before it loads: it needs no store nor process group, is node-local, leaves
 nothing when killed, and a dead rank 0 is seen at once (EOF); docs/internals.md,
 "Abstract Unix sockets". The others connect (retrying up to ``timeout``), send the
-dataset's fingerprint, then wait as long as rank 0's one-second heartbeat comes; rank
-0 returns once every rank acknowledged (so its fds outlive every attach), at most
-``timeout`` after the load. A failed load sends its error instead (re-raised as the
-same type), a fingerprint that differs gets a mismatch (a ``LocalRankError`` on both
-sides). :func:`exchange` (``sd.verify``) is the same round (:class:`_Round`,
-:func:`_attend`), its answers computed from every rank's hi. Datasets are numbered per
-process: every local rank builds the same datasets in the same order. Only the rank
-process coordinates: DataLoader workers load alone.
+dataset's fingerprint, then wait as long as rank 0's heartbeat comes (every second, or
+a quarter of ``timeout``); rank 0 returns once every rank acknowledged (so its fds
+outlive every attach), at most ``timeout`` after the load. A failed load sends its
+error instead (re-raised as the same type), a fingerprint that differs gets a mismatch
+(a ``LocalRankError`` on both sides). :func:`exchange` (``sd.verify``) is the same
+round (:class:`_Round`, :func:`_attend`), its answers computed from every rank's hi.
+Datasets are numbered per process: every local rank builds the same datasets in the
+same order. Only the rank process coordinates: DataLoader workers load alone.
 
 Note [Framing on the node socket]
 =================================
@@ -73,10 +73,6 @@ _DATASETS = itertools.count()
 _DATASETS_LOCK = ForkSafeLock()
 
 
-class Closed(Exception):
-    """The peer closed the connection (or died)."""
-
-
 class Refused(Exception):
     """The peer sent bytes that are not the message of the protocol expected here."""
 
@@ -109,12 +105,9 @@ def connect(name: str, deadline: float) -> socket.socket | None:
         try:
             sock.connect("\0" + name)
             return sock
-        except (ConnectionRefusedError, FileNotFoundError):
+        except (ConnectionRefusedError, FileNotFoundError, TimeoutError):
             sock.close()
-        except TimeoutError:
-            sock.close()
-            return None
-        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(pause, remaining))
         pause = min(pause * 2, 0.25)
     return None
 
@@ -126,17 +119,14 @@ def _left(deadline: float) -> float:
     return left
 
 
-def send(sock: socket.socket, kind: str, message: Any, deadline: float) -> None:
-    """Send one message; ``TimeoutError`` at ``deadline``, ``Closed`` if the peer is gone."""
+def send(sock: socket.socket, kind: str, message: Any) -> None:
+    """Send one message; ``TimeoutError`` after ``STALL`` s, ``ConnectionError`` if it left."""
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    start = time.monotonic()
+    sock.settimeout(STALL)
     try:
-        sock.settimeout(_left(deadline))
         sock.sendall(_HEADER.pack(MAGIC, _KINDS.index(kind) + 1, len(body)) + body)
-    except (BrokenPipeError, ConnectionResetError) as e:
-        raise Closed() from e
     except TimeoutError:
-        raise TimeoutError(f"it read nothing in {time.monotonic() - start:.1f} s") from None
+        raise TimeoutError(f"it read nothing in {STALL:.1f} s") from None
 
 
 def _read(sock: socket.socket, n: int, deadline: float) -> bytearray:
@@ -144,12 +134,9 @@ def _read(sock: socket.socket, n: int, deadline: float) -> bytearray:
     view, got = memoryview(buffer), 0
     while got < n:
         sock.settimeout(_left(deadline))
-        try:
-            count = sock.recv_into(view[got:])
-        except ConnectionResetError as e:
-            raise Closed() from e
+        count = sock.recv_into(view[got:])
         if not count:
-            raise Closed()
+            raise ConnectionResetError("the peer closed the connection")
         got += count
     return buffer
 
@@ -159,12 +146,13 @@ class _Builtins(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}")
 
 
-def recv(sock: socket.socket, deadline: float, kinds: Collection[str]) -> tuple[str, Any]:
+def recv(sock: socket.socket, kinds: Collection[str], within: float) -> tuple[str, Any]:
     """One message of one of ``kinds``: ``(kind, value)``; Note [Framing on the node socket].
 
-    Raises ``TimeoutError`` (incomplete at ``deadline``), ``Closed``, ``Refused``.
+    Raises ``TimeoutError`` (incomplete ``within`` s), ``ConnectionError``, ``Refused``.
     """
     start = time.monotonic()
+    deadline = start + within
     try:
         magic, code, size = _HEADER.unpack(_read(sock, _HEADER.size, deadline))
         if magic != MAGIC:
@@ -212,14 +200,14 @@ def plain(value: Any) -> Any:
 
 
 class _Round:
-    """Local rank 0's end of one meeting on socket ``name``; Note [How local ranks share one copy].
+    """Local rank 0's end of one round on socket ``name``; Note [How local ranks share one copy].
 
     Every connection is served in its own thread: a peer that fails the uid check or
-    breaks the protocol is dropped and logged alone (``dropped``). A local rank says hi
-    (``(local rank, *values of types)``, kept in ``said``); ``check(*values)`` may name a
-    problem, and then the rank is sent ``("mismatch", label)`` before it counts as done.
-    Else it gets a heartbeat every second until :meth:`answer`, then its answer, and
-    counts as done (in ``done``: ``None`` or its problem) once it acknowledged a reply.
+    breaks the protocol is dropped and logged alone (``dropped``). A local rank says hi,
+    ``(local rank, *values of types)`` (kept in ``said``); if ``check(*values)`` names a
+    problem, the rank is sent it (``"mismatch"``) before it counts as done. Else it gets
+    a heartbeat every second until :meth:`run` has its answer, then the answer, and it
+    counts as done (``done``: ``None`` or its problem) once it acknowledged a reply.
     """
 
     def __init__(
@@ -229,16 +217,14 @@ class _Round:
         types: tuple[type, ...],
         timeout: float,
         check: Callable[..., str | None] = lambda *values: None,
-        label: str = "",
     ) -> None:
-        self.ctx, self.name, self.types, self.timeout = ctx, name, types, timeout
-        self.check, self.label = check, label
+        self.ctx, self.name, self.types, self.timeout, self.check = ctx, name, types, timeout, check
         self.ranks = range(1, ctx.local_world_size)
         self.said: dict[int, tuple[Any, ...]] = {}
         self.done: dict[int, str | None] = {}
         self.answers: list[tuple[str, Any]] = []  # by local rank, set before ready
+        self.answered = 0.0  # when they were
         self.ready, self.changed = threading.Event(), threading.Condition()
-        self.lock = threading.Lock()
         self.conns: set[socket.socket] = set()
         self.dropped: list[str] = []
         self.closed = False
@@ -266,7 +252,7 @@ class _Round:
             except (LocalRankError, OSError) as e:
                 self._drop(conn, None, str(e))
                 continue
-            with self.lock:
+            with self.changed:
                 crowded = self.closed or len(self.conns) >= _MAX_PEERS
                 if not crowded:
                     self.conns.add(conn)
@@ -282,7 +268,7 @@ class _Round:
             self._serve(conn)
         except TimeoutError as e:
             self._drop(conn, pid, f"it stalled: {e}")
-        except Closed:
+        except ConnectionError:
             self._drop(conn, pid, "it left in the middle of the exchange")
         except Refused as e:
             self._drop(conn, pid, f"it sent {e}")
@@ -290,7 +276,7 @@ class _Round:
             self._drop(conn, pid, f"serving it failed: {e!r}")
 
     def _serve(self, conn: socket.socket) -> None:
-        _, message = recv(conn, time.monotonic() + STALL, ("hi",))
+        _, message = recv(conn, ("hi",), STALL)
         rank, *values = hello(message, self.ctx, *self.types)
         with self.changed:
             if rank in self.said:
@@ -300,16 +286,16 @@ class _Round:
         problem = self.check(*values)
         if problem is not None:  # told before it counts as done: done, rank 0 closes the server
             try:
-                send(conn, "mismatch", self.label, time.monotonic() + STALL)
+                send(conn, "mismatch", problem)
             finally:
                 self._finish(rank, problem)
             return
-        while not self.ready.wait(_HEARTBEAT):
-            send(conn, "beat", None, time.monotonic() + STALL)
+        while not self.ready.wait(min(_HEARTBEAT, self.timeout / 4)):  # within any timeout
+            send(conn, "beat", None)
         kind, data = self.answers[rank]
-        send(conn, kind, data, time.monotonic() + STALL)
+        send(conn, kind, data)
         if kind == "reply":
-            kind, data = recv(conn, time.monotonic() + self.timeout, ("ack", "fail"))
+            kind, data = recv(conn, ("ack", "fail"), self.timeout)
             problem = None if kind == "ack" else str(data)
         self._finish(rank, problem)  # an error: told, nothing to attach
 
@@ -324,18 +310,38 @@ class _Round:
             self.changed.wait_for(lambda: all(r in table for r in ranks), max(0.0, timeout))
             return [r for r in ranks if r not in table]
 
-    def answer(
+    def run(
+        self, produce: Callable[[], tuple[T, list[bytes]]], ranks: Collection[int], timeout: float
+    ) -> tuple[T, dict[int, str | None]]:
+        """``produce()``'s result, and ``done`` once ``ranks`` are done (at most ``timeout``).
+
+        ``produce`` returns the result and each local rank's reply, a pickle; every
+        rank is sent its reply, or else ``produce``'s error. Then the server closes.
+        """
+        try:
+            try:
+                result, replies = produce()
+            except Exception as error:
+                self._answer(
+                    [("error", error_info(error))] * self.ctx.local_world_size, ranks, timeout
+                )
+                raise
+            self._answer([("reply", body) for body in replies], ranks, timeout)
+            with self.changed:
+                return result, dict(self.done)
+        finally:
+            self.close()
+
+    def _answer(
         self, answers: list[tuple[str, Any]], ranks: Collection[int], timeout: float
-    ) -> dict[int, str | None]:
-        """Send each local rank its answer; wait until ``ranks`` are done, at most ``timeout``."""
+    ) -> None:
         self.answers[:] = answers
+        self.answered = time.monotonic()
         self.ready.set()
         self.wait(self.done, ranks, timeout)
-        with self.changed:
-            return dict(self.done)
 
     def _drop(self, conn: socket.socket, pid: int | None, reason: str) -> None:
-        with self.lock:
+        with self.changed:
             self.conns.discard(conn)
             closed = self.closed
         if not closed:  # logged before the peer sees its end
@@ -351,7 +357,7 @@ class _Round:
 
     def close(self) -> None:
         """Stop accepting and end every connection (idempotent; their threads exit)."""
-        with self.lock:
+        with self.changed:
             self.closed = True
             conns, self.conns = self.conns, set()
         for sock in (self.listener, *conns):
@@ -363,18 +369,12 @@ class _Round:
 
 
 def _attend(
-    ctx: NodeContext,
-    name: str,
-    hi: tuple[Any, ...],
-    timeout: float,
-    doing: str,
-    hint: str,
-    mismatch: Callable[[str], str] | None = None,
+    ctx: NodeContext, name: str, hi: tuple[Any, ...], timeout: float, doing: str, advice: str
 ) -> Any:
     """Another local rank's end of a round: hi, beats, the answer, then ack (or fail).
 
-    ``doing`` says what rank 0 does (for messages), ``hint`` what to check if it never
-    comes; ``mismatch`` makes the message of a ``"mismatch"`` from rank 0's label.
+    ``doing`` says what local rank 0 does, ``advice`` what every rank must do (for
+    messages).
     """
     where = f"local rank {ctx.local_rank} of node {ctx.node}"
     start = time.monotonic()
@@ -382,19 +382,19 @@ def _attend(
     if sock is None:
         raise LocalRankTimeoutError(
             f"{where} {_waited(start)} for local rank 0 to start {doing} (on socket @{name}), "
-            f"and it never did: {hint}. Raise {TIMEOUT_ENV} if it is just slow to get there."
+            f"and it never did: it is busy elsewhere or died (see its log); {advice}. Raise "
+            f"{TIMEOUT_ENV} if it is just slow to get there."
         )
-    kinds = ("beat", "reply", "error") + (("mismatch",) if mismatch else ())
     with sock:
         pid = peer(sock)
         since = time.monotonic()
         try:
-            send(sock, "hi", plain((ctx.local_rank, *hi)), since + STALL)
+            send(sock, "hi", plain((ctx.local_rank, *hi)))
             kind = "beat"
             while kind == "beat":
                 since = time.monotonic()
-                kind, data = recv(sock, since + timeout, kinds)
-        except Closed:
+                kind, data = recv(sock, ("beat", "reply", "error", "mismatch"), timeout)
+        except ConnectionError:
             raise LocalRankError(
                 f"{where}: local rank 0 (pid {pid}) exited while {doing}, before it answered; "
                 "its log says why."
@@ -409,20 +409,19 @@ def _attend(
             raise LocalRankError(
                 f"{where}: local rank 0 (pid {pid}) sent {e} while {doing}"
             ) from None
-        if kind == "mismatch" and mismatch is not None:
-            raise LocalRankError(f"{where} {mismatch(data)}")
+        if kind == "mismatch":
+            raise LocalRankError(f"{where}: local rank 0 (pid {pid}) refused it: {data}; {advice}.")
         if kind == "error":
             prefix = f"local rank 0 (pid {pid}) of node {ctx.node} failed while {doing}: "
             raise rebuild_error(data, prefix)
         try:
             value = pickle.loads(data)
         except BaseException as error:
-            with contextlib.suppress(Closed, OSError):
-                problem = f"{type(error).__name__}: {error}"[:4000]
-                send(sock, "fail", problem, time.monotonic() + STALL)
+            with contextlib.suppress(OSError):
+                send(sock, "fail", f"{type(error).__name__}: {error}"[:4000])
             raise
-        with contextlib.suppress(Closed, OSError):  # rank 0 left: the value is ours already
-            send(sock, "ack", None, time.monotonic() + STALL)
+        with contextlib.suppress(OSError):  # rank 0 left: the value is ours already
+            send(sock, "ack", None)
         return value
 
 
@@ -475,31 +474,24 @@ def exchange(
     local rank 0: a node barrier whose every wait is bounded by ``timeout``; an error
     of local rank 0 (one that never came included) is raised on every rank.
     """
+    advice = "it must be called on every local rank"
     if ctx.local_rank != 0:
-        hint = "it must be called on every local rank"
-        return _attend(ctx, name, (value,), timeout, f"running {what}", hint)
+        return _attend(ctx, name, (value,), timeout, f"running {what}", advice)
     start = time.monotonic()
     meeting = _Round(ctx, name, (object,), timeout)
-    try:
-        try:
-            missing = meeting.wait(meeting.said, meeting.ranks, timeout)
-            if missing:
-                raise LocalRankTimeoutError(
-                    f"on node {ctx.node}, local rank 0 {_waited(start)} in {what} for local "
-                    f"rank(s) {', '.join(map(str, missing))}, which never came{meeting.why()}: "
-                    f"it must be called on every local rank. Raise {TIMEOUT_ENV} if they are slow."
-                )
-            replies = respond([value, *(meeting.said[r][0] for r in meeting.ranks)])
-        except Exception as error:
-            meeting.answer(
-                [("error", error_info(error))] * ctx.local_world_size, meeting.said, STALL
+
+    def produce() -> tuple[Any, list[bytes]]:
+        missing = meeting.wait(meeting.said, meeting.ranks, timeout)
+        if missing:
+            raise LocalRankTimeoutError(
+                f"on node {ctx.node}, local rank 0 {_waited(start)} in {what} for local "
+                f"rank(s) {', '.join(map(str, missing))}, which never came{meeting.why()}: "
+                f"{advice}. Raise {TIMEOUT_ENV} if they are slow."
             )
-            raise
-        answers = [("reply", pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)) for r in replies]
-        meeting.answer(answers, meeting.ranks, STALL)
-        return replies[0]
-    finally:
-        meeting.close()
+        replies = respond([value, *(meeting.said[r][0] for r in meeting.ranks)])
+        return replies[0], [pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in replies]
+
+    return meeting.run(produce, meeting.said, STALL)[0]
 
 
 def load_on_node(
@@ -549,6 +541,12 @@ def load_on_node(
     return _receive(ctx, name, number, wanted, label, limit)  # type: ignore[no-any-return]
 
 
+_ADVICE = (
+    "every local rank must build the same datasets in the same order; pass share='process' "
+    "to a dataset that differs between ranks or is built on some ranks only"
+)
+
+
 def _publish(
     ctx: NodeContext,
     name: str,
@@ -560,46 +558,35 @@ def _publish(
 ) -> T:
     """Local rank 0's side: serve every other local rank from before the load until it attached."""
 
-    def check(fp: str, their: str) -> str | None:
-        return (
-            None
-            if fp == wanted
-            else f"it built dataset #{number} from {their}{_differ(their, label)}"
-        )
+    def check(fp: str, theirs: str) -> str | None:
+        if fp == wanted:
+            return None
+        differ = _differ(label, theirs)
+        return f"it built dataset #{number} from {theirs}, local rank 0 from {label}{differ}"
 
-    meeting = _Round(ctx, name, (str, str), timeout, check, label)
-    everyone = ctx.local_world_size
-    try:
-        try:
-            columns = load()
-        except Exception as error:
-            meeting.answer([("error", error_info(error))] * everyone, meeting.ranks, timeout)
-            raise
-        data = pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
-        start = time.monotonic()
-        got = meeting.answer([("reply", data)] * everyone, meeting.ranks, timeout)
-        failed = {r: p for r, p in got.items() if p is not None}
-        if failed:
-            listing = "; ".join(f"local rank {r}: {p}" for r, p in sorted(failed.items()))
-            raise LocalRankError(
-                f"on node {ctx.node}, local ranks could not use dataset #{number} ({label}) "
-                f"loaded by local rank 0: {listing} (local rank 0 built it from {label}). Every "
-                "local rank must build the same datasets in the same order; pass "
-                "share='process' to a dataset that differs between ranks or is built on some "
-                "ranks only."
-            )
-        missing = [r for r in meeting.ranks if r not in got]
-        if missing:
-            raise LocalRankTimeoutError(
-                f"on node {ctx.node}, local rank 0 loaded dataset #{number} ({label}) and "
-                f"{_waited(start)} for local rank(s) {', '.join(map(str, missing))} to attach, "
-                f"but they never did{meeting.why()}. Every local rank must build the same "
-                "datasets in the same order; pass share='process' to a dataset built on some "
-                f"ranks only. Raise {TIMEOUT_ENV} if they are just slow."
-            )
-        return columns
-    finally:
-        meeting.close()
+    def produce() -> tuple[T, list[bytes]]:
+        columns = load()
+        body = pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
+        return columns, [body] * ctx.local_world_size
+
+    meeting = _Round(ctx, name, (str, str), timeout, check)
+    columns, got = meeting.run(produce, meeting.ranks, timeout)
+    failed = {r: p for r, p in got.items() if p is not None}
+    if failed:
+        listing = "; ".join(f"local rank {r}: {p}" for r, p in sorted(failed.items()))
+        raise LocalRankError(
+            f"on node {ctx.node}, local ranks could not use dataset #{number} ({label}) loaded "
+            f"by local rank 0: {listing}; {_ADVICE}."
+        )
+    missing = [r for r in meeting.ranks if r not in got]
+    if missing:
+        raise LocalRankTimeoutError(
+            f"on node {ctx.node}, local rank 0 loaded dataset #{number} ({label}) and "
+            f"{_waited(meeting.answered)} for local rank(s) {', '.join(map(str, missing))} to "
+            f"attach, but they never did{meeting.why()}: {_ADVICE}. Raise {TIMEOUT_ENV} if they "
+            "are just slow."
+        )
+    return columns
 
 
 def _differ(mine: str, theirs: str) -> str:
@@ -614,18 +601,5 @@ def _receive(
     ctx: NodeContext, name: str, number: int, wanted: str, label: str, timeout: float
 ) -> Any:
     """Another local rank's side: connect, wait while rank 0 loads, attach, acknowledge."""
-    what = f"dataset #{number} ({label})"
-
-    def mismatch(theirs: str) -> str:
-        return (
-            f"built {what}, but local rank 0 built dataset #{number} from "
-            f"{theirs}{_differ(label, theirs)}: every local rank must build the same datasets "
-            "in the same order. Pass share='process' to a dataset that differs between "
-            "ranks or is built on some ranks only."
-        )
-
-    hint = (
-        "local rank 0 is busy elsewhere, builds its datasets in another order, or died (see "
-        "its log); pass share='process' to a dataset that not every local rank builds"
-    )
-    return _attend(ctx, name, (wanted, label), timeout, f"loading {what}", hint, mismatch)
+    doing = f"loading dataset #{number} ({label})"
+    return _attend(ctx, name, (wanted, label), timeout, doing, _ADVICE)
