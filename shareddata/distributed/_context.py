@@ -8,13 +8,15 @@ import os
 import pathlib
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from .. import errors
 
 __all__ = ["TIMEOUT_ENV", "NodeContext", "Shard", "Share", "node_context", "resolve_timeout"]
 
+T = TypeVar("T")
 Share = Literal["node", "process"]
 Shard = Literal["node"]
 
@@ -41,15 +43,24 @@ class NodeContext:
     job: str
 
 
+ALONE = NodeContext(0, 1, 0, 1, 0, 1, "")
+"""A process on its own: where it is outside a distributed job."""
+
+
 def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
+    return _env(name, int, "an integer")
+
+
+def _env(name: str, parse: Callable[[str], T], what: str) -> T | None:
+    """Environment variable ``name`` parsed, or ``None`` if it is unset or blank."""
+    value = os.environ.get(name, "")
+    if not value.strip():
         return None
     try:
-        return int(value)
+        return parse(value)
     except ValueError as e:
         raise errors.InvalidArgumentError(
-            f"environment variable {name}={value!r} is not an integer"
+            f"environment variable {name}={value!r} is not {what}"
         ) from e
 
 
@@ -150,15 +161,9 @@ def node_context() -> NodeContext | None:
 def resolve_timeout(timeout: float | None = None) -> float:
     """The coordination timeout in seconds: the argument, ``$SHAREDDATA_TIMEOUT``, or 300."""
     if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV)
-        if raw is None or raw.strip() == "":
+        timeout = _env(TIMEOUT_ENV, float, "a number of seconds")
+        if timeout is None:
             return _DEFAULT_TIMEOUT
-        try:
-            timeout = float(raw)
-        except ValueError as e:
-            raise errors.InvalidArgumentError(
-                f"{TIMEOUT_ENV}={raw!r} is not a number of seconds"
-            ) from e
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise errors.ArgumentTypeError(
             f"the timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}"

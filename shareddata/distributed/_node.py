@@ -53,7 +53,7 @@ import numpy as np
 from .. import errors
 from ..errors import LocalRankError, LocalRankTimeoutError
 from ..storage._linux import ForkSafeLock
-from ._context import TIMEOUT_ENV, NodeContext, Shard, Share, node_context, resolve_timeout
+from ._context import ALONE, TIMEOUT_ENV, NodeContext, Shard, Share, node_context, resolve_timeout
 from ._fingerprint import describe, fingerprint
 
 __all__ = ["STALL", "error_info", "exchange", "load_on_node", "rebuild_error", "socket_name"]
@@ -112,13 +112,6 @@ def connect(name: str, deadline: float) -> socket.socket | None:
     return None
 
 
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError()
-    return left
-
-
 def send(sock: socket.socket, kind: str, message: Any) -> None:
     """Send one message; ``TimeoutError`` after ``STALL`` s, ``ConnectionError`` if it left."""
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -133,7 +126,9 @@ def _read(sock: socket.socket, n: int, deadline: float) -> bytearray:
     buffer = bytearray(n)
     view, got = memoryview(buffer), 0
     while got < n:
-        sock.settimeout(_left(deadline))
+        if (left := deadline - time.monotonic()) <= 0:
+            raise TimeoutError()
+        sock.settimeout(left)
         count = sock.recv_into(view[got:])
         if not count:
             raise ConnectionResetError("the peer closed the connection")
@@ -520,11 +515,11 @@ def load_on_node(
         raise errors.InvalidArgumentError(
             f"shard must be 'node' or None (every row on every node), got {shard!r}"
         )
-    ctx = node_context() if (share != "process" or shard is not None) else None
-    place = None
-    if shard == "node":
-        place = (ctx.node, ctx.num_nodes) if ctx is not None else (0, 1)
-    if share == "process" or ctx is None or ctx.local_world_size <= 1:
+    if share == "process" and shard is None:  # no node_context(): it may be a collective
+        return load(None)
+    ctx = node_context() or ALONE
+    place = (ctx.node, ctx.num_nodes) if shard == "node" else None
+    if share == "process" or ctx.local_world_size <= 1:
         return load(place)
     limit = resolve_timeout(timeout)
     with _DATASETS_LOCK:

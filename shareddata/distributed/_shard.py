@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import Sampler
 
 from ..errors import InvalidArgumentError
-from ._context import node_context
+from ._context import ALONE, node_context
 
 __all__ = ["NodeShard", "NodeShardSampler", "global_indices", "node_rows"]
 
@@ -85,13 +85,9 @@ class NodeShardSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        ctx = node_context()
-        node, nodes, local, size = (
-            (ctx.node, ctx.num_nodes, ctx.local_rank, ctx.local_world_size)
-            if ctx is not None
-            else (0, 1, 0, 1)
-        )
-        if ctx is not None and ctx.world_size != nodes * size:
+        ctx = node_context() or ALONE
+        node, nodes, local, size = ctx.node, ctx.num_nodes, ctx.local_rank, ctx.local_world_size
+        if ctx.world_size != nodes * size:
             raise InvalidArgumentError(
                 f"NodeShardSampler needs the same number of ranks on every node, but the job "
                 f"has {ctx.world_size} ranks on {nodes} nodes of {size} local ranks."
