@@ -201,8 +201,9 @@ class _Round:
     breaks the protocol is dropped and logged alone (``dropped``). A local rank says hi,
     ``(local rank, *values of types)`` (kept in ``said``); if ``check(*values)`` names a
     problem, the rank is sent it (``"mismatch"``) before it counts as done. Else it gets
-    a heartbeat every second until :meth:`run` has its answer, then the answer, and it
-    counts as done (``done``: ``None`` or its problem) once it acknowledged a reply.
+    a heartbeat (every second, or a quarter of ``timeout``) until :meth:`run` has its
+    answer, then the answer, and it counts as done (``done``: ``None`` or its problem)
+    once it acknowledged a reply (``timeout``), or at once for an error.
     """
 
     def __init__(
@@ -556,8 +557,11 @@ def _publish(
     def check(fp: str, theirs: str) -> str | None:
         if fp == wanted:
             return None
-        differ = _differ(label, theirs)
-        return f"it built dataset #{number} from {theirs}, local rank 0 from {label}{differ}"
+        problem = f"it built dataset #{number} from {theirs}, local rank 0 from {label}"
+        if theirs == label:
+            problem += " (alike in shape, but in-memory data differs: arrays are compared by a "
+            problem += "sample of values)"
+        return problem
 
     def produce() -> tuple[T, list[bytes]]:
         columns = load()
@@ -582,14 +586,6 @@ def _publish(
             "are just slow."
         )
     return columns
-
-
-def _differ(mine: str, theirs: str) -> str:
-    if mine != theirs:
-        return ""
-    return (
-        " (alike in shape, but in-memory data differs: arrays are compared by a sample of values)"
-    )
 
 
 def _receive(
