@@ -285,3 +285,19 @@ def _bounded_waits(zero: NodeContext, one: NodeContext, name: str) -> None:
             _receive(one, name, 0, "fp", "label", 5.0)
         answered.set()
         talk["thread"].join(10)
+
+
+def test_a_rank_that_never_comes_to_verify_is_named_on_every_rank():
+    """Local ranks 0 and 1 of 3 meet in sd.verify, local rank 2 never does: both raise a
+    LocalRankTimeoutError naming local rank 2, local rank 1 with local rank 0's words
+    (before: local rank 1 saw only that local rank 0 exited)."""
+    zero, one, _ = node(3)
+    name = _node.socket_name(zero, "verifybefore", 0)
+    with hard_timeout(60, "sd.verify with a rank missing"):
+        rank_0 = in_thread(_node.exchange, zero, name, 1, lambda v: v, 1.0, "sd.verify()")
+        with pytest.raises(LocalRankTimeoutError, match=r"local rank 0 \(pid \d+\)") as error:
+            _node.exchange(one, name, 2, lambda v: v, 1.0, "sd.verify()")
+        rank_0["thread"].join(30)
+    for message in (str(error.value), str(rank_0.get("error"))):
+        assert "for local rank(s) 2, which never came" in message, message
+    assert isinstance(rank_0.get("error"), LocalRankTimeoutError), rank_0
