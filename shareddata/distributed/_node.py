@@ -62,7 +62,7 @@ T = TypeVar("T")
 log = logging.getLogger("shareddata")
 
 STALL = 10.0  # seconds in which a peer that connected or started a message must complete it
-MAGIC = b"SDN\x01"  # shareddata node protocol, version 1
+MAGIC = b"SDN\x02"  # shareddata node protocol, version 2 (kinds renumbered)
 FROM_PEER = ("hi", "ack", "fail")  # sent to local rank 0: builtins only
 _KINDS = FROM_PEER + ("beat", "reply", "error", "mismatch")  # code: index + 1
 _HEADER = struct.Struct("!4sBI")

@@ -28,7 +28,7 @@ from conftest import hard_timeout
 from shareddata.distributed import LocalRankError, LocalRankTimeoutError, NodeContext, _node
 from shareddata.distributed._node import _publish, _receive
 
-MAGIC = b"SDN\x01"  # the protocol's name and version
+MAGIC = b"SDN\x02"  # the protocol's name and version
 HI, ACK = 1, 2  # codes of two message kinds on the wire
 NOBODY = 65534
 

@@ -24,7 +24,7 @@ import shareddata as sd
 from shareddata.distributed import node_context, socket_name
 from shareddata.distributed._node import connect
 
-MAGIC, HI, ACK = b"SDN\x01", 1, 2  # the protocol's name and version; two message kinds
+MAGIC, HI, ACK = b"SDN\x02", 1, 2  # the protocol's name and version; two message kinds
 NOBODY = 65534
 
 
