@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import reprlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -229,28 +229,20 @@ class HDF5Source:
                 out.rows(start, stop)[...] = self._block(plan, ds, start, stop)
                 progress((stop - start) * row_bytes)
             return
-        h5py = self._h5py
         leaf = plan.source if plan.source is not None else plan.dtype
-        sub = leaf.subdtype
-        base = sub[0] if sub else leaf
-        labels = h5py.check_enum_dtype(base)
-        if labels is not None and base.kind != "b":
-            base = h5py.enum_dtype(labels, basetype=native(base))
-        elif base.kind in "iufc":
-            base = native(base)
-        mtype = h5py.h5t.py_create(np.dtype((base, sub[1])) if sub else base, logical=True)
-        for part in reversed(plan.member):
-            outer = h5py.h5t.create(h5py.h5t.COMPOUND, mtype.get_size())
-            outer.insert(part.encode(), 0, mtype)
-            mtype = outer
+        base = native(leaf.base) if leaf.base.kind in "iufc" else leaf.base
+        memory = np.dtype((base, leaf.shape)) if leaf.shape else base
+        for part in reversed(plan.member):  # HDF5 converts the one field by its name
+            memory = np.dtype([(part, memory)])
+        mtype = self._h5py.h5t.py_create(memory, logical=True)  # enum codes convert to ints
         file_space = ds.id.get_space()
         row_shape = tuple(ds.shape[1:])
         record_bytes = ds.dtype.itemsize * int(np.prod(row_shape))
         for start, stop in row_steps(plan.rows, record_bytes, _CHUNK, ds.chunks):
             count = (stop - start, *row_shape)
             file_space.select_hyperslab((plan.first + start,) + (0,) * len(row_shape), count)
-            memory = h5py.h5s.create_simple(count)
-            ds.id.read(memory, file_space, out.rows(start, stop), mtype=mtype)
+            space = self._h5py.h5s.create_simple(count)
+            ds.id.read(space, file_space, out.rows(start, stop), mtype=mtype)
             progress((stop - start) * row_bytes)
 
     def _inflatable(self, plan: Plan, ds: Any) -> bool:
@@ -260,18 +252,16 @@ class HDF5Source:
         return _hdf5_chunks.inflatable(ds)
 
     # -- variable-length rows ----------------------------------------------------------
-    def _fixed_blocks(self, plan: Plan, ds: Any) -> Iterator[tuple[int, int, Any]]:
-        """Blocks of fixed-width rows, about ``_BLOCK / 3`` bytes of records each."""
-        for start, stop in row_steps(plan.rows, ds.dtype.itemsize, _BLOCK // 3, ds.chunks):
-            yield start, stop, self._block(plan, ds, start, stop)
-
     def _size(self, plan: Plan, ds: Any) -> int:
         """Total ``values`` of a variable-length column; its blocks kept in ``plan.blocks``."""
-        if plan.reader == "opaque":
-            return plan.rows * (plan.source.itemsize if plan.source is not None else 0)
         plan.blocks = []
-        if plan.reader == "fixed":
-            for start, stop, block in self._fixed_blocks(plan, ds):
+        if plan.reader in ("fixed", "opaque"):  # blocks of about _BLOCK / 3 bytes of records
+            width = plan.source.itemsize if plan.source is not None else 0
+            for start, stop in row_steps(plan.rows, ds.dtype.itemsize, _BLOCK // 3, ds.chunks):
+                if plan.reader == "opaque":  # every row is its type's width: nothing to read
+                    plan.blocks.append((start, stop, (stop - start) * width))
+                    continue
+                block = self._block(plan, ds, start, stop)
                 plan.blocks.append((start, stop, int(_lengths(plan, block).sum())))
             return sum(n for _, _, n in plan.blocks)
         # a row's size is known once read: grow the blocks from a few rows to what
@@ -293,15 +283,11 @@ class HDF5Source:
         offsets, values = buffers["offsets"], buffers["values"]
         offsets.rows(0, 1)[0] = 0
         progress(offsets.itemsize)
-        if plan.reader == "opaque":
-            blocks: Iterator[tuple[int, int, Any]] = self._fixed_blocks(plan, ds)
-        else:
-            blocks = ((a, b, self._block(plan, ds, a, b)) for a, b, _ in plan.blocks)
-        sized = iter(plan.blocks)
-        for start, stop, block in blocks:
+        for start, stop, sized in plan.blocks:
+            block = self._block(plan, ds, start, stop)
             lengths = _lengths(plan, block)
             base, total = int(offsets[start]), int(lengths.sum())
-            if plan.reader != "opaque" and total != next(sized)[2]:
+            if total != sized:
                 raise SourceReadError(
                     f"{self.label}: dataset {plan.path!r} changed while it was being loaded "
                     f"(rows {start}:{stop}); load it again when nothing writes to the file."
