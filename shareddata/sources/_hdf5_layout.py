@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -186,25 +186,32 @@ def plans_of(
         else:
             row_shape = row_shape[:-1]
     path = path or ds.name.lstrip("/")
-    return _leaf(h5py, path, name, rows, row_shape, dtype, htype, member, index, refuse)
+    plans = []
+    for column, at, dt, ht in _fields(name, member, dtype, htype):
+        position = index if at == member else None  # a block's column: never a compound's
+        leaf = Plan(column, path, rows, "", dt, row_shape, "", at, position, dt)
+        plans.append(_leaf(h5py, leaf, ht, refuse))
+    return plans
 
 
-def _leaf(
-    h5py: Any,
-    path: str,
-    name: str,
-    rows: int,
-    row_shape: tuple[int, ...],
-    dtype: np.dtype,
-    htype: Any,
-    member: tuple[str, ...],
-    index: int | None,
-    refuse: Refuse,
-) -> list[Plan]:
-    source = dtype  # what HDF5 converts from: before an array type is taken apart
+def _fields(
+    name: str, member: tuple[str, ...], dtype: np.dtype, htype: Any
+) -> Iterator[tuple[str, tuple[str, ...], np.dtype, Any]]:
+    """Every leaf of a compound type, depth first: (column, member, dtype, HDF5 type)."""
+    if dtype.fields is None:
+        yield name, member, dtype, htype
+        return
+    for field_name in dtype.names or ():
+        inner = htype.get_member_type(htype.get_member_index(field_name.encode()))
+        yield from _fields(f"{name}/{field_name}", (*member, field_name), dtype[field_name], inner)
+
+
+def _leaf(h5py: Any, leaf: Plan, htype: Any, refuse: Refuse) -> Plan:
+    """The plan of one non-compound ``leaf`` (its ``source`` the type HDF5 converts from)."""
+    name, row_shape, dtype = leaf.name, leaf.shape, leaf.dtype
 
     def plan(kind: str, dt: np.dtype, shape: tuple[int, ...], reader: str, **kw: Any) -> Plan:
-        return Plan(name, path, rows, kind, dt, shape, reader, member, index, source, **kw)
+        return replace(leaf, kind=kind, dtype=dt, shape=shape, reader=reader, **kw)
 
     per_row = (
         f"holds {int(np.prod(row_shape))} values per row (shape {row_shape}) of a "
@@ -224,9 +231,9 @@ def _leaf(
                 "the strings' bytes as a uint8 dataset",
             )
         if string.length is None:
-            return [plan("str", np.dtype(np.uint8), (), "vlen_str")]
+            return plan("str", np.dtype(np.uint8), (), "vlen_str")
         kind = "str" if string.encoding == "utf-8" else "bytes"
-        return [plan(kind, np.dtype(np.uint8), (), "fixed")]
+        return plan(kind, np.dtype(np.uint8), (), "fixed")
     if h5py.check_ref_dtype(dtype) is not None:
         raise refuse(
             name,
@@ -245,24 +252,7 @@ def _leaf(
             )
         if row_shape:
             raise refuse(name, per_row, per_row_fix)
-        return [plan("ragged", native(base), (), "vlen")]
-    if dtype.fields is not None:
-        plans = []
-        for field_name in dtype.names or ():
-            index = htype.get_member_index(field_name.encode())
-            plans += _leaf(
-                h5py,
-                path,
-                f"{name}/{field_name}",
-                rows,
-                row_shape,
-                dtype[field_name],
-                htype.get_member_type(index),
-                (*member, field_name),
-                None,
-                refuse,
-            )
-        return plans
+        return plan("ragged", native(base), (), "vlen")
     sub_shape: tuple[int, ...] = ()
     if dtype.subdtype is not None:
         sub, sub_shape = dtype.subdtype
@@ -287,17 +277,16 @@ def _leaf(
                 f"has dtype {dtype} (extended precision), which has no torch type",
                 "store it as float64 / complex128",
             )
-        whole = not member and index is None and labels is None and not sub_shape
+        whole = not leaf.member and leaf.index is None and labels is None and not sub_shape
         reader = "direct" if whole else "member"
         if htype.get_class() == h5py.h5t.BITFIELD and dtype.itemsize == 1:
-            return [plan("tensor", np.dtype(np.bool_), row_shape, reader)]  # PyTables' bool
-        if labels is not None and dtype.kind != "b":
-            return [plan("tensor", native(dtype), row_shape + sub_shape, "member", labels=labels)]
-        return [plan("tensor", native(dtype), row_shape + sub_shape, reader)]
+            return plan("tensor", np.dtype(np.bool_), row_shape, reader)  # PyTables' bool
+        labels = labels if dtype.kind != "b" else None  # h5py's own bool is an enum
+        return plan("tensor", native(dtype), row_shape + sub_shape, reader, labels=labels)
     if dtype.kind == "V":
         if row_shape:
             raise refuse(name, per_row, per_row_fix)
-        return [plan("bytes", np.dtype(np.uint8), (), "opaque")]
+        return plan("bytes", np.dtype(np.uint8), (), "opaque")
     raise refuse(
         name,
         f"has dtype {dtype} (HDF5 type class {htype.get_class()})",
