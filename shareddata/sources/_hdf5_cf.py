@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from ..columns._columns import ColumnSpec
 from ..errors import MissingDependencyError
-from ._hdf5_chunks import row_steps
 from ._hdf5_layout import Plan, attr_value
-from ._source import Buffer
 
-__all__ = ["CFRead", "Netcdf", "Times", "cf_decode", "decoded_attrs", "is_netcdf", "times_of"]
+__all__ = ["Netcdf", "Times", "cf_decode", "decoded_attrs", "is_netcdf", "times_of"]
 
 _PHONY = "This is a netCDF dimension but not a netCDF variable"
 _BOOKKEEPING = {"CLASS", "NAME", "REFERENCE_LIST", "DIMENSION_LIST", "_Netcdf4Dimid",
@@ -288,39 +285,6 @@ def decoded_attrs(attrs: dict[str, Any], time: Times | None) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class CFRead:
-    """Reads a variable decoded by :func:`cf_decode` (a :class:`Plan`'s ``special``)."""
-
-    path: str
-    attrs: dict[str, Any]
-    time: Times | None = None
-
-    @property
-    def datasets(self) -> list[str]:
-        return [self.path]
-
-    def spec(self, plan: Plan, file: Any) -> ColumnSpec:
-        return ColumnSpec(plan.name, plan.rows, plan.dtype, plan.shape)
-
-    def read(
-        self,
-        plan: Plan,
-        file: Any,
-        buffers: dict[str, Buffer],
-        progress: Callable[[int], None],
-        read_range: Any,
-    ) -> None:
-        """Decode the variable block by block into the column's buffer."""
-        ds, out = file[self.path], buffers["data"]
-        row = ds.dtype.itemsize * int(np.prod(plan.shape, dtype=np.int64))
-        for start, stop in row_steps(plan.rows, row, _BLOCK, ds.chunks):
-            block = ds[plan.first + start : plan.first + stop]
-            dest = out.rows(start, stop)
-            dest[...] = cf_decode(block, self.attrs, self.time)
-            progress(dest.nbytes)
-
-
 class Netcdf:
     """The variables of a netCDF-4 file, their dimensions, coordinates and decoding."""
 
@@ -402,7 +366,8 @@ class Netcdf:
         dtype = cf_dtype(ds.dtype, attrs, time)
         if dtype == plan.dtype and not _fills(attrs) and time is None:
             return plan
-        plan.dtype, plan.special, plan.reader = dtype, CFRead(plan.path, attrs, time), "cf"
+        plan.dtype, plan.reader = dtype, "cf"
+        plan.decode = partial(cf_decode, attrs=attrs, time=time)
         return plan
 
     def times(self, name: str) -> Times | None:

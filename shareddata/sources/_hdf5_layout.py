@@ -36,7 +36,8 @@ class Plan:
     ``reader``: ``"direct"`` (a whole numeric dataset), ``"member"`` (numbers HDF5
     converts: a compound field, an array or enum type, a pandas block's column),
     ``"fixed"`` (fixed-length strings), ``"opaque"``, ``"vlen_str"``, ``"vlen"``,
-    ``"vlen_ucs4"`` (PyTables' unicode, re-encoded as UTF-8).
+    ``"vlen_ucs4"`` (PyTables' unicode, re-encoded as UTF-8); ``"cf"`` (a netCDF variable
+    CF-decoded) and ``"level"`` (a MultiIndex level's values by code) go through ``decode``.
     """
 
     name: str
@@ -52,7 +53,8 @@ class Plan:
     labels: dict[str, int] | None = None  # an enum's or pandas category's labels: codes
     blocks: list[tuple[int, int, int]] = field(default_factory=list)  # sized (start, stop, n)
     first: int = 0  # the dataset's row that is the column's row 0 (``select_rows``)
-    special: Any = None  # a reader of its own (sparse, CF): datasets, spec(), read()
+    special: Any = None  # a reader of its own (a sparse matrix): datasets, spec(), read()
+    decode: Callable[[np.ndarray], np.ndarray] | None = None  # each block of stored rows
     values: Any = None  # the values, already read by anndata (numbers or UTF-8 bytes)
 
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from ..columns._columns import ColumnSpec
 from ..errors import UnsupportedDtypeError
 from ._hdf5_layout import Plan, Refuse, attr_value, native, plans_of, text
 
@@ -150,28 +149,9 @@ def _level_plans(h5py: Any, level: Any, codes: Any, name: str, refuse: Refuse) -
         plans = plans_of(h5py, codes, name, refuse, path=path)
         plans[0].labels = {text(v): i for i, v in enumerate(values)}
         return plans
-    special = LevelRead(path, values)
-    return [Plan(name, path, rows, "tensor", native(values.dtype), (), "level", special=special)]
-
-
-class LevelRead:
-    """Reads a numeric MultiIndex level: each row's value by its code (a plan's ``special``)."""
-
-    def __init__(self, path: str, values: np.ndarray) -> None:
-        self.path, self.values = path, values
-        self.datasets = [path]
-
-    def spec(self, plan: Plan, file: Any) -> ColumnSpec:
-        return ColumnSpec(plan.name, plan.rows, plan.dtype, ())
-
-    def read(self, plan: Plan, file: Any, buffers: dict[str, Any], progress: Any, _: Any) -> None:
-        """The level's value of every row, block by block."""
-        codes, out = file[self.path], buffers["data"]
-        for start in range(0, plan.rows, 1 << 22):
-            stop = min(plan.rows, start + (1 << 22))
-            dest = out.rows(start, stop)
-            dest[...] = self.values[codes[plan.first + start : plan.first + stop]]
-            progress(dest.nbytes)
+    plan = Plan(name, path, rows, "tensor", native(values.dtype), (), "level")
+    plan.decode = values.__getitem__  # each row's value by its code
+    return [plan]
 
 
 def _multi_columns(key: str, refuse: Refuse) -> list[Plan]:

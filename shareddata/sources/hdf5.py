@@ -127,7 +127,7 @@ class HDF5Source:
         specs = []
         for plan in self.plans:
             with self._reading(plan):
-                if plan.special is not None:  # a sparse matrix, a CF-decoded variable
+                if plan.special is not None:  # a sparse matrix
                     specs.append(plan.special.spec(plan, self._file))
                     continue
                 values = 0 if plan.kind == "tensor" else self._size(plan, self._dataset(plan))
@@ -146,6 +146,9 @@ class HDF5Source:
         with self._reading(plan):
             if plan.special is not None:
                 plan.special.read(plan, self._file, buffers, progress, self._read_range)
+            elif plan.decode is not None:  # a CF-decoded variable, a MultiIndex level
+                ds = self._file[plan.path]
+                self._read_decoded(plan, plan.decode, ds, buffers["data"], progress)
             elif plan.kind != "tensor":
                 self._read_values(plan, self._dataset(plan), buffers, progress)
             elif plan.values is not None:  # read by anndata
@@ -244,6 +247,21 @@ class HDF5Source:
             space = self._h5py.h5s.create_simple(count)
             ds.id.read(space, file_space, out.rows(start, stop), mtype=mtype)
             progress((stop - start) * row_bytes)
+
+    def _read_decoded(
+        self,
+        plan: Plan,
+        decode: Callable[[Any], Any],
+        ds: Any,
+        out: Buffer,
+        progress: Callable[[int], None],
+    ) -> None:
+        """Rows of ``ds`` through ``decode``, in blocks of about ``_BLOCK`` bytes."""
+        row_bytes = max(ds.dtype.itemsize, out.itemsize) * int(np.prod(plan.shape))
+        for start, stop in row_steps(plan.rows, row_bytes, _BLOCK, ds.chunks):
+            dest = out.rows(start, stop)
+            dest[...] = decode(ds[plan.first + start : plan.first + stop])
+            progress(dest.nbytes)
 
     def _inflatable(self, plan: Plan, ds: Any) -> bool:
         """Whether ``_hdf5_chunks.inflate`` reads this plan's dataset (gzip chunks)."""
