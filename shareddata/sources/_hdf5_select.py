@@ -35,11 +35,14 @@ def _corrupt(label: str, error: BaseException) -> SourceReadError:
     )
 
 
-def _listing(names: Sequence[str], frames: Sequence[str] = ()) -> str:
+def _listing(names: Sequence[str] | dict[str, str]) -> str:
+    """Up to ``_LISTED`` names (a :meth:`Selection.walk`'s frames marked as such)."""
     if not names:
         return "no datasets"
+    kinds = names if isinstance(names, dict) else {}
+    names = list(names)
     shown = ", ".join(
-        repr(n) + (" (a pandas frame)" if n in frames else "") for n in names[:_LISTED]
+        repr(n) + (" (a pandas frame)" if kinds.get(n) == "frame" else "") for n in names[:_LISTED]
     )
     more = len(names) - _LISTED
     return shown + (f" and {more} more" if more > 0 else "")
@@ -98,9 +101,7 @@ class Selection:
 
     def _choices(self) -> str:
         """What a key may name: data datasets and pandas frames (no bookkeeping)."""
-        frames: list[str] = []
-        names = self._names_and_frames(frames)
-        return _listing(names, frames)
+        return _listing(self._walk())
 
     def corrupt_metadata(self, name: str, error: BaseException) -> SourceReadError:
         return SourceReadError(
@@ -125,32 +126,16 @@ class Selection:
                 return self._unique(plans)
         units: list[tuple[int, list[Plan]]] = []
         skipped: list[tuple[str, int, str]] = []
-        frames: list[str] = []
-        elements: list[str] = []
-        for name in self._names_and_frames(frames, elements):
+        for name, kind in self._walk().items():
             obj = self._file[name]
-            if name in elements or name in frames:
-                skips: dict[str, str] = {}
-                if name in elements:
-                    plans, length = self.encoded.plans(obj, name, skips), -1
-                else:
-                    plans = frame_plans(self._h5py, obj, self._refuse, skips)
-                    length = self._frame_rows(obj)
-                length = plans[0].rows if plans else length
-                skipped += [(c, length, why) for c, why in skips.items()]
-                if plans:
-                    units.append((length, plans))
+            if kind == "dataset" and not obj.shape:  # a scalar (()) or an empty dataspace
                 continue
-            try:
-                if not obj.shape:  # a scalar (()) or an empty dataspace (None)
-                    continue
-                units.append(
-                    (obj.shape[0], plans_of(self._h5py, obj, name, self._refuse, path=name))
-                )
-            except UnsupportedDtypeError as error:
-                skipped.append((name, obj.shape[0], str(error)))
-            except (OSError, RuntimeError, ValueError, TypeError, KeyError) as error:
-                raise self.corrupt_metadata(name, error) from error
+            skips: dict[str, str] = {}
+            plans = self._plans(obj, name, skips)
+            length = plans[0].rows if plans else self._rows(obj, kind)
+            skipped += [(c, length, why) for c, why in skips.items()]
+            if plans:
+                units.append((length, plans))
         if not units:
             if skipped:
                 raise UnsupportedDtypeError(
@@ -172,7 +157,7 @@ class Selection:
         plans: list[Plan] = []
         skipped: dict[str, str] = {}
         for name in netcdf.default_names():
-            plans += self.encoded.plans(self._file[name], name, skipped)
+            plans += self._plans(self._file[name], name, skipped)
         if not plans:
             raise MissingColumnError(
                 f"{self.label} (netCDF) holds no variable with a dimension shareddata can "
@@ -192,32 +177,29 @@ class Selection:
                 stacklevel=5,
             )
 
-    def _names_and_frames(self, frames: list[str], elements: list[str] | None = None) -> list[str]:
-        """Data datasets, pandas frames and encoded groups, in visit order.
+    def _walk(self) -> dict[str, str]:
+        """Data datasets, pandas frames and encoded groups in visit order: name -> kind.
 
-        External links are followed (named by the link's path); soft links are not.
+        The kind is ``"dataset"``, ``"frame"`` or ``"element"``. External links are
+        followed (named by the link's path); soft links are not.
         """
-        names: list[str] = []
-        elements = [] if elements is None else elements
-
+        found: dict[str, str] = {}
+        units: list[str] = []  # frames and elements: their own arrays are read through them
         matrices: set[str] = set()  # sparse groups: their other members are datasets
 
         def visit(name: str, obj: Any) -> None:
-            for unit in frames + elements:
+            for unit in units:
                 inside = name.startswith(unit + "/")
                 if inside and (unit not in matrices or name[len(unit) + 1 :] in _SPARSE_PARTS):
-                    return  # a frame's or an element's own arrays: read through it
+                    return
             if isinstance(obj, self._h5py.Group):
-                if is_frame(obj):
-                    frames.append(name)
-                    names.append(name)
-                elif self.encoded.is_unit(obj):
-                    elements.append(name)
-                    names.append(name)
+                if is_frame(obj) or self.encoded.is_unit(obj):
+                    found[name] = "frame" if is_frame(obj) else "element"
+                    units.append(name)
                     if sparse_layout(self._h5py, obj) is not None:
                         matrices.add(name)
             elif isinstance(obj, self._h5py.Dataset) and not is_bookkeeping(name, obj):
-                names.append(name)
+                found[name] = "dataset"
 
         def visit_link(name: str, link: Any) -> None:
             if not isinstance(link, self._h5py.ExternalLink):
@@ -228,7 +210,7 @@ class Selection:
                 warnings.warn(f"left out: {error}", UserWarning, stacklevel=6)
                 return
             visit(name, target)
-            if isinstance(target, self._h5py.Group) and name not in elements + frames:
+            if isinstance(target, self._h5py.Group) and name not in units:
                 target.visititems(lambda inner, obj: visit(f"{name}/{inner}", obj))
 
         try:
@@ -236,12 +218,33 @@ class Selection:
             self._file.visititems_links(visit_link)
         except (OSError, RuntimeError, KeyError) as error:
             raise _corrupt(self.label, error) from error
-        return names
+        return found
 
     @staticmethod
-    def _frame_rows(group: Any) -> int:
-        table = group.get("table") or group.get("axis1")
+    def _rows(obj: Any, kind: str) -> int:
+        """Rows of a dataset or frame whose columns were all left out (-1: an element's)."""
+        if kind == "element":
+            return -1
+        if kind == "dataset":
+            return int(obj.shape[0])
+        table = obj.get("table") or obj.get("axis1")
         return int(table.shape[0]) if table is not None and table.shape else 0
+
+    def _plans(self, obj: Any, name: str, skipped: dict[str, str] | None) -> list[Plan]:
+        """A dataset's, frame's or encoded element's columns (unstorable ones to ``skipped``)."""
+        if is_frame(obj):
+            return frame_plans(self._h5py, obj, self._refuse, skipped)
+        if self.encoded.is_element(obj):
+            return self.encoded.plans(obj, name, skipped)
+        try:
+            return plans_of(self._h5py, obj, name, self._refuse, path=name)
+        except UnsupportedDtypeError as error:
+            if skipped is None:
+                raise
+            skipped[name] = str(error)
+            return []
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError) as error:
+            raise self.corrupt_metadata(name, error) from error
 
     def select(self, keys: str | Sequence[str]) -> list[Plan]:
         """Plans for ``keys``, in their order (a dataset or frame gives several)."""
@@ -277,21 +280,15 @@ class Selection:
         if obj is None and name:
             self._broken_link(name)
         if isinstance(obj, h5py.Dataset):
-            try:
-                return plans_of(h5py, obj, name, self._refuse, path=name)
-            except (OSError, RuntimeError, KeyError) as error:
-                raise self.corrupt_metadata(name, error) from error
+            return self._plans(obj, name, None)
         if isinstance(obj, h5py.Group):
-            if is_frame(obj):
-                return frame_plans(h5py, obj, self._refuse, None)
-            if self.encoded.is_element(obj):
-                return self.encoded.plans(obj, name, None)
-            frames: list[str] = []
+            if is_frame(obj) or self.encoded.is_element(obj):
+                return self._plans(obj, name, None)
             prefix = f"{name}/" if name else ""
-            inside = [n for n in self._names_and_frames(frames) if n.startswith(prefix)]
+            inside = {n: kind for n, kind in self._walk().items() if n.startswith(prefix)}
             raise MissingColumnError(
                 f"key {key!r} of {self.label} is a group, not a dataset; pass the datasets "
-                f"you want from it (columns=[...]). It holds: {_listing(inside, frames)}."
+                f"you want from it (columns=[...]). It holds: {_listing(inside)}."
             )
         if obj is not None:
             raise MissingColumnError(
