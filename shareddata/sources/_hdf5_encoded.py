@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -26,11 +27,12 @@ from ..errors import (
     SourceReadError,
     UnsupportedDtypeError,
 )
-from ._hdf5_layout import Plan, Refuse, attr_value, native, plans_of, text
+from ._hdf5_layout import Plan, Refuse, attr_value, gather, native, plans_of, text
 from ._source import Buffer
 
 __all__ = ["Encoded", "SparseRead", "encoding", "is_anndata", "sparse_layout"]
 
+_REFUSED = (UnsupportedDtypeError, NullValuesError)  # a column left out, not a broken file
 _BLOCK = 4 << 20  # nonzeros per block when a CSC matrix is turned into rows
 
 ReadRange = Callable[[Any, Buffer, int, int, Callable[[int], None]], None]
@@ -271,12 +273,7 @@ class Encoded:
     def plans(self, obj: Any, name: str, skipped: dict[str, str] | None) -> list[Plan]:
         """The columns of element ``obj`` at ``name`` (unstorable ones to ``skipped`` if given)."""
         try:
-            return self._plans(obj, name, skipped)
-        except (UnsupportedDtypeError, NullValuesError) as error:
-            if skipped is None:
-                raise
-            skipped[name] = str(error)
-            return []
+            return gather(skipped, name, partial(self._plans, obj, name, skipped), _REFUSED)
         except (OSError, RuntimeError, KeyError, ValueError) as error:
             if isinstance(error, SharedDataError):
                 raise
@@ -314,21 +311,16 @@ class Encoded:
         """A data frame, categorical or nullable array, read by anndata's own reader."""
         value = _read_elem(self.label, name)(obj)
         if encoding(obj) != "dataframe":
-            return [self._column(value, name)]
+            return self._column(value, name)
         index = attr_value(obj, "_index")
         index = text(index) if isinstance(index, bytes) else index
         columns = [(f"{name}/{index}", value.index)] if index is not None else []
         plans: list[Plan] = []
         for column, values in columns + [(f"{name}/{c}", value[c]) for c in value.columns]:
-            try:
-                plans.append(self._column(values, column))
-            except (UnsupportedDtypeError, NullValuesError) as error:
-                if skipped is None:
-                    raise
-                skipped[column] = str(error)
+            plans += gather(skipped, column, partial(self._column, values, column), _REFUSED)
         return plans
 
-    def _column(self, values: Any, name: str) -> Plan:
+    def _column(self, values: Any, name: str) -> list[Plan]:
         """The plan of one column anndata read (numbers, strings, a categorical)."""
         labels = None
         if hasattr(values, "cat"):  # a pandas Series of a categorical
@@ -353,7 +345,7 @@ class Encoded:
         else:
             raise self._refuse(name, f"holds {array.dtype} values", "store numbers or strings")
         plan.values, plan.labels = array, labels
-        return plan
+        return [plan]
 
     def anndata(self, file: Any, skipped: dict[str, str] | None) -> list[Plan]:
         """An AnnData file's default columns: ``X``, then ``obs`` (index first)."""

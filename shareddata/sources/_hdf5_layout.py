@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import UnsupportedDtypeError
 
-__all__ = ["Plan", "Refuse", "attr_value", "is_bookkeeping", "native", "plans_of", "text"]
+__all__ = ["Plan", "Refuse", "attr_value", "gather", "is_bookkeeping", "native", "plans_of", "text"]
 
 _NUMERIC = "biufc"
 _TORCH_ITEMSIZE = {"b": 1, "i": 8, "u": 8, "f": 8, "c": 16}
@@ -103,6 +103,25 @@ def is_bookkeeping(name: str, obj: Any) -> bool:
 
 Refuse = Callable[[str, str, str], UnsupportedDtypeError]
 """``refuse(column, what, fix)``: the error for a type that cannot be stored."""
+
+
+def gather(
+    skipped: dict[str, str] | None,
+    name: str,
+    make: Callable[[], list[Plan]],
+    refused: tuple[type[Exception], ...] = (UnsupportedDtypeError,),
+) -> list[Plan]:
+    """``make()``; or, when it refuses ``name``, no plans and the reason in ``skipped``.
+
+    ``skipped=None`` raises the refusal instead (a key that names the column).
+    """
+    try:
+        return make()
+    except refused as error:
+        if skipped is None:
+            raise
+        skipped[name] = str(error)
+        return []
 
 
 def _unreadable_type(h5py: Any, htype: Any, where: str) -> tuple[str, str] | None:

@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UnsupportedDtypeError
-from ._hdf5_layout import Plan, Refuse, attr_value, native, plans_of, text
+from ._hdf5_layout import Plan, Refuse, attr_value, gather, native, plans_of, text
 
 __all__ = ["frame_plans", "is_frame"]
 
@@ -37,14 +36,7 @@ def frame_plans(
     plans: list[Plan] = []
 
     def add(column: str, make: Callable[[], list[Plan]], pandas_dtype: Any = None) -> None:
-        try:
-            made = make()
-        except UnsupportedDtypeError as error:
-            if skipped is None:
-                raise
-            skipped[column] = str(error)
-            return
-        for plan in made:
+        for plan in gather(skipped, column, make):
             if plan.kind == "bytes":
                 plan.kind = "str"  # pandas decodes its strings (UTF-8)
             if text(pandas_dtype) == "bool" and plan.dtype.kind == "u":

@@ -6,6 +6,7 @@ import os
 import reprlib
 import warnings
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 from ..errors import (
@@ -14,12 +15,13 @@ from ..errors import (
     InvalidArgumentError,
     MissingColumnError,
     MissingFileError,
+    SharedDataError,
     SourceReadError,
     UnsupportedDtypeError,
 )
 from ._hdf5_cf import Netcdf, is_netcdf
 from ._hdf5_encoded import Encoded, is_anndata, sparse_layout
-from ._hdf5_layout import Plan, is_bookkeeping, plans_of
+from ._hdf5_layout import Plan, gather, is_bookkeeping, plans_of
 from ._hdf5_pandas import frame_plans, is_frame
 
 __all__ = ["Selection"]
@@ -236,14 +238,12 @@ class Selection:
             return frame_plans(self._h5py, obj, self._refuse, skipped)
         if self.encoded.is_element(obj):
             return self.encoded.plans(obj, name, skipped)
+        make = partial(plans_of, self._h5py, obj, name, self._refuse, path=name)
         try:
-            return plans_of(self._h5py, obj, name, self._refuse, path=name)
-        except UnsupportedDtypeError as error:
-            if skipped is None:
-                raise
-            skipped[name] = str(error)
-            return []
+            return gather(skipped, name, make)
         except (OSError, RuntimeError, ValueError, TypeError, KeyError) as error:
+            if isinstance(error, SharedDataError):  # a refusal, raised for a key
+                raise
             raise self.corrupt_metadata(name, error) from error
 
     def select(self, keys: str | Sequence[str]) -> list[Plan]:

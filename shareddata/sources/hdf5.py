@@ -147,8 +147,7 @@ class HDF5Source:
             if plan.special is not None:
                 plan.special.read(plan, self._file, buffers, progress, self._read_range)
             elif plan.decode is not None:  # a CF-decoded variable, a MultiIndex level
-                ds = self._file[plan.path]
-                self._read_decoded(plan, plan.decode, ds, buffers["data"], progress)
+                self._read_decoded(plan, buffers["data"], progress)
             elif plan.kind != "tensor":
                 self._read_values(plan, self._dataset(plan), buffers, progress)
             elif plan.values is not None:  # read by anndata
@@ -184,7 +183,8 @@ class HDF5Source:
         return read_errors(self.label, plan.path, f"{plan.source} to {plan.dtype}")
 
     def _dataset(self, plan: Plan) -> Any:
-        return self._file[plan.path] if plan.values is None else None
+        """The plan's h5py dataset, or the numpy values anndata read (sliced the same way)."""
+        return self._file[plan.path] if plan.values is None else plan.values
 
     def _read_range(
         self, ds: Any, out: Buffer, start: int, stop: int, progress: Callable[[int], None]
@@ -198,8 +198,6 @@ class HDF5Source:
     def _block(self, plan: Plan, ds: Any, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of the plan's values as numpy (one bounded block)."""
         start, stop = plan.first + start, plan.first + stop
-        if plan.values is not None:  # read by anndata
-            return plan.values[start:stop]
         block = ds.fields(plan.member[0])[start:stop] if plan.member else ds[start:stop]
         for part in plan.member[1:]:
             block = block[part]
@@ -248,15 +246,10 @@ class HDF5Source:
             ds.id.read(space, file_space, out.rows(start, stop), mtype=mtype)
             progress((stop - start) * row_bytes)
 
-    def _read_decoded(
-        self,
-        plan: Plan,
-        decode: Callable[[Any], Any],
-        ds: Any,
-        out: Buffer,
-        progress: Callable[[int], None],
-    ) -> None:
-        """Rows of ``ds`` through ``decode``, in blocks of about ``_BLOCK`` bytes."""
+    def _read_decoded(self, plan: Plan, out: Buffer, progress: Callable[[int], None]) -> None:
+        """The plan's rows through ``plan.decode``, in blocks of about ``_BLOCK`` bytes."""
+        ds, decode = self._file[plan.path], plan.decode
+        assert decode is not None  # read() sends only the plans that decode
         row_bytes = max(ds.dtype.itemsize, out.itemsize) * int(np.prod(plan.shape))
         for start, stop in row_steps(plan.rows, row_bytes, _BLOCK, ds.chunks):
             dest = out.rows(start, stop)
