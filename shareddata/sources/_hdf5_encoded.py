@@ -209,8 +209,7 @@ class SparseRead:
             rows, columns, values = rows[keep], columns[keep], values[keep]
             order = np.argsort(rows, kind="stable")  # by row; columns stay in order
             rows = rows[order]
-            starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]]) if rows.size else rows
-            rank = np.arange(rows.size) - np.repeat(starts, np.diff(np.r_[starts, rows.size]))
+            rank = np.arange(rows.size) - np.searchsorted(rows, rows)  # place within its row
             at = cursor[rows] + rank
             out_indices[at] = columns[order]
             out_data[at] = values[order]

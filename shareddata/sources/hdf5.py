@@ -196,14 +196,14 @@ class HDF5Source:
         self._read_tensor(plan, ds, out.rows(0, stop - start).view(Buffer), progress)
 
     def _block(self, plan: Plan, ds: Any, start: int, stop: int) -> Any:
-        """Rows ``[start, stop)`` of the plan's values as numpy (one bounded block)."""
+        """Rows ``[start, stop)`` of the plan's values as numpy (PyTables' UCS-4 as UTF-8)."""
         start, stop = plan.first + start, plan.first + stop
         block = ds.fields(plan.member[0])[start:stop] if plan.member else ds[start:stop]
         for part in plan.member[1:]:
             block = block[part]
         if plan.index is not None:
             block = np.ascontiguousarray(block[..., plan.index])
-        return block
+        return _utf8(block) if plan.reader == "vlen_ucs4" else block
 
     def _read_tensor(
         self, plan: Plan, ds: Any, out: Buffer, progress: Callable[[int], None]
@@ -350,16 +350,14 @@ def _lengths(plan: Plan, block: Any) -> np.ndarray:
         return np.full(len(block), block.dtype.itemsize, np.int64)
     if plan.reader == "fixed":  # np.bytes_ semantics: trailing NULs are not part of it
         return np.char.str_len(block).astype(np.int64)
-    rows = _utf8(block) if plan.reader == "vlen_ucs4" else block
-    return np.fromiter(map(len, rows), np.int64, count=len(block))
+    return np.fromiter(map(len, block), np.int64, count=len(block))
 
 
 def _fill(plan: Plan, block: Any, lengths: np.ndarray, dest: np.ndarray) -> None:
     if plan.reader == "vlen":
         np.concatenate([np.asarray(row).reshape(-1) for row in block], out=dest)
     elif plan.reader in ("vlen_str", "vlen_ucs4"):
-        rows = _utf8(block) if plan.reader == "vlen_ucs4" else block
-        dest[:] = np.frombuffer(b"".join(rows), np.uint8)
+        dest[:] = np.frombuffer(b"".join(block), np.uint8)
     else:  # fixed width: keep each row's first `length` bytes
         width = block.dtype.itemsize
         raw = block.view(np.uint8).reshape(len(block), width)
