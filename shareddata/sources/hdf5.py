@@ -146,8 +146,6 @@ class HDF5Source:
         with self._reading(plan):
             if plan.special is not None:
                 plan.special.read(plan, self._file, buffers, progress, self._read_range)
-            elif plan.decode is not None:  # a CF-decoded variable, a MultiIndex level
-                self._read_decoded(plan, buffers["data"], progress)
             elif plan.kind != "tensor":
                 self._read_values(plan, self._dataset(plan), buffers, progress)
             elif plan.values is not None:  # read by anndata
@@ -156,8 +154,12 @@ class HDF5Source:
                 progress(out.nbytes)
             else:
                 ds = _uncached(self._h5py, self._file, plan.path)
-                read = self._read_tensor if plan.reader == "direct" else self._read_member
-                read(plan, ds, buffers["data"], progress)
+                if plan.reader == "direct":
+                    self._read_tensor(plan, ds, buffers["data"], progress)
+                elif plan.decode is not None or plan.index is not None:  # CF, a block's column
+                    self._read_blocks(plan, ds, buffers["data"], progress)
+                else:
+                    self._read_member(plan, ds, buffers["data"], progress)
                 _check_length(ds, f"{self.label}: dataset {plan.path!r}")
 
     def close(self) -> None:
@@ -225,11 +227,6 @@ class HDF5Source:
         if out.size == 0:
             return
         row_bytes = out.nbytes // plan.rows
-        if plan.index is not None:  # a column of a pandas block: through a small block
-            for start, stop in row_steps(plan.rows, ds.dtype.itemsize, _CHUNK // 16, ds.chunks):
-                out.rows(start, stop)[...] = self._block(plan, ds, start, stop)
-                progress((stop - start) * row_bytes)
-            return
         leaf = plan.source if plan.source is not None else plan.dtype
         base = native(leaf.base) if leaf.base.kind in "iufc" else leaf.base
         memory = np.dtype((base, leaf.shape)) if leaf.shape else base
@@ -246,14 +243,20 @@ class HDF5Source:
             ds.id.read(space, file_space, out.rows(start, stop), mtype=mtype)
             progress((stop - start) * row_bytes)
 
-    def _read_decoded(self, plan: Plan, out: Buffer, progress: Callable[[int], None]) -> None:
-        """The plan's rows through ``plan.decode``, in blocks of about ``_BLOCK`` bytes."""
-        ds, decode = self._file[plan.path], plan.decode
-        assert decode is not None  # read() sends only the plans that decode
-        row_bytes = max(ds.dtype.itemsize, out.itemsize) * int(np.prod(plan.shape))
+    def _read_blocks(
+        self, plan: Plan, ds: Any, out: Buffer, progress: Callable[[int], None]
+    ) -> None:
+        """Rows through numpy in blocks of about ``_BLOCK`` bytes, then ``plan.decode``.
+
+        For a column of a pandas block (one position of each row) and for rows that
+        ``plan.decode`` decodes (CF variables, MultiIndex levels).
+        """
+        record_bytes = ds.dtype.itemsize * int(np.prod(ds.shape[1:]))
+        row_bytes = max(record_bytes, out.itemsize * int(np.prod(plan.shape)))
         for start, stop in row_steps(plan.rows, row_bytes, _BLOCK, ds.chunks):
+            block = self._block(plan, ds, start, stop)
             dest = out.rows(start, stop)
-            dest[...] = decode(ds[plan.first + start : plan.first + stop])
+            dest[...] = block if plan.decode is None else plan.decode(block)
             progress(dest.nbytes)
 
     def _inflatable(self, plan: Plan, ds: Any) -> bool:
