@@ -25,6 +25,7 @@ from ._hdf5_chunks import row_steps
 from ._hdf5_layout import Plan, attr_value, native
 from ._hdf5_open import check_filters, import_h5py, open_file, read_errors
 from ._hdf5_select import Selection
+from ._io import read_into
 from ._source import Buffer
 
 __all__ = ["HDF5Source"]
@@ -216,6 +217,13 @@ class HDF5Source:
         if self._inflatable(plan, ds) and _hdf5_chunks.inflate(what, ds, out, progress):
             return
         row_bytes = out.nbytes // plan.rows
+        stored = ds.chunks is None and ds.external is None and ds.dtype == out.dtype
+        stored = stored and ds.id.get_storage_size() == ds.size * ds.dtype.itemsize  # written
+        offset = ds.id.get_offset() if stored and not self._swmr else None
+        if offset is not None:  # contiguous bytes as stored: the kernel copies them
+            rows = out.view(np.ndarray)  # no page need be ready (read_into in _io.py)
+            read_into(self.label, offset + plan.first * row_bytes, rows, progress, what)
+            return
         for start, stop in row_steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
             ds.read_direct(out.rows(start, stop), np.s_[plan.first + start : plan.first + stop])
             progress((stop - start) * row_bytes)

@@ -1073,3 +1073,35 @@ def test_packing_attributes_outside_netcdf_are_named(tmp_path):
         ds = HDF5Dataset(path, progress=False)
     assert ds.specs["t2m"].dtype == np.int16 and ds[3]["t2m"] == 3  # the codes
     assert len(caught) == 1 and "'plain'" not in str(caught[0].message)
+
+
+def test_contiguous_datasets_are_copied_by_the_kernel_and_read_right(tmp_path, monkeypatch):
+    # a contiguous dataset stored as the buffer's bytes goes by sendfile from its offset
+    # (a userblock before it), never through the page threads; one stored big-endian or
+    # never written (its fill value) goes through h5py, and each reads right
+    from shareddata.storage import _pages, _segment
+
+    populated = []
+
+    def population(address, size, *args, **kwargs):
+        populated.append(size)
+        return _pages.Population(address, size, *args, **kwargs)
+
+    monkeypatch.setattr(_segment, "Population", population)
+    path = tmp_path / "c.h5"
+    x = np.arange(1 << 22, dtype=np.float32).reshape(-1, 4)
+    with h5py.File(path, "w", userblock_size=512) as f:
+        f["x"] = x
+        f["be"] = np.arange(1 << 20, dtype=">i4").reshape(-1, 4)
+        f.create_dataset("unwritten", (1 << 18, 4), "f8", fillvalue=3.0)
+    ds = HDF5Dataset(path, columns=["x"])
+    assert populated == []  # no page was written through the mapping
+    assert np.array_equal(ds[:]["x"].numpy(), x)
+    both = HDF5Dataset(path, columns=["be", "unwritten"])
+    assert populated  # these were
+    assert np.array_equal(both[:]["be"].numpy(), np.arange(1 << 20).reshape(-1, 4))
+    assert (both[:]["unwritten"].numpy() == 3.0).all()
+    source = HDF5Source(path, ["x"])
+    source.select_rows(1000, 3000)  # a node's share: the copy starts at its first row
+    part = build(source, share="process", progress=False)
+    assert np.array_equal(part["x"].arrays["data"].numpy(), x[1000:3000])
