@@ -177,18 +177,6 @@ class ArrowColumn:
             return b"", fill
         raise self._bad_fill("a str or a number", "''")
 
-    def count_nulls(self, arr: Any) -> int:
-        """Null values in a normalized chunk (null rows, and null elements of lists)."""
-        if self.meaning is not None and self.meaning.atomic:  # a null UUID is one null
-            return int(arr.null_count)
-        if self.kind.kind == "tensor":
-            _, mask = _leaf(arr)
-            return 0 if mask is None else int(len(mask) - np.count_nonzero(mask))
-        nulls = arr.null_count
-        if self.kind.kind == "ragged":
-            nulls += _list_values(arr).null_count
-        return int(nulls)
-
     def null_error(self, per_file: Mapping[str, int], *, at_least: bool = False) -> NullValuesError:
         """The error for a column with nulls and no fill value."""
         total = sum(per_file.values())
@@ -238,23 +226,6 @@ class ArrowColumn:
             f"({self.arrow_type}); give {wanted}, e.g. fill_value={{{self.name!r}: {example}}}."
         )
 
-    def var_parts(self, arr: Any) -> tuple[np.ndarray, Any, np.ndarray | None]:
-        """Offsets, values and element validity of a normalized var-length chunk (nulls filled)."""
-        pa = pyarrow_module()
-        if arr.null_count:
-            if self.kind.kind == "ragged":
-                arr = pa.compute.fill_null(arr, pa.scalar([], type=arr.type))
-            else:
-                fill = self.fill_scalar()
-                text = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
-                scalar = pa.scalar(fill.decode("utf-8") if text else fill, type=arr.type)
-                arr = pa.compute.fill_null(arr, scalar)
-        if self.kind.kind != "ragged":
-            return (*_text(arr), None)
-        child = _list_values(arr)
-        mask = _valid_mask(child) if child.null_count else None
-        return _var_offsets(arr), _numpy_values(child, self.kind.dtype), mask
-
 
 def _count_keys(tree: Any) -> list[str]:
     """Per level, the buffer whose length is its element count (a struct: its first field's)."""
@@ -293,20 +264,36 @@ class Copy:
         if kind == "nested":
             out: _Pieces = []
             return out, self._nested(arr, 0, col.nested_fill(), where, out)
-        nulls = col.count_nulls(arr)
-        if nulls and col.fill is None:
-            return [], nulls
+        pa, dtype = pyarrow_module(), col.kind.dtype
         if kind == "tensor":
             leaf, mask = _leaf(arr)
-            values = _numpy_values(leaf, col.kind.dtype)
-        else:
-            offsets, values, mask = col.var_parts(arr)
-        if mask is not None:
-            values = values.copy()
-            values[~mask] = col.fill_scalar()
+            atomic = col.meaning is not None and col.meaning.atomic  # a null UUID is one null
+            nulls = arr.null_count if atomic or mask is None else len(mask) - np.count_nonzero(mask)
+        else:  # a ragged column's nulls: null rows, and null elements of its lists
+            values = _list_values(arr) if kind == "ragged" else None
+            nulls = arr.null_count + (values.null_count if values is not None else 0)
+        if nulls and col.fill is None:
+            return [], int(nulls)
         if kind == "tensor":
-            return [("data", values.reshape(len(arr), *col.kind.shape), None)], nulls
-        return [("offsets", offsets, "values"), ("values", values, None)], nulls
+            data = _numpy_values(leaf, dtype)
+        elif kind == "ragged":  # null lists become empty lists
+            if arr.null_count:
+                arr = pa.compute.fill_null(arr, pa.scalar([], type=arr.type))
+                values = _list_values(arr)
+            mask = _valid_mask(values) if values.null_count else None
+            offsets, data = _var_offsets(arr), _numpy_values(values, dtype)
+        else:
+            if nulls:
+                fill = col.fill_scalar()
+                scalar = pa.scalar(fill.decode("utf-8") if kind == "str" else fill, arr.type)
+                arr = pa.compute.fill_null(arr, scalar)
+            (offsets, data), mask = _text(arr), None
+        if mask is not None:
+            data = data.copy()
+            data[~mask] = col.fill_scalar()
+        if kind == "tensor":
+            return [("data", data.reshape(len(arr), *col.kind.shape), None)], int(nulls)
+        return [("offsets", offsets, "values"), ("values", data, None)], int(nulls)
 
     def _nested(self, arr: Any, i: int, fill: Any, where: str, out: _Pieces) -> int:
         """Append the pieces of level ``i`` of a nested chunk and under it; the nulls met.
@@ -372,14 +359,9 @@ class Sizer(Copy):
         column = self.column
         if column.kind.kind in ("str", "nested"):
             _check_utf8(chunk, column.name, where)
-        pieces, nulls = self.pieces(chunk, where)
+        pieces, nulls = self.pieces(chunk, where)  # (which checks the fill value it uses)
         if nulls:
             self.nulls[where] = self.nulls.get(where, 0) + nulls
-            # null list rows become [] whatever the fill value: check it for the rest
-            kind = column.kind.kind
-            fill = column.fill is not None and kind != "nested"
-            if fill and (kind != "ragged" or _list_values(chunk).null_count):
-                column.fill_scalar()
         for key, values, _ in pieces:
             self.length[key] = self.length.get(key, 0) + self.size(key, values)
 
