@@ -8,15 +8,45 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..errors import MissingFileError, SharedDataError, SourceReadError
 from ..storage import segment_of
 
-__all__ = ["read_into"]
+__all__ = ["fill_from", "listed_files", "read_into"]
 
 _CHUNK = 64 << 20  # bytes per preadv call (one progress update each)
+
+
+def fill_from(
+    read: Callable[[Any, int], int], out: np.ndarray, progress: Callable[[int], None], what: str
+) -> None:
+    """Fill ``out`` by ``read(part, pos)`` calls, the package's one read loop.
+
+    Each call fills the start of the bytes ``part`` (``pos`` bytes into ``out``) and
+    returns how many; 0 means the data ended early, an error naming ``what``.
+
+    Example:
+        >>> out = np.zeros(3, np.uint8)
+        >>> fill_from(lambda part, pos: part.nbytes, out, lambda n: None, "zeros")
+        >>> fill_from(lambda part, pos: 0, out, lambda n: None, "x.bin")
+        Traceback (most recent call last):
+        ...
+        shareddata.errors.SourceReadError: x.bin ended early, after 0 of 3 bytes of data: ...
+    """
+    view = out.reshape(-1).view(np.uint8).data.cast("B")
+    pos = 0
+    while pos < len(view):
+        n = read(view[pos : pos + _CHUNK], pos)
+        if not n:
+            raise SourceReadError(
+                f"{what} ended early, after {pos} of {len(view)} bytes of data: the file is "
+                "truncated. Re-create or re-download it."
+            )
+        pos += n
+        progress(n)
 
 
 def read_into(
@@ -38,25 +68,17 @@ def read_into(
         >>> out.tolist()
         [3, 4, 5, 6]
     """
-    view = out.reshape(-1).view(np.uint8).data.cast("B")
     found = segment_of(out)  # a segment's file is filled by the kernel, without its mapping
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            pos = 0
-            while pos < len(view):
-                if found is not None:
-                    segment, at = found
-                    n = segment.copy_file(fd, offset + pos, at + pos, min(_CHUNK, len(view) - pos))
-                else:
-                    n = os.preadv(fd, [view[pos : pos + _CHUNK]], offset + pos)
-                if n == 0:
-                    raise SourceReadError(
-                        f"{what} ended early, after {pos} of {len(view)} bytes of data: the "
-                        "file is truncated. Re-create or re-download it."
-                    )
-                pos += n
-                progress(n)
+
+            def read(part: memoryview, pos: int) -> int:
+                if found is None:
+                    return os.preadv(fd, [part], offset + pos)
+                return found[0].copy_file(fd, offset + pos, found[1] + pos, len(part))
+
+            fill_from(read, out, progress, what)
         finally:
             os.close(fd)
     except SharedDataError:  # SourceReadError, or the memory's own (full, no descriptor)

@@ -28,7 +28,7 @@ from ..errors import (
     SourceReadError,
     UnsupportedDtypeError,
 )
-from ._io import read_into
+from ._io import fill_from, read_into
 from ._source import Buffer, select_columns
 
 __all__ = ["NumpySource"]
@@ -228,16 +228,9 @@ class _NpzMember(_Entry):
         try:
             with cast(io.BufferedIOBase, self.archive.open(self.member)) as f:  # a ZipExtFile
                 f.seek(self.offset + start * self.row_bytes())  # compressed: read past
-                pos = 0
                 for a, b in _blocks(out):
                     rows = out.rows(a, b)
-                    view, got = rows.reshape(-1).view(np.uint8).data, 0
-                    while got < len(view):
-                        n = f.readinto(view[got:])
-                        if not n:
-                            raise SourceReadError(f"{self.label} ended early, after {pos} bytes")
-                        got, pos = got + n, pos + n
-                        progress(n)
+                    fill_from(lambda part, _: f.readinto(part), rows, progress, self.label)
                     _byteswap_if_needed(rows, self.dtype)
         except _ZIP_ERRORS as e:
             if isinstance(e, SourceReadError):
