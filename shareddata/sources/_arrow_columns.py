@@ -33,6 +33,7 @@ from ._arrow_types import (
     classify,
     decoded,
     extension_of,
+    list_parts,
     meaning_of,
     normalize,
     pyarrow_module,
@@ -307,15 +308,13 @@ class Copy:
         arr = decoded(arr) if level.kind in ("list", "struct") else normalize(arr)
         if level.kind == "list":
             nulls += arr.null_count
-            lengths = pc.fill_null(pc.list_value_length(arr), 0)
-            lengths = lengths.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-            flat = arr.flatten()
-            if len(flat) != int(lengths.sum()):
+            offsets, flat = list_parts(arr)
+            if len(flat) != offsets[-1]:
                 raise UnsupportedDtypeError(
                     f"column {name!r} of {where}: the list values of a {arr.type} chunk do not "
                     "add up to its lengths; cast the column to a plain list type first."
                 )
-            out.append((f"{i}.offsets", _offsets(lengths), self.count_keys[kids[0]]))
+            out.append((f"{i}.offsets", offsets, self.count_keys[kids[0]]))
             return nulls + self._nested(flat, kids[0], fill, where, out)
         if level.kind == "struct":  # its fields come with the struct's nulls merged in
             return sum(self._nested(c, k, fill, where, out) for c, k in zip(arr.flatten(), kids))
@@ -429,12 +428,6 @@ def _is_utf8(data: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
 
 
 def _check_utf8(chunk: Any, name: str, where: str) -> None:

@@ -33,7 +33,7 @@ from ..errors import (
 
 __all__ = [
     "ArrowKind", "Meaning", "UuidAs", "check_uuid_as", "classify", "decoded", "extension_of",
-    "is_list", "meaning_of", "normalize", "pyarrow_module", "release_arrow_memory",
+    "is_list", "list_parts", "meaning_of", "normalize", "pyarrow_module", "release_arrow_memory",
     "temporal_storage",
 ]  # fmt: skip
 
@@ -218,13 +218,8 @@ def decoded(arr: Any) -> Any:
         t = arr.type
         if isinstance(t, pa.BaseExtensionType):
             arr = arr.storage
-        elif pa.types.is_dictionary(t):
-            values = arr.dictionary
-            if pa.types.is_string_view(values.type):  # no take kernel for views
-                values = values.cast(pa.large_string())
-            elif pa.types.is_binary_view(values.type):
-                values = values.cast(pa.large_binary())
-            arr = values.take(arr.indices)
+        elif pa.types.is_dictionary(t):  # (views normalized: no take kernel for them)
+            arr = normalize(arr.dictionary).take(arr.indices)
         elif pa.types.is_run_end_encoded(t):
             arr = pa.compute.run_end_decode(arr)
         else:
@@ -241,14 +236,30 @@ def normalize(arr: Any) -> Any:
     if pa.types.is_binary_view(t) or pa.types.is_fixed_size_binary(t):
         return arr.cast(pa.large_binary())
     if pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
-        # rebuilt from the lengths: a view's offsets may be in any order, or overlap
-        lengths = pa.compute.fill_null(pa.compute.list_value_length(arr), 0)
-        offsets = np.zeros(len(arr) + 1, np.int64)
-        np.cumsum(lengths.to_numpy(zero_copy_only=False), out=offsets[1:])
+        offsets, values = list_parts(arr)  # a view's offsets may be in any order, or overlap
         mask = arr.is_null() if arr.null_count else None
-        return pa.LargeListArray.from_arrays(pa.array(offsets), arr.flatten(), mask=mask)
+        return pa.LargeListArray.from_arrays(pa.array(offsets), values, mask=mask)
     storage = temporal_storage(t)
     return arr.view(storage) if storage is not None else arr
+
+
+def list_parts(arr: Any) -> tuple[np.ndarray, Any]:
+    """A list (or list view) array's ``n + 1`` int64 offsets and the values they cover.
+
+    The offsets come from the lengths (a null list is empty), the values from
+    ``flatten()`` (in row order, whatever a view's offsets are).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> offsets, values = list_parts(pa.array([[1, 2], None, [3]]))
+        >>> offsets.tolist(), values.to_pylist()
+        ([0, 2, 2, 3], [1, 2, 3])
+    """
+    pc = pyarrow_module().compute
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(arr) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets, arr.flatten()
 
 
 # -- extension types: what they mean ----------------------------------------------------------

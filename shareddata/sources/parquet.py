@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib
 import itertools
 import os
 import reprlib
@@ -46,19 +47,10 @@ _MAX_BATCH_ROWS = 1 << 20
 _GLOB = "*?["
 
 
-def parquet_module() -> ModuleType:
-    """``pyarrow.parquet``, imported on first use."""
+def _pyarrow(name: str) -> ModuleType:
+    """``pyarrow.<name>`` (``parquet``, ``dataset``), imported on first use."""
     pyarrow_module()
-    import pyarrow.parquet
-
-    return pyarrow.parquet
-
-
-def _dataset() -> ModuleType:
-    pyarrow_module()
-    import pyarrow.dataset
-
-    return pyarrow.dataset
+    return importlib.import_module(f"pyarrow.{name}")
 
 
 @dataclass
@@ -91,7 +83,7 @@ class ParquetInput(ArrowInput):
         memory_map: bool = True,
     ) -> None:
         pa = pyarrow_module()
-        self._pq = parquet_module()
+        self._pq = _pyarrow("parquet")
         self.paths, self.label, self.partitions, partition_schema = parquet_files(path)
         # UUID and JSON logical types read as arrow.uuid / arrow.json (_arrow_types.meaning_of)
         self._options = {"memory_map": memory_map, "arrow_extensions_enabled": True}
@@ -202,7 +194,8 @@ def parquet_files(path: Any) -> tuple[list[str], str, list[dict[str, Any]], Any]
         p = os.fspath(path)
         if os.path.isdir(p):
             try:  # an empty schema: no file is opened to infer one (a README.txt may sort first)
-                found = _dataset().dataset(p, format="parquet", schema=pyarrow_module().schema([]))
+                ds, empty = _pyarrow("dataset"), pyarrow_module().schema([])
+                found = ds.dataset(p, format="parquet", schema=empty)
             except read_errors() as e:
                 raise read_error(p, "Parquet", e, "listing its files") from e
             found = sorted(f for f in found.files if f.endswith(".parquet"))
@@ -278,12 +271,12 @@ def _partition_clash(key: str, file: str, label: str) -> MissingColumnError:
 
 def _partitions(files: list[str], base: str | None, label: str) -> tuple[list[dict[str, Any]], Any]:
     """Per file, its Hive partition values (``key=value`` folders under ``base``)."""
-    pa, ds = pyarrow_module(), _dataset()
+    pa, ds = pyarrow_module(), _pyarrow("dataset")
     keys = _hive_keys(files, base) if base is not None else []
     if base is None or not keys:
         return [{} for _ in files], pa.schema([])
     try:  # a key inside the files too would fail below as a type clash or be loaded twice
-        inside = [k for k in keys if k in parquet_module().read_schema(files[0]).names]
+        inside = [k for k in keys if k in _pyarrow("parquet").read_schema(files[0]).names]
     except read_errors() as e:
         raise read_error(files[0], "Parquet", e, "reading its schema") from e
     if inside:
