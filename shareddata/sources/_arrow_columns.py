@@ -9,7 +9,9 @@ A ``list<struct<role: string, content: string>>`` column, ``list<string>`` or
 ``list<list<float>>`` becomes a tree of levels (``columns/_nested.py``): one int64
 ``offsets`` buffer per list level, ``offsets`` + ``values`` per string level, ``data``
 per number level; a struct's fields are levels with as many elements. Each chunk is
-taken apart level by level (``Copy._nested``): list lengths (a null list counts 0) and
+taken apart level by level (``Copy._walk``, which takes a string or binary column
+apart as one such level and a ragged one as a list of numbers, their buffers named
+``offsets`` + ``values``): list lengths (a null list counts 0) and
 values (``flatten()``, which skips what null slots or slices leave behind and follows
 list views in any order), struct fields with the struct's nulls merged in, strings as
 their offsets + bytes, numbers. Sizing adds up the lengths; writing rebases
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..columns._columns import ColumnSpec
-from ..columns._nested import NestedSpec, children
+from ..columns._nested import Level, NestedSpec, children
 from ..errors import NullValuesError, SourceReadError, UnsupportedDtypeError
 from ._arrow_types import (
     UuidAs,
@@ -113,13 +115,6 @@ def _text(arr: Any) -> tuple[np.ndarray, np.ndarray]:
     if data is None or stop == start:
         return offsets, np.zeros(0, np.uint8)
     return offsets, np.frombuffer(data, np.uint8, count=stop - start, offset=start)
-
-
-def _list_values(arr: Any) -> Any:
-    """The values a (non-view) list array's rows cover."""
-    offsets = _var_offsets(arr)
-    start, stop = int(offsets[0]), int(offsets[-1])
-    return arr.values.slice(start, stop - start)
 
 
 class ArrowColumn:
@@ -242,6 +237,7 @@ def _count_keys(tree: Any) -> list[str]:
 
 
 _Pieces = list[tuple[str, Any, str | None]]  # (buffer, values, base): see Copy
+_FLAT_KEYS = {"0.offsets": "offsets", "0.values": "values", "1.data": "values"}
 
 
 class Copy:
@@ -254,53 +250,42 @@ class Copy:
 
     def __init__(self, column: ArrowColumn) -> None:
         self.column = column
-        tree = column.kind.tree
+        k = column.kind
+        tree = k.tree  # a str/bytes column is walked as one level, a ragged one as two:
+        if k.kind in ("str", "bytes"):
+            tree = Level(k.kind)
+        elif k.kind == "ragged":
+            tree = Level("list", children=(Level("num", k.dtype.name),))
         self.levels = children(tree) if tree is not None else []
         self.count_keys = _count_keys(tree) if tree is not None else []
+        self.keys = {} if k.kind == "nested" else _FLAT_KEYS  # their buffers' names
         self.length: dict[str, int] = {}  # per buffer: elements appended so far
 
     def pieces(self, arr: Any, where: str) -> tuple[_Pieces, int]:
         """The pieces of one chunk and its nulls (no pieces: nulls with no fill value)."""
-        col, kind = self.column, self.column.kind.kind
-        if kind == "nested":
+        col = self.column
+        if col.kind.kind != "tensor":  # str, bytes, ragged, nested: one walk of levels
+            if col.kind.kind == "nested":
+                col.nested_fill()  # a fill value that fits no leaf fails even without nulls
             out: _Pieces = []
-            return out, self._nested(arr, 0, col.nested_fill(), where, out)
-        pa, dtype = pyarrow_module(), col.kind.dtype
-        if kind == "tensor":
-            leaf, mask = _leaf(arr)
-            atomic = col.meaning is not None and col.meaning.atomic  # a null UUID is one null
-            nulls = arr.null_count if atomic or mask is None else len(mask) - np.count_nonzero(mask)
-        else:  # a ragged column's nulls: null rows, and null elements of its lists
-            values = _list_values(arr) if kind == "ragged" else None
-            nulls = arr.null_count + (values.null_count if values is not None else 0)
+            nulls = self._walk(arr, 0, where, out)
+            return [(self.keys.get(k, k), v, b and self.keys.get(b, b)) for k, v, b in out], nulls
+        leaf, mask = _leaf(arr)
+        atomic = col.meaning is not None and col.meaning.atomic  # a null UUID is one null
+        nulls = arr.null_count if atomic or mask is None else len(mask) - np.count_nonzero(mask)
         if nulls and col.fill is None:
             return [], int(nulls)
-        if kind == "tensor":
-            data = _numpy_values(leaf, dtype)
-        elif kind == "ragged":  # null lists become empty lists
-            if arr.null_count:
-                arr = pa.compute.fill_null(arr, pa.scalar([], type=arr.type))
-                values = _list_values(arr)
-            mask = _valid_mask(values) if values.null_count else None
-            offsets, data = _var_offsets(arr), _numpy_values(values, dtype)
-        else:
-            if nulls:
-                fill = col.fill_scalar()
-                scalar = pa.scalar(fill.decode("utf-8") if kind == "str" else fill, arr.type)
-                arr = pa.compute.fill_null(arr, scalar)
-            (offsets, data), mask = _text(arr), None
+        data = _numpy_values(leaf, col.kind.dtype)
         if mask is not None:
             data = data.copy()
             data[~mask] = col.fill_scalar()
-        if kind == "tensor":
-            return [("data", data.reshape(len(arr), *col.kind.shape), None)], int(nulls)
-        return [("offsets", offsets, "values"), ("values", data, None)], int(nulls)
+        return [("data", data.reshape(len(arr), *col.kind.shape), None)], int(nulls)
 
-    def _nested(self, arr: Any, i: int, fill: Any, where: str, out: _Pieces) -> int:
-        """Append the pieces of level ``i`` of a nested chunk and under it; the nulls met.
+    def _walk(self, arr: Any, i: int, where: str, out: _Pieces) -> int:
+        """Append the pieces of level ``i`` of a chunk and under it; the nulls met.
 
-        Note [Nested Arrow columns]. ``fill``: ``None`` (count nulls), or
-        ``(text_bytes, number)`` put in place of null leaves.
+        Note [Nested Arrow columns]. Null leaves become :meth:`_fill` (with no fill
+        value: counted, refused later).
         """
         pa, pc = pyarrow_module(), pyarrow_module().compute
         level, kids = self.levels[i]
@@ -309,36 +294,49 @@ class Copy:
         if level.kind == "list":
             nulls += arr.null_count
             offsets, flat = list_parts(arr)
-            if len(flat) != offsets[-1]:
+            if len(flat) != offsets[-1] - offsets[0]:
                 raise UnsupportedDtypeError(
                     f"column {name!r} of {where}: the list values of a {arr.type} chunk do not "
                     "add up to its lengths; cast the column to a plain list type first."
                 )
             out.append((f"{i}.offsets", offsets, self.count_keys[kids[0]]))
-            return nulls + self._nested(flat, kids[0], fill, where, out)
+            return nulls + self._walk(flat, kids[0], where, out)
         if level.kind == "struct":  # its fields come with the struct's nulls merged in
-            return sum(self._nested(c, k, fill, where, out) for c, k in zip(arr.flatten(), kids))
-        nulls = arr.null_count
+            return sum(self._walk(c, k, where, out) for c, k in zip(arr.flatten(), kids))
+        nulls, fill = arr.null_count, self.column.fill is not None
         if level.kind in ("str", "bytes"):
-            if nulls and fill is not None:
-                value = fill[0].decode("utf-8") if level.kind == "str" else fill[0]
+            if nulls and fill:
+                value = self._fill(level.kind, arr, where)
+                value = value.decode("utf-8") if level.kind == "str" else value
                 arr = pc.fill_null(arr, pa.scalar(value, arr.type))
             offsets, data = _text(arr)
             out += [(f"{i}.offsets", offsets, f"{i}.values"), (f"{i}.values", data, None)]
             return nulls
         if nulls:  # num
-            if fill is not None and fill[1] is None:
-                raise UnsupportedDtypeError(
-                    f"column {name!r} of {where} holds null numbers ({arr.type}) and "
-                    f"the fill_value is not a number; give one, e.g. "
-                    f"fill_value={{{name!r}: 0}}."
-                )
-            value = 0 if fill is None else fill[1]  # no fill: refused later
+            value = self._fill("num", arr, where) if fill else 0  # no fill: refused later
             value = bool(value) if pa.types.is_boolean(arr.type) else value
             arr = pc.fill_null(arr, pa.scalar(value, arr.type))
         values = arr.to_numpy(zero_copy_only=False).astype(np.dtype(level.dtype), copy=False)
         out.append((f"{i}.data", values, None))
         return nulls
+
+    def _fill(self, kind: str, arr: Any, where: str) -> Any:
+        """What a null leaf of a ``kind`` level becomes (text as bytes, or a number).
+
+        A str, bytes or ragged column's checked fill value; a nested column's text for
+        text leaves and its number for number leaves.
+        """
+        col, name = self.column, self.column.name
+        if col.kind.kind != "nested":
+            return col.fill_scalar()
+        text, number = col.nested_fill()  # type: ignore[misc]
+        if kind == "num" and number is None:
+            raise UnsupportedDtypeError(
+                f"column {name!r} of {where} holds null numbers ({arr.type}) and "
+                f"the fill_value is not a number; give one, e.g. "
+                f"fill_value={{{name!r}: 0}}."
+            )
+        return number if kind == "num" else text
 
     @staticmethod
     def size(key: str, values: Any) -> int:

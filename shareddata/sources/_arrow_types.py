@@ -244,10 +244,11 @@ def normalize(arr: Any) -> Any:
 
 
 def list_parts(arr: Any) -> tuple[np.ndarray, Any]:
-    """A list (or list view) array's ``n + 1`` int64 offsets and the values they cover.
+    """A list (or list view) array's ``n + 1`` offsets and the values they cover.
 
-    The offsets come from the lengths (a null list is empty), the values from
-    ``flatten()`` (in row order, whatever a view's offsets are).
+    A plain list without nulls gives its own offsets; else they are int64 from the
+    lengths (a null list is empty) from 0, the values ``flatten()`` (in row order,
+    whatever a view's offsets are).
 
     Example:
         >>> import pyarrow as pa
@@ -255,7 +256,9 @@ def list_parts(arr: Any) -> tuple[np.ndarray, Any]:
         >>> offsets.tolist(), values.to_pylist()
         ([0, 2, 2, 3], [1, 2, 3])
     """
-    pc = pyarrow_module().compute
+    pa, pc = pyarrow_module(), pyarrow_module().compute
+    if not arr.null_count and (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        return arr.offsets.to_numpy(), arr.flatten()  # as stored (not from 0 in a slice)
     lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
     offsets = np.zeros(len(arr) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
