@@ -263,9 +263,7 @@ def _fields(schema: Any) -> list[_Field]:
     return out
 
 
-def _select(
-    fields: Sequence[tuple[str, tuple[str, ...], Any, Any]], columns: Any, label: str
-) -> list[str]:
+def _select(fields: Sequence[_Field], columns: Any, label: str) -> list[str]:
     """The selected columns, in order (a struct's name, ``s`` or ``s.b``, selects its fields)."""
     groups: dict[str, list[str]] = {}
     for name, path, _, _ in fields:

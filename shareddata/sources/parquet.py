@@ -84,15 +84,16 @@ class ParquetInput(ArrowInput):
     ) -> None:
         pa = pyarrow_module()
         self._pq = _pyarrow("parquet")
-        self.paths, self.label, self.partitions, partition_schema = parquet_files(path)
+        self.paths, self.label, base = parquet_files(path)
         # UUID and JSON logical types read as arrow.uuid / arrow.json (_arrow_types.meaning_of)
         self._options = {"memory_map": memory_map, "arrow_extensions_enabled": True}
         self.files = [self._info(p) for p in self.paths]
-        keys = partition_schema.names
-        for info in self.files:  # parquet_files checked the first file's columns only
+        keys = _hive_keys(self.paths, base) if base is not None else []
+        for info in self.files:  # (a key inside the files too would clash in _partitions)
             clash = [k for k in keys if k in info.schema.names]
             if clash:
                 raise _partition_clash(clash[0], info.path, self.label)
+        self.partitions, partition_schema = _partitions(self.paths, base, keys)
         files = [(f.path, pa.schema([*f.schema, *partition_schema])) for f in self.files]
         self.schema, self.file_types = check_files(files, columns, promote=True, skip=keys)
         self._partition_names = set(keys)
@@ -187,8 +188,8 @@ def parquet_source(
     return ArrowSource(files, columns, fill_value=fill_value, records=records, uuid_as=uuid_as)
 
 
-def parquet_files(path: Any) -> tuple[list[str], str, list[dict[str, Any]], Any]:
-    """The files of a path, glob, folder or list, a label, per file its partitions, their schema."""
+def parquet_files(path: Any) -> tuple[list[str], str, str | None]:
+    """The files of a path, glob, folder or list, a label, and where Hive partitions start."""
     base: str | None = None
     if isinstance(path, (str, os.PathLike)):
         p = os.fspath(path)
@@ -236,7 +237,7 @@ def parquet_files(path: Any) -> tuple[list[str], str, list[dict[str, Any]], Any]
             "pass a .parquet path, a glob, a list of paths, or a folder of .parquet "
             "files (for a pyarrow.Table use ArrowDataset)."
         )
-    return (files, label, *_partitions(files, base, label))
+    return files, label, base
 
 
 def _glob_root(pattern: str) -> str:
@@ -269,18 +270,13 @@ def _partition_clash(key: str, file: str, label: str) -> MissingColumnError:
     )
 
 
-def _partitions(files: list[str], base: str | None, label: str) -> tuple[list[dict[str, Any]], Any]:
-    """Per file, its Hive partition values (``key=value`` folders under ``base``)."""
+def _partitions(
+    files: list[str], base: str | None, keys: list[str]
+) -> tuple[list[dict[str, Any]], Any]:
+    """Per file, its Hive partition values (``key=value`` folders under ``base``), their schema."""
     pa, ds = pyarrow_module(), _pyarrow("dataset")
-    keys = _hive_keys(files, base) if base is not None else []
     if base is None or not keys:
         return [{} for _ in files], pa.schema([])
-    try:  # a key inside the files too would fail below as a type clash or be loaded twice
-        inside = [k for k in keys if k in _pyarrow("parquet").read_schema(files[0]).names]
-    except read_errors() as e:
-        raise read_error(files[0], "Parquet", e, "reading its schema") from e
-    if inside:
-        raise _partition_clash(inside[0], files[0], label)
     try:
         dataset = ds.dataset(files, format="parquet", partitioning="hive", partition_base_dir=base)
         fragments = {os.path.normpath(f.path): f for f in dataset.get_fragments()}
