@@ -22,6 +22,7 @@ them onto each level's running total. A null anywhere is refused unless a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -145,7 +146,6 @@ class ArrowColumn:
         self.fill, self.fill_is_global = fill, fill_is_global
         self.path = path or (name,)
         self.records = records
-        self._fill: Any = None
 
     def extract(self, chunk: Any) -> Any:
         """This column's values out of a chunk of its top-level column, normalized.
@@ -188,13 +188,9 @@ class ArrowColumn:
             "(table.drop_null())."
         )
 
+    @functools.cached_property
     def fill_scalar(self) -> Any:
         """The fill value, checked against the column's type (a numpy scalar, or bytes)."""
-        if self._fill is None:
-            self._fill = self._checked_fill()
-        return self._fill
-
-    def _checked_fill(self) -> Any:
         fill, kind, dtype = self.fill, self.kind.kind, self.kind.dtype
         if kind in ("str", "bytes"):
             if isinstance(fill, str):
@@ -278,7 +274,7 @@ class Copy:
         data = _numpy_values(leaf, col.kind.dtype)
         if mask is not None:
             data = data.copy()
-            data[~mask] = col.fill_scalar()
+            data[~mask] = col.fill_scalar
         return [("data", data.reshape(len(arr), *col.kind.shape), None)], int(nulls)
 
     def _walk(self, arr: Any, i: int, where: str, out: _Pieces) -> int:
@@ -328,7 +324,7 @@ class Copy:
         """
         col, name = self.column, self.column.name
         if col.kind.kind != "nested":
-            return col.fill_scalar()
+            return col.fill_scalar
         text, number = col.nested_fill()  # type: ignore[misc]
         if kind == "num" and number is None:
             raise UnsupportedDtypeError(

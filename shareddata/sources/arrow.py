@@ -201,7 +201,7 @@ class ArrowSource:
                 raise column.null_error(nulls)  # type: ignore[arg-type]
             if nulls is not None and (not total or column.fill is not None):
                 if total:
-                    column.fill_scalar()  # a bad fill value fails before loading
+                    _ = column.fill_scalar  # a bad fill value fails before loading
                 specs.append(ColumnSpec(column.name, rows, k.dtype, k.shape, k.spec_kind))
                 continue
             sizer = Sizer(column)  # var-length, or nulls to count: read once
