@@ -70,7 +70,7 @@ from .._compat import (
 from ..columns._columns import as_is
 from ..columns._items import rebuild, unbind_rows, unnest
 from ..storage import SharedTensor
-from ._transport import worker_buffers, worker_empty
+from ._transport import copy_into, worker_buffers, worker_empty
 
 __all__ = [
     "Row", "RowList", "RowTuple", "Samples", "collate_beside", "collate_columns",
@@ -133,9 +133,7 @@ def collate_beside(
     n = len(plan.parts)
     buffers = worker_buffers(plan.parts + [(tuple(t.shape), t.dtype) for t in tensors])
     plan.buffers, plan.at = buffers[:n], 0
-    for out, tensor in zip(buffers[n:], tensors):
-        out.as_subclass(torch.Tensor).copy_(tensor)
-    return top(plan.registry(filling=True)), buffers[n:]
+    return top(plan.registry(filling=True)), copy_into(buffers[n:], tensors)
 
 
 def _stack(batch: Any, *, collate_fn_map: Any = None) -> Any:
@@ -164,8 +162,8 @@ class _Plan:
                 out[key] = self._fill
             elif fn in _STACKING:
                 out[key] = self._noting(_STACKING[fn])
-            else:  # torch's number functions with this pass's registry, the user's with theirs
-                out[key] = self._calling(fn, numbers=fn in _NUMBERS)
+            else:  # torch's number functions, and the user's (run with their registry)
+                out[key] = partial(self._call, fn, fn in _NUMBERS)
         return out
 
     # first pass
@@ -173,11 +171,11 @@ class _Plan:
         def note(batch: Any, *, collate_fn_map: Any = None) -> Any:
             elem = batch[0]
             if not (type(elem) in _OURS and _plain_cpu(elem)):
-                return self._call(collate_tensor_fn, batch, collate_fn_map)
+                return self._call(collate_tensor_fn, False, batch)
             shape = elem.shape
             if any(t.shape != shape for t in batch):
                 if not lenient:  # torch's error, with nothing allocated
-                    return self._call(_stack, batch, collate_fn_map)
+                    return self._call(_stack, False, batch)
                 # the list of the rows, copied into the batch's memfd with the rest
                 self.replays.append(partial(self._copy, len(self.parts)))
                 self.parts.extend((tuple(t.shape), t.dtype) for t in batch)
@@ -188,18 +186,18 @@ class _Plan:
 
         return note
 
-    def _calling(self, fn: Callable[..., Any], numbers: bool) -> Callable[..., Any]:
-        def call(batch: Any, *, collate_fn_map: Any = None) -> Any:
-            return self._call(fn, batch, collate_fn_map if numbers else self.fn_map, numbers)
+    def _call(
+        self, fn: Callable[..., Any], numbers: bool, batch: Any, *, collate_fn_map: Any = None
+    ) -> Any:
+        """``fn``'s result with the given registry, kept for the second pass.
 
-        return call
-
-    def _call(self, fn: Callable[..., Any], batch: Any, fn_map: Any, numbers: bool = False) -> Any:
-        """``fn``'s result, kept for the second pass (a tensor of numbers: copied there)."""
+        A tensor of ``numbers``: copied into the memfd there. (torch's functions that
+        this pass calls read no registry.)
+        """
         at = len(self.replays)
         # until it returns: a caller that goes on (a lenient collate) has it run again
-        self.replays.append(partial(fn, collate_fn_map=fn_map))
-        made = fn(batch, collate_fn_map=fn_map)
+        self.replays.append(partial(fn, collate_fn_map=self.fn_map))
+        made = fn(batch, collate_fn_map=self.fn_map)
         if numbers and type(made) is torch.Tensor and made.numel():
             copy = partial(self._copy, len(self.parts), [made])
             self.replays[at] = lambda batch: copy()[0]
@@ -220,10 +218,7 @@ class _Plan:
 
     def _copy(self, k: int, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``rows`` copied into buffers ``k, k + 1, ...``."""
-        outs = self.buffers[k : k + len(rows)]
-        for out, row in zip(outs, rows):
-            out.as_subclass(torch.Tensor).copy_(row)
-        return outs
+        return copy_into(self.buffers[k : k + len(rows)], rows)
 
 
 # -- Note [The default collate's shortcut] ----------------------------------------------
@@ -373,6 +368,11 @@ class Samples(list):  # type: ignore[type-arg]
             return Samples, (*args, self._tuples, firsts, True)
         return list, (list(self),)
 
+    def collated(self, collate_fn_map: FnMap | None) -> Any:
+        """What ``default_collate`` makes of these samples (:func:`collate_columns`)."""
+        args = (self.names, self.batched, self.stacked, self.nesting, self._tuples)
+        return collate_columns(*args, collate_fn_map)
+
     def intact(self) -> bool:
         """Whether this list still holds exactly the samples it made, as they were made."""
         if self._pending:  # nothing but the first sample was handed out
@@ -431,9 +431,7 @@ for _name in (
 def collate_rows(batch: Sequence[Any], *, collate_fn_map: FnMap | None = None) -> Any:
     """``default_collate`` for :class:`Row` / :class:`RowTuple` / :class:`RowList` samples."""
     if isinstance(batch, Samples) and batch.intact():
-        return collate_columns(
-            batch.names, batch.batched, batch.stacked, batch.nesting, batch._tuples, collate_fn_map
-        )
+        return batch.collated(collate_fn_map)
     if collate_fn_map is None:
         collate_fn_map = default_collate_fn_map
     if get_worker_info() is not None:  # leaving a worker: Note [Collating into one memfd]
@@ -461,13 +459,8 @@ def collate_shared(batch: Sequence[Any], *, collate_fn_map: FnMap | None = None)
     The gathered column for an intact :class:`Samples` of tensors alone; in a worker,
     the tensors stacked into one memfd; elsewhere torch's own stack.
     """
-    if (
-        isinstance(batch, Samples)
-        and batch.nesting == ("leaf", 0)
-        and batch.stacked[0]
-        and batch.intact()
-    ):
-        return batch.batched[0]
+    if isinstance(batch, Samples) and batch.intact():  # (its items are tensors alone)
+        return batch.collated(collate_fn_map)
     elem = batch[0]
     if get_worker_info() is not None and _plain_cpu(elem):
         # stacked as torch stacks in a worker (its errors too), into a memfd of ours
@@ -493,37 +486,32 @@ def collate_columns(
     ``default_collate`` cannot collate stays the list of its rows.
     """
     schema = schema_of(nesting, tuples)
-    if schema is None and all(stacked):  # every column as gathered
-        return list(batched) if tuples else dict(zip(names, batched))
-    if collate_fn_map is None:
-        collate_fn_map = default_collate_fn_map
-    in_sequence = _in_sequence(names, schema, tuples)
-    rows = {
-        k: (tuple if k in in_sequence else list)(b)
-        for k, (b, done) in enumerate(zip(batched, stacked))
-        if not done
-    }
+    columns = list(batched)
+    if not all(stacked):
+        in_sequence = _in_sequence(names, schema, tuples)
+        rows = {
+            k: (tuple if k in in_sequence else list)(b)
+            for k, (b, done) in enumerate(zip(batched, stacked))
+            if not done
+        }
 
-    def collate_rows_of(fns: FnMap) -> dict[int, Any]:
-        out = {}
-        for k, column in rows.items():
-            try:
-                out[k] = collate(column, collate_fn_map=fns)
-            except (RuntimeError, TypeError):
-                if not lenient:
-                    raise
-                out[k] = list(column)
-        return out
+        def collate_rows_of(fns: FnMap) -> None:
+            for k, column in rows.items():
+                try:
+                    columns[k] = collate(column, collate_fn_map=fns)
+                except (RuntimeError, TypeError):
+                    if not lenient:
+                        raise
+                    columns[k] = list(column)
 
-    if rows and get_worker_info() is not None:  # leaving a worker: one memfd in all
-        done = [k for k, s in enumerate(stacked) if s]
-        collated, moved = collate_beside(
-            collate_rows_of, collate_fn_map, [batched[k] for k in done]
-        )
-        collated.update(zip(done, moved))
-    else:
-        collated = collate_rows_of(collate_fn_map)
-    columns = [collated.get(k, b) for k, b in enumerate(batched)]
+        fns = default_collate_fn_map if collate_fn_map is None else collate_fn_map
+        if get_worker_info() is None:
+            collate_rows_of(fns)
+        else:  # leaving a worker: one memfd in all
+            done = [k for k, s in enumerate(stacked) if s]
+            _, moved = collate_beside(collate_rows_of, fns, [batched[k] for k in done])
+            for k, tensor in zip(done, moved):
+                columns[k] = tensor
     if schema is not None:
         return rebuild(schema, columns, batch=True)
     return columns if tuples else dict(zip(names, columns))

@@ -55,6 +55,7 @@ import math
 import os
 import resource
 import weakref
+from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -76,7 +77,7 @@ from ..storage._linux import (
 from ..storage._tensor import describe_failure, raise_send_error
 
 __all__ = [
-    "IDLE_BYTES", "MAX_UNACKNOWLEDGED", "MAX_UNRECEIVED", "POOL", "into_one_batch",
+    "IDLE_BYTES", "MAX_UNACKNOWLEDGED", "MAX_UNRECEIVED", "POOL", "copy_into", "into_one_batch",
     "receive", "release_queued", "worker_buffers", "worker_empty",
 ]  # fmt: skip
 
@@ -259,7 +260,7 @@ class _Memfd:
         self.handle: tuple[int, ...] = ()  # what a receiver needs, but the byte range
         self.sends = 0
 
-    def use(self, data: int, total: int, populate: bool) -> torch.UntypedStorage:
+    def use(self, data: int, total: int) -> torch.UntypedStorage:
         """Hold a new batch of ``data`` bytes: mapped, counters at zero; its storage."""
         fd = cast(int, self.fd)  # a memfd in use or in the pool is open
         if self.address and self.length < total:
@@ -267,7 +268,7 @@ class _Memfd:
         if not self.address:
             with named_os_errors("a DataLoader worker's batch", total):
                 self.address, self.length = map_fd(fd, total), total
-            if populate:  # its pages exist: map them all in one call
+            if self.data:  # used before, so its pages exist: map them all in one call
                 madvise(self.address, total, MADV_POPULATE_WRITE)
         if self.counter is None or self.data != data:
             self.counter = ctypes.c_uint32.from_address(self.address + data)
@@ -308,7 +309,7 @@ class _Outbox:
 
     def __init__(self) -> None:
         self.pending: collections.deque[_Memfd] = collections.deque()
-        self.mapped: set[_Memfd] = set()  # every memfd whose mapping here may live
+        self.held: list[_Memfd] = []  # closed, but their mapping here may still be held
         self.pool: list[_Memfd] = []  # released, to be reused; mapped up to IDLE_BYTES
         self.pool_mapped = 0
 
@@ -320,7 +321,6 @@ class _Outbox:
         for i, memfd in enumerate(self.pending):
             gone_here = memfd.gone_here()
             if gone_here and memfd.released():
-                self.mapped.discard(memfd)
                 if len(self.pool) < POOL:
                     if self.pool_mapped + memfd.length > IDLE_BYTES:
                         memfd.unmap()
@@ -333,29 +333,24 @@ class _Outbox:
                 # pinned too long: close it; receivers keep their mappings
                 excess -= 1
                 memfd.close()
-                if gone_here:
-                    self.mapped.discard(memfd)
-                    memfd.unmap()
+                self.held.append(memfd)
             else:
                 keep.append(memfd)
         self.pending = keep
-        if len(self.mapped) > len(keep):  # closed ones held here: unmap those now gone
-            for memfd in [m for m in self.mapped if m.fd is None and m.gone_here()]:
-                self.mapped.discard(memfd)
-                memfd.unmap()
+        for memfd in [m for m in self.held if m.gone_here()]:  # unmapped once gone here
+            self.held.remove(memfd)
+            memfd.unmap()
 
     def take(self, size: int) -> _Memfd | None:
         """The smallest pooled memfd of at least ``size`` bytes, or None."""
-        fits = [m for m in self.pool if m.size >= size]
-        if not fits:
-            return None
-        best = min(fits, key=lambda m: m.size)
-        self.pool.remove(best)
-        self.pool_mapped -= best.length
+        best = min((m for m in self.pool if m.size >= size), key=lambda m: m.size, default=None)
+        if best is not None:
+            self.pool.remove(best)
+            self.pool_mapped -= best.length
         return best
 
 
-_OUTBOX: _Outbox | None = None
+_OUTBOX = _Outbox()
 _OUTBOX_LOCK = ForkSafeLock()
 # (shapes and dtypes of a batch's parts) -> (per part: element offset and bytes; data bytes)
 _LAYOUTS: dict[tuple[Any, ...], tuple[list[tuple[int, int]], int]] = {}
@@ -395,7 +390,6 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
         (tensor([[1., 1., 1.],
                 [1., 1., 1.]]), tensor([7, 7]))
     """
-    global _OUTBOX
     layout, data = _layout(parts)
     if data == 0:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in parts]
@@ -403,21 +397,15 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
     release_queued()  # batches this process received and dropped (a pool's chain)
     with _OUTBOX_LOCK:
         box = _OUTBOX
-        if box is None:  # first batch of this process
-            box = _OUTBOX = _Outbox()
         box.reap()
-        memfd = box.take(total)
-        populate = memfd is not None and not memfd.address
-        if memfd is None:
-            memfd = _Memfd(total)
+        memfd = box.take(total) or _Memfd(total)
         try:
-            storage = memfd.use(data, total, populate)
+            storage = memfd.use(data, total)
         except BaseException:
             memfd.unmap()
             memfd.close()
             raise
         box.pending.append(memfd)
-        box.mapped.add(memfd)
         ref = memfd.ref
     return [
         shared_tensor(torch.empty(0, dtype=dtype).set_(storage, start, shape), ref, new=True)  # type: ignore[call-overload, arg-type]
@@ -456,13 +444,15 @@ def into_one_batch(items: list[Any]) -> list[Any]:
     _replace(items, note)  # a first pass only notes them
     if not found:
         return items
-    outs = iter(worker_buffers([(tuple(t.shape), t.dtype) for t in found]))
-    return _replace(items, lambda t: _copy_into(next(outs), t))  # type: ignore[no-any-return]
+    copies = iter(copy_into(worker_buffers([(tuple(t.shape), t.dtype) for t in found]), found))
+    return _replace(items, lambda t: next(copies))  # type: ignore[no-any-return]
 
 
-def _copy_into(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    out.as_subclass(torch.Tensor).copy_(value)  # plain: no Python dispatch per copy
-    return out
+def copy_into(outs: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``outs``, each filled with its tensor of ``tensors``."""
+    for out, tensor in zip(outs, tensors):
+        out.as_subclass(torch.Tensor).copy_(tensor)  # plain: no Python dispatch per copy
+    return outs
 
 
 def _replace(obj: Any, move: Any) -> Any:
@@ -489,7 +479,7 @@ def _replace(obj: Any, move: Any) -> Any:
 def _after_fork_in_child() -> None:
     global _PID, _OUTBOX, _idle_bytes
     _PID = os.getpid()
-    _OUTBOX = None  # the parent's batches are not this process's to send or reuse
+    _OUTBOX = _Outbox()  # the parent's batches are not this process's to send or reuse
     _QUEUED.clear()  # nor its received batches to release
     for idle in _IDLE.values():  # nor its idle mappings: unmapped, their files can go
         unmap(idle[0], idle[1])
