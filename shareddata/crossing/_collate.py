@@ -43,8 +43,10 @@ and its result is kept, unless marked :func:`through` (it only collates what it 
 or :func:`stacking` (it stacks as torch does; ``lenient``: rows of different shapes
 stay their list, copied into the same memfd). A tensor torch would not stack into
 plain memory (a subclass, another device, nested) goes through torch's function.
-Gathered columns beside collated ones are copied into the same memfd
-(:func:`collate_beside`): a copy costs less than a second descriptor.
+Gathered columns beside collated ones are copied into the same memfd (``keep(tensor,
+beside=True)``): a copy costs less than a second descriptor. A ``SharedList`` batch's
+tensors go the same way (:func:`into_one_batch`: its items walked twice, each tensor
+kept).
 """
 
 from __future__ import annotations
@@ -70,14 +72,15 @@ from .._compat import (
 from ..columns._columns import as_is
 from ..columns._items import rebuild, unbind_rows, unnest
 from ..storage import SharedTensor
-from ._transport import copy_into, worker_buffers, worker_empty
+from ._transport import worker_buffers, worker_empty
 
 __all__ = [
-    "Row", "RowList", "RowTuple", "Samples", "collate_beside", "collate_columns",
-    "collate_in_one_memfd", "collate_rows", "collate_shared", "schema_of", "stacking", "through",
+    "Row", "RowList", "RowTuple", "Samples", "collate_columns", "collate_in_one_memfd",
+    "collate_rows", "collate_shared", "into_one_batch", "schema_of", "stacking", "through",
 ]  # fmt: skip
 
 FnMap = dict[Any, Callable[..., Any]]
+Keep = Callable[..., torch.Tensor]
 
 # -- Note [Collating into one memfd] ----------------------------------------------------
 # registry functions that stack as torch's does (-> lenient), replaced in both passes;
@@ -105,35 +108,67 @@ def through(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def collate_in_one_memfd(top: Callable[[FnMap], Any], fn_map: FnMap) -> Any:
-    """``top(map)`` run twice: the tensors it makes with ``map`` go into one memfd.
+def collate_in_one_memfd(top: Callable[[FnMap, Keep], Any], fn_map: FnMap) -> Any:
+    """``top(map, keep)`` run twice: the tensors it makes with ``map`` go into one memfd.
+
+    So do those it passes to ``keep``: ``keep(tensor)`` is ``tensor`` in the first
+    pass, its copy in the second; ``keep(tensor, beside=True)`` copies it only if the
+    batch gets a memfd anyway.
 
     Example:
         >>> from shareddata._compat import collate, default_collate_fn_map
         >>> batch = [{"x": torch.ones(2), "y": 1}, {"x": torch.zeros(2), "y": 2}]
-        >>> out = collate_in_one_memfd(lambda m: collate(batch, collate_fn_map=m),
+        >>> out = collate_in_one_memfd(lambda m, keep: collate(batch, collate_fn_map=m),
         ...                            default_collate_fn_map)
         >>> out["y"], type(out["x"]).__name__
         (SharedTensor([1, 2]), 'SharedTensor')
         >>> out["x"].untyped_storage().data_ptr() == out["y"].untyped_storage().data_ptr()
         True
     """
-    return collate_beside(top, fn_map, [])[0]
-
-
-def collate_beside(
-    top: Callable[[FnMap], Any], fn_map: FnMap, tensors: list[torch.Tensor]
-) -> tuple[Any, list[torch.Tensor]]:
-    """:func:`collate_in_one_memfd`, and ``tensors`` copied into the same memfd if it makes one."""
     plan = _Plan(fn_map)
-    made = top(plan.registry(filling=False))
-    if not plan.parts:  # no tensor: the first pass made the batch
-        return made, tensors
+    made = top(plan.registry(filling=False), plan.keep)
+    if len(plan.parts) == plan.beside:  # nothing to copy or stack: the first pass made it
+        return made
     del made
-    n = len(plan.parts)
-    buffers = worker_buffers(plan.parts + [(tuple(t.shape), t.dtype) for t in tensors])
-    plan.buffers, plan.at = buffers[:n], 0
-    return top(plan.registry(filling=True)), copy_into(buffers[n:], tensors)
+    plan.buffers = worker_buffers(plan.parts)
+    return top(plan.registry(filling=True), plan.kept)
+
+
+def into_one_batch(items: list[Any]) -> list[Any]:
+    """``items`` with every plain CPU tensor in them moved into one batch memfd.
+
+    For values made afresh per row (``SharedList`` unpickles each item), whose tensors
+    would each leave the worker in a segment of their own. Tensors in dicts, lists,
+    tuples and namedtuples are copied side by side and replaced by views; other
+    objects, and tensors torch must send itself (``requires_grad``, sparse, a
+    subclass, not on the CPU), are kept.
+
+    Example:
+        >>> rows = [{"a": torch.arange(3), "b": (torch.ones(2), "x")}, [torch.zeros(1)]]
+        >>> out = into_one_batch(rows)  # outside a worker there is one memfd too
+        >>> out[0]["b"], len({t.untyped_storage().data_ptr() for t in (out[0]["a"], out[1][0])})
+        ((SharedTensor([1., 1.]), 'x'), 1)
+    """
+    return collate_in_one_memfd(lambda fns, keep: _replace(items, keep), {})  # type: ignore[no-any-return]
+
+
+def _replace(obj: Any, keep: Keep) -> Any:
+    if (
+        type(obj) is torch.Tensor
+        and _plain_cpu(obj)
+        and not (obj.requires_grad or obj.is_quantized)
+        and obj.numel() > 0
+    ):
+        return keep(obj)
+    if type(obj) is dict:
+        return {key: _replace(value, keep) for key, value in obj.items()}
+    if type(obj) is list:
+        return [_replace(value, keep) for value in obj]
+    if type(obj) is tuple:
+        return tuple(_replace(value, keep) for value in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_replace(value, keep) for value in obj))
+    return obj
 
 
 def _stack(batch: Any, *, collate_fn_map: Any = None) -> Any:
@@ -151,6 +186,7 @@ class _Plan:
         self.replays: list[Callable[[Any], Any]] = []
         self.buffers: list[torch.Tensor] = []
         self.at = 0
+        self.beside = 0  # parts kept ``beside``: no reason for a memfd of their own
 
     def registry(self, filling: bool) -> FnMap:
         """``fn_map`` (same keys, same order) with the functions this pass replaces."""
@@ -176,10 +212,9 @@ class _Plan:
             if any(t.shape != shape for t in batch):
                 if not lenient:  # torch's error, with nothing allocated
                     return self._call(_stack, False, batch)
-                # the list of the rows, copied into the batch's memfd with the rest
-                self.replays.append(partial(self._copy, len(self.parts)))
-                self.parts.extend((tuple(t.shape), t.dtype) for t in batch)
-                return list(batch)
+                # the list of the rows, each kept (copied into the batch's memfd)
+                self.replays.append(lambda batch: [self.kept(t) for t in batch])
+                return [self.keep(t) for t in batch]
             self.replays.append(partial(self._stack_into, len(self.parts)))
             self.parts.append(((len(batch), *shape), elem.dtype))
             return None  # made by the second pass
@@ -189,36 +224,49 @@ class _Plan:
     def _call(
         self, fn: Callable[..., Any], numbers: bool, batch: Any, *, collate_fn_map: Any = None
     ) -> Any:
-        """``fn``'s result with the given registry, kept for the second pass.
+        """``fn``'s result, kept for the second pass (a tensor of ``numbers``: its copy).
 
-        A tensor of ``numbers``: copied into the memfd there. (torch's functions that
-        this pass calls read no registry.)
+        ``fn`` is given the registry the caller gave (torch's functions that this pass
+        calls read none).
         """
         at = len(self.replays)
         # until it returns: a caller that goes on (a lenient collate) has it run again
         self.replays.append(partial(fn, collate_fn_map=self.fn_map))
         made = fn(batch, collate_fn_map=self.fn_map)
         if numbers and type(made) is torch.Tensor and made.numel():
-            copy = partial(self._copy, len(self.parts), [made])
-            self.replays[at] = lambda batch: copy()[0]
-            self.parts.append((tuple(made.shape), made.dtype))
+            self.replays[at] = self._copying(made)
         else:
             self.replays[at] = lambda batch: made
         return made
+
+    def keep(self, tensor: torch.Tensor, beside: bool = False) -> torch.Tensor:
+        """``tensor``, noted: the second pass's ``keep`` gives its copy in the memfd."""
+        self.beside += beside
+        self.replays.append(self._copying(tensor))
+        return tensor
+
+    def _copying(self, tensor: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+        k = len(self.parts)
+        self.parts.append((tuple(tensor.shape), tensor.dtype))
+        return lambda batch: self._copy(k, tensor)
 
     # second pass
     def _fill(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
         self.at += 1
         return self.replays[self.at - 1](batch)
 
+    def kept(self, tensor: torch.Tensor, beside: bool = False) -> torch.Tensor:
+        return self._fill(tensor)  # type: ignore[no-any-return]
+
     def _stack_into(self, k: int, batch: Any) -> torch.Tensor:
         out = self.buffers[k]
         torch.stack(batch, 0, out=out.as_subclass(torch.Tensor))  # as torch does in a worker
         return out
 
-    def _copy(self, k: int, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``rows`` copied into buffers ``k, k + 1, ...``."""
-        return copy_into(self.buffers[k : k + len(rows)], rows)
+    def _copy(self, k: int, tensor: torch.Tensor) -> torch.Tensor:
+        out = self.buffers[k]
+        out.as_subclass(torch.Tensor).copy_(tensor)  # plain: no Python dispatch per copy
+        return out
 
 
 # -- Note [The default collate's shortcut] ----------------------------------------------
@@ -435,7 +483,7 @@ def collate_rows(batch: Sequence[Any], *, collate_fn_map: FnMap | None = None) -
     if collate_fn_map is None:
         collate_fn_map = default_collate_fn_map
     if get_worker_info() is not None:  # leaving a worker: Note [Collating into one memfd]
-        return collate_in_one_memfd(lambda fns: _collate_samples(batch, fns), collate_fn_map)
+        return collate_in_one_memfd(lambda fns, _: _collate_samples(batch, fns), collate_fn_map)
     return _collate_samples(batch, collate_fn_map)
 
 
@@ -507,11 +555,14 @@ def collate_columns(
         fns = default_collate_fn_map if collate_fn_map is None else collate_fn_map
         if get_worker_info() is None:
             collate_rows_of(fns)
-        else:  # leaving a worker: one memfd in all
-            done = [k for k, s in enumerate(stacked) if s]
-            _, moved = collate_beside(collate_rows_of, fns, [batched[k] for k in done])
-            for k, tensor in zip(done, moved):
-                columns[k] = tensor
+        else:  # leaving a worker: one memfd in all, with the gathered columns
+
+            def in_one_memfd(fns: FnMap, keep: Keep) -> None:
+                collate_rows_of(fns)
+                for k in (k for k, done in enumerate(stacked) if done):
+                    columns[k] = keep(batched[k], beside=True)
+
+            collate_in_one_memfd(in_one_memfd, fns)
     if schema is not None:
         return rebuild(schema, columns, batch=True)
     return columns if tuples else dict(zip(names, columns))

@@ -9,9 +9,9 @@ that must take the GIL from the busy main thread; ``benchmarks/bench_ipc.py``). 
 batch that shareddata gathers in a worker goes instead into ONE memfd (no page touched
 until the gather writes it): every numeric column as :class:`SharedTensor` s over one
 storage, a variable-length column's rows side by side, a ``SharedList`` batch's
-tensors copied in (:func:`into_one_batch`). The tensors carry a :class:`BatchRef`,
-pickled once per message as the memfd's handle ``(pid, fd, device, inode, ...)`` plus
-the byte range; the main process opens ``/proc/<pid>/fd/<fd>``, checks device and
+tensors copied in (``into_one_batch`` in ``_collate.py``). The tensors carry a :class:`BatchRef`,
+pickled once per message as the memfd's handle ``(pid, fd, device, inode, size,
+data bytes)``; the main process opens ``/proc/<pid>/fd/<fd>``, checks device and
 inode, maps it and counts the batch *received*. The worker keeps each descriptor
 until every send is received; of received batches still pinned it keeps
 ``MAX_UNACKNOWLEDGED`` (closing older ones, which receivers do not notice), of
@@ -55,7 +55,6 @@ import math
 import os
 import resource
 import weakref
-from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -77,8 +76,8 @@ from ..storage._linux import (
 from ..storage._tensor import describe_failure, raise_send_error
 
 __all__ = [
-    "IDLE_BYTES", "MAX_UNACKNOWLEDGED", "MAX_UNRECEIVED", "POOL", "copy_into", "into_one_batch",
-    "receive", "release_queued", "worker_buffers", "worker_empty",
+    "IDLE_BYTES", "MAX_UNACKNOWLEDGED", "MAX_UNRECEIVED", "POOL", "receive", "release_queued",
+    "worker_buffers", "worker_empty",
 ]  # fmt: skip
 
 MAX_UNRECEIVED = max(256, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
@@ -101,15 +100,15 @@ _LOCK = ForkSafeLock()
 _IDLE: dict[tuple[int, ...], tuple[int, int, np.ndarray]] = {}
 _idle_bytes = 0
 # id of a weak reference to a received storage's array -> (the reference, the pid that
-# received it, key, address, length, counter_at, the whole mapping's array)
+# received it, key, address, length, data bytes (the counters follow), the mapping's array)
 _LIVE: dict[int, tuple[Any, ...]] = {}
 _QUEUED: collections.deque[int] = collections.deque()  # ids of references whose arrays died
 
 
 def receive(
-    pid: int, fd: int, device: int, inode: int, total: int, counter_at: int, start: int, nbytes: int
+    pid: int, fd: int, device: int, inode: int, total: int, data: int
 ) -> torch.UntypedStorage:
-    """Unpickle a storage of a worker's batch: map the worker's memfd (or reuse our mapping)."""
+    """Unpickle the storage of a worker's batch: map its memfd (or reuse our mapping)."""
     global _idle_bytes
     key = (pid, fd, device, inode)
     with _LOCK:
@@ -125,12 +124,12 @@ def receive(
         address, length = _map_batch(pid, fd, (device, inode), total), total
         mapped = array_at(address, length)
     # mapped: the worker may close its descriptor now
-    received = ctypes.c_uint32.from_address(address + counter_at + 4)
+    received = ctypes.c_uint32.from_address(address + data + 4)
     with _LOCK:
         received.value += 1
-    view = mapped[start : start + nbytes]
+    view = mapped[:data]
     ref = weakref.ref(view, _queue_release)  # the storage below alone holds ``view``
-    _LIVE[id(ref)] = (ref, _PID, key, address, length, counter_at, mapped)
+    _LIVE[id(ref)] = (ref, _PID, key, address, length, data, mapped)
     return torch.from_numpy(view).untyped_storage()
 
 
@@ -159,8 +158,8 @@ def _release_queued() -> None:
         live = _LIVE.pop(_QUEUED.popleft(), None)
         if live is None:
             continue
-        _, _, key, address, length, counter_at, mapped = live
-        ctypes.c_uint32.from_address(address + counter_at).value += 1
+        _, _, key, address, length, data, mapped = live
+        ctypes.c_uint32.from_address(address + data).value += 1
         if key not in _IDLE and length <= IDLE_BYTES:
             _IDLE[key] = (address, length, mapped)
             _idle_bytes += length
@@ -221,7 +220,7 @@ class BatchRef:
             with _OUTBOX_LOCK:
                 if memfd.ref is self and memfd.fd is not None:
                     memfd.sends += 1
-                    return receive, (*memfd.handle, 0, self.nbytes)
+                    return receive, memfd.handle
             # closed (kept here beyond the cap): send a copy, the way torch sends a storage
             copy = torch.empty(self.nbytes, dtype=torch.uint8)
             copy.copy_(torch.from_numpy(array_at(self.address, self.nbytes)))
@@ -257,7 +256,7 @@ class _Memfd:
         self.ref: BatchRef | None = None  # what the current batch's tensors reference
         self.counter: ctypes.c_uint32 | None = None
         self.received: ctypes.c_uint32 | None = None
-        self.handle: tuple[int, ...] = ()  # what a receiver needs, but the byte range
+        self.handle: tuple[int, ...] = ()  # what a receiver needs
         self.sends = 0
 
     def use(self, data: int, total: int) -> torch.UntypedStorage:
@@ -418,62 +417,6 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
 def worker_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """One empty batch tensor in its own memfd (:func:`worker_buffers` with one part)."""
     return worker_buffers([(shape, dtype)])[0]
-
-
-def into_one_batch(items: list[Any]) -> list[Any]:
-    """``items`` with every plain CPU tensor in them moved into one batch memfd.
-
-    For values made afresh per row (``SharedList`` unpickles each item), whose tensors
-    would each leave the worker in a segment of their own. Tensors in dicts, lists,
-    tuples and namedtuples are copied side by side and replaced by views; other
-    objects, and tensors torch must send itself (``requires_grad``, sparse, a
-    subclass, not on the CPU), are kept.
-
-    Example:
-        >>> rows = [{"a": torch.arange(3), "b": (torch.ones(2), "x")}, [torch.zeros(1)]]
-        >>> out = into_one_batch(rows)  # outside a worker there is one memfd too
-        >>> out[0]["b"], len({t.untyped_storage().data_ptr() for t in (out[0]["a"], out[1][0])})
-        ((SharedTensor([1., 1.]), 'x'), 1)
-    """
-    found: list[torch.Tensor] = []
-
-    def note(tensor: torch.Tensor) -> torch.Tensor:
-        found.append(tensor)
-        return tensor
-
-    _replace(items, note)  # a first pass only notes them
-    if not found:
-        return items
-    copies = iter(copy_into(worker_buffers([(tuple(t.shape), t.dtype) for t in found]), found))
-    return _replace(items, lambda t: next(copies))  # type: ignore[no-any-return]
-
-
-def copy_into(outs: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``outs``, each filled with its tensor of ``tensors``."""
-    for out, tensor in zip(outs, tensors):
-        out.as_subclass(torch.Tensor).copy_(tensor)  # plain: no Python dispatch per copy
-    return outs
-
-
-def _replace(obj: Any, move: Any) -> Any:
-    if (
-        type(obj) is torch.Tensor
-        and obj.layout is torch.strided
-        and obj.device.type == "cpu"
-        and not obj.requires_grad
-        and not obj.is_quantized
-        and obj.numel() > 0
-    ):
-        return move(obj)
-    if type(obj) is dict:
-        return {key: _replace(value, move) for key, value in obj.items()}
-    if type(obj) is list:
-        return [_replace(value, move) for value in obj]
-    if type(obj) is tuple:
-        return tuple(_replace(value, move) for value in obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_replace(value, move) for value in obj))
-    return obj
 
 
 def _after_fork_in_child() -> None:

@@ -168,7 +168,7 @@ def lenient_collate(samples: Sequence[Any]) -> Any:
     collate_map[Sequence] = _sequences
     collate_map[object] = _rows  # last: any type the default collate does not know
     if get_worker_info() is not None:  # leaving a worker: Note [Collating into one memfd]
-        return collate_in_one_memfd(lambda fns: collate(samples, collate_fn_map=fns), collate_map)
+        return collate_in_one_memfd(lambda m, _: collate(samples, collate_fn_map=m), collate_map)
     return collate(samples, collate_fn_map=collate_map)
 
 

@@ -29,8 +29,7 @@ from torch.utils.data import get_worker_info
 
 from .._text import format_bytes
 from ..columns._columns import BytesColumn, ColumnSpec
-from ..crossing._collate import Row, RowList, RowTuple
-from ..crossing._transport import into_one_batch
+from ..crossing._collate import Row, RowList, RowTuple, into_one_batch
 from ..distributed import SAMPLE_ITEMS, NodeShard, sample_digest
 from ..errors import (
     ArgumentTypeError,
