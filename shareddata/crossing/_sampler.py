@@ -27,14 +27,12 @@ class BatchIndices(torch.Tensor):
 
 
 def _indices_from(values: bytearray) -> torch.Tensor:
-    return (
-        torch.frombuffer(values, dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
-    )
+    return torch.frombuffer(values, dtype=torch.int64)
 
 
 def _reduce_indices(t: BatchIndices) -> Any:
     # one bytearray (a numpy array pickles ~4x slower, in the feeder thread); a
-    # BatchIndices is only ever one of the sampler's batches, a row of int64
+    # BatchIndices is only ever one of the sampler's batches, a row of int64, never empty
     return _indices_from, (bytearray(t.contiguous().numpy()),)
 
 

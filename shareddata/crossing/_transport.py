@@ -106,7 +106,7 @@ _QUEUED: collections.deque[int] = collections.deque()  # ids of references whose
 
 
 def receive(
-    pid: int, fd: int, device: int, inode: int, total: int, data: int
+    pid: int, fd: int, device: int, inode: int, size: int, data: int
 ) -> torch.UntypedStorage:
     """Unpickle the storage of a worker's batch: map its memfd (or reuse our mapping)."""
     global _idle_bytes
@@ -116,12 +116,10 @@ def receive(
         idle = _IDLE.pop(key, None)
         if idle is not None:
             _idle_bytes -= idle[1]
-    if idle is not None and idle[1] >= total:  # mapped here before: no system call
+    if idle is not None:  # mapped here before (the whole file, always): no system call
         address, length, mapped = idle
     else:
-        if idle is not None:
-            unmap(idle[0], idle[1])
-        address, length = _map_batch(pid, fd, (device, inode), total), total
+        address, length = _map_batch(pid, fd, (device, inode), size), size
         mapped = array_at(address, length)
     # mapped: the worker may close its descriptor now
     received = ctypes.c_uint32.from_address(address + data + 4)
@@ -262,18 +260,16 @@ class _Memfd:
     def use(self, data: int, total: int) -> torch.UntypedStorage:
         """Hold a new batch of ``data`` bytes: mapped, counters at zero; its storage."""
         fd = cast(int, self.fd)  # a memfd in use or in the pool is open
-        if self.address and self.length < total:
-            self.unmap()
-        if not self.address:
-            with named_os_errors("a DataLoader worker's batch", total):
-                self.address, self.length = map_fd(fd, total), total
+        if not self.address:  # the whole file: a later, smaller batch maps nothing
+            with named_os_errors("a DataLoader worker's batch", self.size):
+                self.address, self.length = map_fd(fd, self.size), self.size
             if self.data:  # used before, so its pages exist: map them all in one call
                 madvise(self.address, total, MADV_POPULATE_WRITE)
         if self.counter is None or self.data != data:
             self.counter = ctypes.c_uint32.from_address(self.address + data)
             self.received = ctypes.c_uint32.from_address(self.address + data + 4)
             self.data = data
-            self.handle = (_PID, fd, *self.ident, total, data)
+            self.handle = (_PID, fd, *self.ident, self.size, data)
         array = array_at(self.address, data)
         storage = torch.from_numpy(array).untyped_storage()
         self.alive = weakref.ref(array)
@@ -310,7 +306,6 @@ class _Outbox:
         self.pending: collections.deque[_Memfd] = collections.deque()
         self.held: list[_Memfd] = []  # closed, but their mapping here may still be held
         self.pool: list[_Memfd] = []  # released, to be reused; mapped up to IDLE_BYTES
-        self.pool_mapped = 0
 
     def reap(self) -> None:
         """Pool (or close) every batch done with; close the oldest beyond the caps."""
@@ -321,9 +316,8 @@ class _Outbox:
             gone_here = memfd.gone_here()
             if gone_here and memfd.released():
                 if len(self.pool) < POOL:
-                    if self.pool_mapped + memfd.length > IDLE_BYTES:
+                    if sum(m.length for m in self.pool) + memfd.length > IDLE_BYTES:
                         memfd.unmap()
-                    self.pool_mapped += memfd.length
                     self.pool.append(memfd)
                 else:
                     memfd.unmap()
@@ -345,7 +339,6 @@ class _Outbox:
         best = min((m for m in self.pool if m.size >= size), key=lambda m: m.size, default=None)
         if best is not None:
             self.pool.remove(best)
-            self.pool_mapped -= best.length
         return best
 
 
@@ -395,16 +388,15 @@ def worker_buffers(parts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tor
     total = data + _COUNTER
     release_queued()  # batches this process received and dropped (a pool's chain)
     with _OUTBOX_LOCK:
-        box = _OUTBOX
-        box.reap()
-        memfd = box.take(total) or _Memfd(total)
+        _OUTBOX.reap()
+        memfd = _OUTBOX.take(total) or _Memfd(total)
         try:
             storage = memfd.use(data, total)
         except BaseException:
             memfd.unmap()
             memfd.close()
             raise
-        box.pending.append(memfd)
+        _OUTBOX.pending.append(memfd)
         ref = memfd.ref
     return [
         shared_tensor(torch.empty(0, dtype=dtype).set_(storage, start, shape), ref, new=True)  # type: ignore[call-overload, arg-type]
