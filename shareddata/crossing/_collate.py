@@ -507,8 +507,8 @@ def collate_shared(batch: Sequence[Any], *, collate_fn_map: FnMap | None = None)
     The gathered column for an intact :class:`Samples` of tensors alone; in a worker,
     the tensors stacked into one memfd; elsewhere torch's own stack.
     """
-    if isinstance(batch, Samples) and batch.intact():  # (its items are tensors alone)
-        return batch.collated(collate_fn_map)
+    if isinstance(batch, Samples) and batch.stacked[0] and batch.intact():
+        return batch.batched[0]  # (only items that are a tensor alone make tensor samples)
     elem = batch[0]
     if get_worker_info() is not None and _plain_cpu(elem):
         # stacked as torch stacks in a worker (its errors too), into a memfd of ours
