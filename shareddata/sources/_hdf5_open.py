@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import (
     MissingDependencyError,
     MissingFileError,
+    SharedDataError,
     SourceReadError,
     UnsupportedDtypeError,
     missing_dependency,
@@ -168,7 +169,7 @@ def read_errors(label: str, path: str, conversion: str) -> Iterator[None]:
     """h5py's read errors as errors naming the file, the dataset and the cause."""
     try:
         yield
-    except SourceReadError:
+    except SharedDataError:  # SourceReadError, or the memory's own (full, no descriptor)
         raise
     except (OSError, RuntimeError) as error:
         text = str(error)
