@@ -219,10 +219,12 @@ class HDF5Source:
         row_bytes = out.nbytes // plan.rows
         stored = ds.chunks is None and ds.external is None and ds.dtype == out.dtype
         stored = stored and ds.id.get_storage_size() == ds.size * ds.dtype.itemsize  # written
-        offset = ds.id.get_offset() if stored and not self._swmr else None
+        stored = stored and ds.file.driver == "sec2" and not self._swmr  # one plain file
+        offset = ds.id.get_offset() if stored else None
         if offset is not None:  # contiguous bytes as stored: the kernel copies them
             rows = out.view(np.ndarray)  # no page need be ready (read_into in _io.py)
-            read_into(self.label, offset + plan.first * row_bytes, rows, progress, what)
+            at = offset + plan.first * row_bytes  # in its own file (an external link's)
+            read_into(ds.file.filename, at, rows, progress, what)
             return
         for start, stop in row_steps(plan.rows, row_bytes, _CHUNK, ds.chunks):
             ds.read_direct(out.rows(start, stop), np.s_[plan.first + start : plan.first + stop])
