@@ -88,10 +88,13 @@ def conclude(
     rest = excess - counted  # the counted copies are part of the growth
     estimated = max(min(rest, unresolved * processes), 0) if rest > tolerance else 0
     attributed = copied + counted + estimated
-    duplication = copies + attributed / nbytes if nbytes > 0 else float(copies)
+    # an empty dataset is held once however many ranks hold it: no copy of it is possible
+    duplication = copies + attributed / nbytes if nbytes > 0 else 1.0
     bound = DEFAULT_LIMIT if known["max_duplication"] is None else known["max_duplication"]
     needed = 0
-    if duplication > bound:  # copies within their resolution do not decide (copies of ranks do)
+    if not nbytes:
+        conclusive = True
+    elif duplication > bound:  # copies within their resolution do not decide (ranks' do)
         within = copied + counted if copied + counted <= EXACT_FLOOR * processes else 0
         within += estimated if estimated <= tolerance else 0
         conclusive = bound < 1.0 or duplication - within / nbytes > bound
@@ -223,6 +226,8 @@ class MemoryReport:
         """
         if self.status == "inconclusive":
             return f"CANNOT TELL: {self._undecided()}"
+        if self.passed and not self.dataset_bytes:
+            return f"OK: the dataset is empty (0 B): no copy of it is possible ({self._limit()})"
         if self.passed:
             return f"OK: the dataset is held {self.duplication:.2f}x ({self._limit()})"
         workers = f"{self.num_workers} worker{'s' if self.num_workers != 1 else ''}"

@@ -363,3 +363,23 @@ def test_what_is_not_a_loader_is_refused_by_name():
         verify(42)
     with pytest.raises(TypeError, match="pass the DataLoader you train with"):
         verify(ArrayRows(rows_of(1)))
+
+
+def test_an_empty_dataset_held_by_two_local_ranks_is_not_duplicated(monkeypatch):
+    """Before: ZeroDivisionError in conclude() (``within / nbytes``) with two plain copies."""
+    from types import SimpleNamespace
+
+    from shareddata.memory import _verify
+
+    # two local ranks with the same loader: each phase's exchange gives every rank's value
+    monkeypatch.setattr(_verify, "node_context", lambda: SimpleNamespace(local_world_size=2))
+    monkeypatch.setattr(_verify, "socket_name", lambda ctx, kind, number: kind)
+    monkeypatch.setattr(
+        _verify, "exchange", lambda ctx, name, value, respond, *_: respond([value, value])[-1]
+    )
+    empty = loader(ArrayRows(rows_of(1)), workers=0)
+    report = verify(empty, dataset_bytes=0, batches=1, across_ranks=True)
+    assert (report.local_ranks, report.dataset_bytes, report.rank_copies) == (2, 0, 2)
+    assert report.status == "ok" and report.passed and report.conclusive
+    assert report.duplication == 1.0 and report.extra_bytes == 0
+    assert report.verdict_line().startswith("OK: the dataset is empty (0 B)")
