@@ -33,64 +33,96 @@ def resolution(n_workers: int, batch_bytes: int, prefetch_factor: int | None) ->
     return WORKING_FLOOR + waiting * batch_bytes + workers
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What ``verify`` measured on one local rank, for :func:`conclude`, in bytes.
+
+    ``num_workers``: the loader's workers, ``workers``: those measured after the last
+    batch; ``resolution``: of the rank's estimate; ``received_bytes``: what each
+    ``spawn``/``forkserver`` worker received by value (``None``: not counted);
+    ``buffer_bytes``: under ``fork``, the arrays' pages checked in every worker,
+    ``page_copies``: those the workers copied; ``identity``: the segments the rank's
+    dataset maps (``None``: a dataset of its own, a copy).
+    """
+
+    dataset_bytes: int
+    shared_bytes: int
+    start_method: str | None
+    num_workers: int
+    workers: int
+    resolution: int
+    baseline_bytes: int
+    array_bytes: int = 0
+    batches: int = 0
+    batch_bytes: int = 0
+    received_bytes: int | None = None
+    buffer_bytes: int = 0
+    page_copies: int = 0
+    identity: frozenset[tuple[int, int]] | None = None
+
+
 def conclude(
     before: Sequence[ProcessMemory],
     after: Sequence[ProcessMemory],
-    *,
-    baselines: int,
-    exact: int,
-    workers_missing: bool,
-    copies: int = 1,
-    **known: Any,
+    ranks: Sequence[Measured],
+    max_duplication: float | None,
 ) -> MemoryReport:
     """The report of two measurements: the copies, ``duplication`` and the verdict.
 
-    ``before``: the main process (and forkserver) before the workers started; ``after``:
-    every process after the last batch; ``baselines``: the workers' summed baselines;
-    ``exact``: the bytes of the dataset whose copies are counted exactly (the rest is
-    estimated); ``copies``: the copies held whole (one per local rank that loaded it);
-    ``known``: the report's fields measured already (``dataset_bytes``, ``resolution``,
-    ``counted_bytes``, ``max_duplication``, ...).
+    ``before``: the main processes (and forkserver) before the workers started;
+    ``after``: every process after the last batch; ``ranks``: what each local rank
+    measured (one alone); ``max_duplication``: the limit.
 
-    The copies are the segments' private pages (exact), ``counted_bytes`` (exact) and
-    the estimate: the growth of working memory beyond the baselines and the counted
-    copies, if above ``resolution``, at most one copy a process of what is not
-    counted exactly. Over the limit, it decides when the copies are above their
-    resolution (:data:`EXACT_FLOOR` a process for exact counts, ``resolution`` for
-    the estimate). Within it, when no copy could have escaped: the part not counted
-    exactly is above the resolution or so small that a copy in every process stays
-    within the limit.
+    The copies are the segments' private pages (exact), what the workers received by
+    value and the arrays' pages they copied (exact), one whole copy per local rank
+    that holds a dataset of its own, and the estimate: the growth of working memory
+    beyond the workers' baselines and the counted copies, if above the resolution,
+    at most one copy a process of what is not counted exactly. Over the limit, it
+    decides when the copies are above their resolution (:data:`EXACT_FLOOR` a
+    process for exact counts, ``resolution`` for the estimate). Within it, when no
+    copy could have escaped: the part not counted exactly is above the resolution
+    or so small that a copy in every process stays within the limit. An empty
+    dataset is held once.
 
     Example:
         >>> main = ProcessMemory(pid=1, role="main", rss=0, uss=0, pss=10, shared=0)
         >>> grown = ProcessMemory(pid=2, role="worker 0", rss=0, uss=0, pss=100, shared=0)
-        >>> def report(exact, counted=0, resolution=50, nbytes=1000, limit=None):
-        ...     return conclude([main], [main, grown], baselines=10, exact=exact,
-        ...                     workers_missing=False, dataset_bytes=nbytes,
-        ...                     resolution=resolution, counted_bytes=counted,
-        ...                     max_duplication=limit, baseline_bytes=10,
-        ...                     start_method="spawn", num_workers=1)
-        >>> report(exact=0).extra_bytes, report(exact=980).extra_bytes  # 1 copy/process
+        >>> def report(shared=0, received=None, resolution=50, nbytes=1000, limit=None):
+        ...     rank = Measured(dataset_bytes=nbytes, shared_bytes=shared, start_method="spawn",
+        ...                     num_workers=1, workers=1, resolution=resolution,
+        ...                     baseline_bytes=10, received_bytes=received)
+        ...     return conclude([main], [main, grown], [rank], limit)
+        >>> report().extra_bytes, report(shared=980).extra_bytes  # 1 copy/process
         (90, 40)
-        >>> report(exact=1, counted=80, resolution=100).extra_bytes
+        >>> report(received=80, resolution=100).extra_bytes
         80
-        >>> r = report(exact=0, nbytes=4 * MIB, resolution=15 * MIB, limit=1.1)
+        >>> r = report(nbytes=4 * MIB, resolution=15 * MIB, limit=1.1)
         >>> r.status, r.unresolved_bytes, r.needed_bytes
         ('inconclusive', 4194304, 15728641)
-        >>> report(exact=4096, counted=2048, resolution=MIB, nbytes=4096, limit=1.1).status
+        >>> report(shared=2048, received=2048, resolution=MIB, nbytes=4096, limit=1.1).status
         'inconclusive'
     """
-    nbytes, tolerance = known["dataset_bytes"], known["resolution"]
-    counted, processes = known["counted_bytes"], len(after)
+    first, processes = ranks[0], len(after)
+    nbytes = first.dataset_bytes
+    shared = min(first.shared_bytes, nbytes)
+    plain, counted, exact = nbytes - shared, 0, nbytes
+    for rank in ranks:  # what each rank's workers copied of a plain dataset, counted
+        by_value, buffers = min(rank.received_bytes or 0, plain), min(rank.buffer_bytes, plain)
+        counted += rank.workers * by_value + (rank.page_copies if buffers else 0)
+        exact = min(exact, shared + by_value + buffers)
+    identities = [rank.identity for rank in ranks]
+    copies = len({i for i in identities if i is not None}) + identities.count(None)
+    tolerance = sum(rank.resolution for rank in ranks)
+    baselines = sum(rank.workers * rank.baseline_bytes for rank in ranks)
     copied = max(sum(p.data_copied for p in after) - sum(p.data_copied for p in before), 0)
     excess = sum(p.working for p in after) - sum(p.working for p in before) - baselines
-    unresolved = max(nbytes - exact, 0)
+    unresolved = nbytes - exact
     rest = excess - counted  # the counted copies are part of the growth
     estimated = max(min(rest, unresolved * processes), 0) if rest > tolerance else 0
     attributed = copied + counted + estimated
     # an empty dataset is held once however many ranks hold it: no copy of it is possible
     duplication = copies + attributed / nbytes if nbytes > 0 else 1.0
-    bound = DEFAULT_LIMIT if known["max_duplication"] is None else known["max_duplication"]
+    bound = DEFAULT_LIMIT if max_duplication is None else max_duplication
     needed = 0
     if not nbytes:
         conclusive = True
@@ -98,25 +130,38 @@ def conclude(
         within = copied + counted if copied + counted <= EXACT_FLOOR * processes else 0
         within += estimated if estimated <= tolerance else 0
         conclusive = bound < 1.0 or duplication - within / nbytes > bound
-    elif workers_missing:
+    elif any(rank.num_workers and not rank.workers for rank in ranks):  # none measured
         conclusive = False
     else:
         conclusive = unresolved > tolerance or unresolved * processes <= (bound - 1.0) * nbytes
         if not conclusive and unresolved:  # the unresolved part grows, the resolution does not
             needed = nbytes * tolerance // unresolved + 1
     return MemoryReport(
+        dataset_bytes=nbytes,
         total_pss=sum(p.pss for p in after),
         duplication=duplication,
         processes=list(after),
+        baseline_bytes=round(sum(rank.baseline_bytes for rank in ranks) / len(ranks)),
+        start_method=first.start_method,
+        num_workers=sum(rank.num_workers for rank in ranks),
         pss_before=sum(p.pss for p in before),
         extra_bytes=(copies - 1) * nbytes + attributed,
+        batches=first.batches,
+        max_duplication=max_duplication,
+        local_ranks=len(ranks),
         rank_copies=copies,
+        shared_bytes=shared,
         copied_bytes=copied,
         working_bytes=excess,
+        resolution=tolerance,
+        batch_bytes=max(rank.batch_bytes for rank in ranks),
+        received_bytes=first.received_bytes,
+        buffer_bytes=min(first.buffer_bytes, plain),
+        counted_bytes=counted,
         conclusive=conclusive,
         unresolved_bytes=unresolved,
         needed_bytes=needed,
-        **known,
+        array_bytes=first.array_bytes,
     )
 
 

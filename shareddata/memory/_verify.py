@@ -30,7 +30,7 @@ import os
 import pickle
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -59,7 +59,7 @@ from ._process import (
     private_pages,
     read_smaps_rollup,
 )
-from ._report import MemoryReport, conclude, duplication_message, resolution
+from ._report import Measured, MemoryReport, conclude, duplication_message, resolution
 
 
 def verify(
@@ -136,35 +136,26 @@ def verify(
             baseline = probe_baseline(method, refs) if n_workers else 0
             before += [p for p in rows if p.role == "forkserver" and p.pid != server]
     num_workers = loader.num_workers if torch_loader else n_workers
-    received = pickled_nbytes(dataset) if method in ("spawn", "forkserver") and plain else None
-    buffer_bytes = min(sum(e - f for f, e in pages) * PAGE, plain)
-    buffer_bytes = buffer_bytes if run.copies is not None and method == "fork" else 0
-    by_value = min(received or 0, plain)
-    counted = n_workers * by_value + (run.copies or 0 if buffer_bytes else 0)
-    exact = min(found.shared_bytes + by_value + buffer_bytes, nbytes)
+    spawned = method in ("spawn", "forkserver") and plain
+    checked = method == "fork" and run.copies is not None  # the arrays' pages, in every worker
     prefetch = getattr(loader, "prefetch_factor", None) or 2 if num_workers else None
-    tolerance = resolution(n_workers, run.batch_bytes, prefetch)
-    report = conclude(
-        before,
-        rows,
-        baselines=n_workers * baseline,
-        exact=exact,
-        workers_missing=num_workers > 0 and n_workers == 0,
+    measured = Measured(
         dataset_bytes=nbytes,
-        baseline_bytes=baseline,
+        shared_bytes=found.shared_bytes,
         start_method=method if num_workers else None,
         num_workers=num_workers,
-        batches=run.received,
-        max_duplication=max_duplication,
-        shared_bytes=min(found.shared_bytes, nbytes),
-        resolution=tolerance,
-        batch_bytes=run.batch_bytes,
-        received_bytes=received,
-        buffer_bytes=buffer_bytes,
-        counted_bytes=counted,
+        workers=n_workers,
+        resolution=resolution(n_workers, run.batch_bytes, prefetch),
+        baseline_bytes=baseline,
         array_bytes=sum(n for _, n in found.buffers) + found.shared_bytes,
+        batches=run.received,
+        batch_bytes=run.batch_bytes,
+        received_bytes=pickled_nbytes(dataset) if spawned else None,
+        buffer_bytes=sum(e - f for f, e in pages) * PAGE if checked else 0,
+        page_copies=run.copies or 0,
+        identity=frozenset(found.segments) if found.count else None,
     )
-    report = node.combine(report, frozenset(found.segments) if found.count else None)
+    report = node.conclude(before, rows, measured, max_duplication)
     if report.status == "duplicated":
         raise DuplicationError(duplication_message(report), report)
     if report.status == "inconclusive" and max_duplication is not None:
@@ -412,7 +403,7 @@ class NodeVerify:
 
     Across local ranks (over ``distributed.exchange``), each :meth:`measure` is a
     node-wide barrier at which local rank 0 measures the processes of every local rank;
-    :meth:`combine` turns the ranks' reports into the node's, the same on every rank.
+    :meth:`conclude` turns the ranks' measurements into the node's report, on every rank.
     """
 
     def __init__(self, across_ranks: bool | None, segments: Segments = ()) -> None:
@@ -449,37 +440,19 @@ class NodeVerify:
 
         return self._exchange(phase, (procs, self.segments), respond)  # type: ignore[no-any-return]
 
-    def combine(self, report: MemoryReport, identity: frozenset[Any] | None) -> MemoryReport:
-        """The node's report from every local rank's (``identity``: the segments it maps)."""
+    def conclude(
+        self,
+        before: list[ProcessMemory],
+        after: list[ProcessMemory],
+        measured: Measured,
+        max_duplication: float | None,
+    ) -> MemoryReport:
+        """The report of this rank's measurements, or across ranks the node's, on every rank."""
         if self.ctx is None:
-            return report
-        info = {f.name: getattr(report, f.name) for f in fields(report) if f.name != "processes"}
-        info["workers"] = sum(1 for p in report.processes if p.role.startswith("worker"))
-        info["identity"] = identity
-        same: tuple[str, ...] = ("dataset_bytes", "start_method", "batches", "max_duplication")
-        same += ("shared_bytes", "received_bytes", "buffer_bytes", "array_bytes")
+            return conclude(before, after, [measured], max_duplication)
 
-        def respond(infos: list[dict[str, Any]]) -> list[Any]:
-            nbytes, identities = infos[0]["dataset_bytes"], [i["identity"] for i in infos]
+        def respond(ranks: list[Measured]) -> list[MemoryReport]:
+            rows = self.rows
+            return [conclude(rows["before"], rows["after"], ranks, max_duplication)] * len(ranks)
 
-            def total(key: str) -> Any:
-                return sum(i[key] for i in infos)
-
-            node = conclude(
-                self.rows["before"],
-                self.rows["after"],
-                baselines=sum(i["workers"] * i["baseline_bytes"] for i in infos),
-                exact=min(nbytes - i["unresolved_bytes"] for i in infos),
-                workers_missing=any(i["num_workers"] and not i["workers"] for i in infos),
-                copies=len({x for x in identities if x is not None}) + identities.count(None),
-                baseline_bytes=round(total("baseline_bytes") / len(infos)),
-                num_workers=total("num_workers"),
-                local_ranks=len(infos),
-                resolution=total("resolution"),
-                batch_bytes=max(i["batch_bytes"] for i in infos),
-                counted_bytes=total("counted_bytes"),
-                **{key: infos[0][key] for key in same},
-            )
-            return [node] * len(infos)
-
-        return self._exchange("combine", info, respond)  # type: ignore[no-any-return]
+        return self._exchange("combine", measured, respond)  # type: ignore[no-any-return]

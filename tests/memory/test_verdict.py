@@ -217,20 +217,16 @@ def test_a_python_list_under_fork_below_the_resolution_cannot_be_told():
 
 def test_no_worker_measured_cannot_be_told():
     main = ProcessMemory(pid=1, role="main", rss=0, uss=0, pss=0, shared=0)
-    measured = _report.conclude(
-        [main],
-        [main],
-        baselines=0,
-        exact=64 * MIB,
-        workers_missing=True,
+    rank = _report.Measured(
         dataset_bytes=64 * MIB,
-        resolution=MIB,
-        counted_bytes=0,
-        max_duplication=1.1,
-        baseline_bytes=0,
+        shared_bytes=64 * MIB,
         start_method="spawn",
         num_workers=2,
+        workers=0,
+        resolution=MIB,
+        baseline_bytes=0,
     )
+    measured = _report.conclude([main], [main], [rank], max_duplication=1.1)
     assert measured.status == "inconclusive" and not measured.passed
     report = MemoryReport(
         dataset_bytes=64 * MIB,
