@@ -265,10 +265,7 @@ def _verify(args: argparse.Namespace) -> int:
         print(report.to_json(indent=2))
         print(line, file=sys.stderr)
     else:
-        text = str(report)
-        print(text)
-        if not text.rstrip().endswith(line):  # the table may end with it already
-            print(line)
+        print(report)  # it ends with the verdict line
     return 0 if report.passed else {"duplicated": 1, "inconclusive": 3}[report.status]
 
 
@@ -338,21 +335,19 @@ def _texts(run: Callable[..., int]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m shareddata``."""
+    texts = {name: _texts(run) for name, (run, _) in _COMMANDS.items()}
+    firsts = "".join(text["epilog"].splitlines(keepends=True)[1] for text in texts.values())
     parser = argparse.ArgumentParser(
         prog="python -m shareddata",
         description="Load a dataset once into shared memory for every DataLoader worker "
         "and local rank, and check that it is held once.",
-        epilog="examples:\n"
-        "  python -m shareddata demo\n"
-        "  python -m shareddata info data.h5\n"
-        "  python -m shareddata verify train:make_loader\n"
-        "  python -m shareddata clean --dry-run\n\n"
-        "`python -m shareddata COMMAND --help` explains each command.",
+        epilog=f"examples:\n{firsts}\n`python -m shareddata COMMAND --help` explains each "
+        "command.",  # each command's first example
         formatter_class=_Formatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (run, arguments) in _COMMANDS.items():
-        command = sub.add_parser(name, formatter_class=_Formatter, **_texts(run))
+        command = sub.add_parser(name, formatter_class=_Formatter, **texts[name])
         for flags, options in arguments:
             command.add_argument(*flags, **options)
         command.set_defaults(func=run)
