@@ -103,7 +103,7 @@ class Holdings:
         n = len(items)
         if n <= _SAMPLE:
             picked: Sequence[Any] | Iterator[Any] = iter(items)
-        elif isinstance(items, Sequence):
+        elif isinstance(items, (Sequence, np.ndarray)):  # spread over it
             picked = [items[int(i * n / _SAMPLE)] for i in range(_SAMPLE)]
         else:
             picked = islice(items, _SAMPLE)
@@ -122,9 +122,7 @@ class Holdings:
             if root.nbytes:
                 self.buffers.append((int(root.__array_interface__["data"][0]), int(root.nbytes)))
             return float(root.nbytes)
-        picked = [root.flat[int(i * root.size / _SAMPLE)] for i in range(min(root.size, _SAMPLE))]
-        sizes = [self._size(x, depth + 1) for x in picked] if depth < _MAX_DEPTH else []
-        return root.nbytes + (sum(sizes) * root.size / len(sizes) if sizes else 0.0)
+        return root.nbytes + (self._sample(root.reshape(-1), depth) if depth < _MAX_DEPTH else 0.0)
 
     def _tensor(self, tensor: torch.Tensor) -> float:
         try:
