@@ -414,17 +414,13 @@ class MemoryReport:
             f"memory of the DataLoader: {who}, measured after {self.batches} batches",
             f"{'process':<12}{'pid':>9}" + "".join(f"{h:>11}" for h in heads),
             *(f"{r:<12}{pid:>9}" + "".join(f"{mib(v):>11}" for v in vs) for r, pid, vs in cells),
-        ]
-        lines.append(
             "  PSS: each page divided among the processes mapping it (sums to the real total); "
             "file: code, libraries, mapped files; data: the dataset's shared segments; "
-            "work: the rest (anonymous and shared memory, batches in flight left out)"
-        )
-        lines.append(
+            "work: the rest (anonymous and shared memory, batches in flight left out)",
             f"dataset {mib(self.dataset_bytes)} MiB, {mib(self.shared_bytes)} MiB of it in "
             f"shareddata segments: private copies of their pages {mib(self.copied_bytes)} MiB "
-            "(exact)"
-        )
+            "(exact)",
+        ]
         if self.received_bytes is not None:
             lines.append(
                 f"each worker received {mib(self.received_bytes)} MiB of it by value (pickled "
@@ -453,11 +449,11 @@ class MemoryReport:
             lines.append(
                 f"copies in the {self.local_ranks} ranks' main processes: {self.rank_copies}"
             )
-        lines.append(
+        lines += [
             f"{self.verdict()}: beyond one copy {mib(self.extra_bytes)} MiB ({mib(exact)} MiB "
-            f"counted, {mib(max(self.extra_bytes - exact, 0))} MiB estimated)"
-        )
-        lines.append(self.verdict_line())
+            f"counted, {mib(max(self.extra_bytes - exact, 0))} MiB estimated)",
+            self.verdict_line(),
+        ]
         return "\n".join(lines)
 
 
