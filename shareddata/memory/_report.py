@@ -455,8 +455,3 @@ class MemoryReport:
             self.verdict_line(),
         ]
         return "\n".join(lines)
-
-
-def duplication_message(report: MemoryReport) -> str:
-    """The message of the :class:`~shareddata.DuplicationError` for ``report``."""
-    return f"{report.verdict_line()}\n{report}"

@@ -59,7 +59,7 @@ from ._process import (
     private_pages,
     read_smaps_rollup,
 )
-from ._report import Measured, MemoryReport, conclude, duplication_message, resolution
+from ._report import Measured, MemoryReport, conclude, resolution
 
 
 def verify(
@@ -156,10 +156,9 @@ def verify(
         identity=frozenset(found.segments) if found.count else None,
     )
     report = node.conclude(before, rows, measured, max_duplication)
-    if report.status == "duplicated":
-        raise DuplicationError(duplication_message(report), report)
-    if report.status == "inconclusive" and max_duplication is not None:
-        raise InconclusiveError(duplication_message(report), report)
+    if report.status != "ok" and max_duplication is not None:  # no limit: only measured
+        error = DuplicationError if report.status == "duplicated" else InconclusiveError
+        raise error(f"{report.verdict_line()}\n{report}", report)
     return report
 
 
