@@ -30,7 +30,7 @@ import os
 import pickle
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -450,8 +450,9 @@ class NodeVerify:
         if self.ctx is None:
             return conclude(before, after, [measured], max_duplication)
 
-        def respond(ranks: list[Measured]) -> list[MemoryReport]:
-            rows = self.rows
+        def respond(infos: list[dict[str, Any]]) -> list[MemoryReport]:
+            ranks, rows = [Measured(**info) for info in infos], self.rows
             return [conclude(rows["before"], rows["after"], ranks, max_duplication)] * len(ranks)
 
-        return self._exchange("combine", measured, respond)  # type: ignore[no-any-return]
+        # as a dict: the ranks accept builtins only (Note [Framing on the node socket])
+        return self._exchange("combine", asdict(measured), respond)  # type: ignore[no-any-return]
