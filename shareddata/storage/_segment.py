@@ -49,6 +49,7 @@ from ._capacity import (
 )
 from ._linux import (
     MADV_HUGEPAGE,
+    MADV_POPULATE_READ,
     SEAL_ALL,
     SEAL_SIZE,
     ForkSafeLock,
@@ -174,11 +175,14 @@ class Segment:
     def adopt(cls, fd: int, written: int, what: str) -> Segment:
         """The file ``fd``, filled with ``pwrite`` (``written`` bytes), as a segment owning it.
 
-        Its pages fault in when read: none is mapped writable, so its seal costs nothing.
+        Its pages are mapped here (``MADV_POPULATE_READ``) as the writers do.
         """
         size = max(written, 1)
         os.ftruncate(fd, size)
-        return cls(fd, size, secrets.token_hex(8), created=True, what=what)._register()
+        segment = cls(fd, size, secrets.token_hex(8), created=True, what=what)
+        if written:
+            madvise(segment.address, written, MADV_POPULATE_READ)
+        return segment._register()
 
     def _register(self) -> Segment:
         with _ATTACH_LOCK:
@@ -282,7 +286,10 @@ class Segment:
         self._check_open()
         if write and self.writable:
             with named_os_errors("a loaded dataset's memory", self.size):
-                map_fd(self.fd, self.size, private=True, at=self.address)  # pages fault in
+                map_fd(self.fd, self.size, private=True, at=self.address)
+            # map its pages here again: a worker's pages are then shared, not private
+            # (USS), as Note [Sealed segments] says
+            madvise(self.address, self.size, MADV_POPULATE_READ)
             with _ATTACH_LOCK:
                 _ATTACHED.pop((self.token, True), None)
                 self.writable = False
@@ -395,7 +402,9 @@ def ready(array: np.ndarray, nbytes: int | None = None) -> None:
 # Any process of the user could reopen a segment read-write via ``/proc`` and write or
 # ``ftruncate`` it. Once a load is complete (``seal`` in ``_array.py``) the loader
 # remaps the file copy-on-write at the same address (``F_SEAL_WRITE`` is EBUSY while a
-# shared writable mapping exists; the pages fault in again when read) and adds
+# shared writable mapping exists) and maps its pages again (``MADV_POPULATE_READ``:
+# a page a worker reads is then shared with the loader, not private to the worker in
+# its USS, which would look like a copy), then adds
 # ``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``. Receivers open it
 # O_RDONLY and acknowledge on the sender's ticket board (``_handoff.py``). A
 # ``SharedArray`` is sealed against resizing only; ``storage_dir`` files cannot be.
