@@ -223,9 +223,9 @@ class Segment:
         """Wait until bytes ``[0, end)`` may be written; SharedMemoryFullError if a page failed."""
         start, self._start_population = self._start_population, None
         if start is not None:
-            self._population = population = start()
-            weakref.finalize(self, setattr, population, "stopped", True)  # if dropped
-        population = self._population
+            self._population = start()
+            weakref.finalize(self, setattr, self._population, "stopped", True)  # if dropped
+        population = self._population  # (read once: stop_population may clear it)
         if population is not None:
             population.wait(end)
 
