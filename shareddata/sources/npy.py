@@ -194,10 +194,9 @@ class _NpyFile(_Entry):
             return
         row_bytes = self.row_bytes()
         for a, b in _blocks(out):
-            rows = out.view(np.ndarray)[a:b]  # read_into needs no page ready
+            rows = out.view(np.ndarray)[a:b]  # read_into needs no page ready, and leaves
             read_into(self.path, self.offset + (start + a) * row_bytes, rows, progress, self.path)
-            if not self.dtype.isnative and self.dtype.itemsize > 1:
-                out.rows(a, b).byteswap(inplace=True)
+            _byteswap_if_needed(rows, self.dtype)  # its pages allocated
 
 
 _ZIP_ERRORS = (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error)
