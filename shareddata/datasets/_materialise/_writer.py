@@ -8,7 +8,6 @@ write blocks with a :class:`BlockReader` (Note [Materialising with workers]).
 from __future__ import annotations
 
 import dataclasses
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from ...columns._items import Leaf, compile_fast_path, host_numpy
 from ...errors import SharedDataError
 from ...storage import Segment, SharedArray
 from ...storage._capacity import resolve_storage_dir
-from ...storage._linux import MADV_POPULATE_READ, libc, madvise
+from ...storage._linux import libc
 from ...storage._writer import pwrite_all
 
 __all__ = [
@@ -41,14 +40,13 @@ __all__ = [
 #
 # * The segment is sized, not reserved: ``pwrite`` allocates pages as it fills them
 #   and reports a full memory as ENOSPC (SharedMemoryFullError), never SIGBUS.
-# * ``MADV_POPULATE_READ`` then maps each block here, so the loading process holds
-#   the one copy ``verify``'s PSS accounting expects.
+# * The seal maps the pages here (Note [Sealed segments] in ``storage/_segment.py``),
+#   so the loading process holds the one copy ``verify``'s PSS accounting expects.
 # * The main thread runs at most two blocks ahead (a bounded queue).
 # * On any error the writer is stopped and joined BEFORE the segment is discarded,
 #   so it never writes to a closed (maybe reused) descriptor.
 
 _BLOCK_BYTES = 4 << 20  # fixed-size bytes per block handed to the writer
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 # Note [Items freed back to the system]
 # =====================================
@@ -128,15 +126,13 @@ class BlockWriter:
 
 
 class Writer:
-    """Writes blocks of fixed-size rows from a background thread, and maps them here.
+    """Writes blocks of fixed-size rows from a background thread.
 
     Note [Writing rows in the background].
     """
 
     def __init__(self, segment: Segment, chunk: int, storage_dir: Any, what: str) -> None:
         self._blocks = BlockWriter(segment, chunk, storage_dir, what)
-        self._base = segment.address
-        self._populate = True
         self._jobs: queue.Queue[Any] = queue.Queue(maxsize=2)
         self._error: BaseException | None = None
         self._stop = False
@@ -199,15 +195,6 @@ class Writer:
         for target, leaf, values in blocks:
             if values is not None:
                 self._blocks.write(start, rows, target, leaf, values)
-            row_bytes = target.nbytes // target.shape[0]
-            self._map(target.offset + start * row_bytes, rows * row_bytes)
-
-    def _map(self, offset: int, nbytes: int) -> None:
-        if not self._populate or nbytes == 0:
-            return
-        start = (self._base + offset) // _PAGE * _PAGE
-        if madvise(start, self._base + offset + nbytes - start, MADV_POPULATE_READ):
-            self._populate = False  # older kernel: pages map in when first read
 
 
 def fetch(dataset: Any, index: int) -> Any:
