@@ -175,14 +175,11 @@ class Segment:
     def adopt(cls, fd: int, written: int, what: str) -> Segment:
         """The file ``fd``, filled with ``pwrite`` (``written`` bytes), as a segment owning it.
 
-        Its pages are mapped here (``MADV_POPULATE_READ``) as the writers do.
+        Its pages are mapped here by the seal that ends the load (Note [Sealed segments]).
         """
         size = max(written, 1)
         os.ftruncate(fd, size)
-        segment = cls(fd, size, secrets.token_hex(8), created=True, what=what)
-        if written:
-            madvise(segment.address, written, MADV_POPULATE_READ)
-        return segment._register()
+        return cls(fd, size, secrets.token_hex(8), created=True, what=what)._register()
 
     def _register(self) -> Segment:
         with _ATTACH_LOCK:
