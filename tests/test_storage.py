@@ -12,6 +12,8 @@ from conftest import START_METHODS, fd_links, holders, open_fds, run_isolated
 import shareddata as sd
 from shareddata.storage import Segment
 from shareddata.storage._capacity import available_memory
+from shareddata.storage._linux import file_identity
+from shareddata.storage._segment import open_sent
 
 
 def _fill(arr, start, stop, value):
@@ -195,6 +197,42 @@ def test_handle_of_a_freed_array_fails_on_first_use_not_when_unpickled():
         b.numpy()
     with pytest.raises(sd.AttachError):
         pickle.dumps(b)
+
+
+def test_a_sent_file_is_opened_only_while_the_sender_holds_it_as_that_descriptor():
+    """Closed, its number reused, or past ``ulimit -n``: a named error, nothing left open."""
+    import errno
+    import fcntl
+    import resource
+
+    sent, other, me = os.memfd_create("sent"), os.memfd_create("other"), os.getpid()
+    ident, path, why = file_identity(sent), f"/proc/{me}/fd/{sent}", "Keep it open."
+    before = open_fds()
+    for writable, mode in ((False, os.O_RDONLY), (True, os.O_RDWR)):
+        new_fd = open_sent(me, sent, ident, "a probe", why, writable=writable)
+        assert file_identity(new_fd) == ident
+        assert fcntl.fcntl(new_fd, fcntl.F_GETFL) & os.O_ACCMODE == mode
+        os.close(new_fd)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = os.dup(0)
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # the next open is EMFILE
+    try:
+        with pytest.raises(sd.TooManyOpenFilesError, match="a probe.*ulimit -n") as info:
+            open_sent(me, sent, ident, "a probe", why)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert info.value.errno == errno.EMFILE
+    os.dup2(other, sent)  # the number now names another file
+    with pytest.raises(sd.AttachError, match="another file") as info:
+        open_sent(me, sent, ident, "a probe", why)
+    assert path in str(info.value) and why in str(info.value) and open_fds() == before
+    os.close(sent)
+    with pytest.raises(sd.AttachError, match="no longer holds it") as info:
+        open_sent(me, sent, ident, "a probe", why)
+    assert path in str(info.value) and why in str(info.value)
+    assert isinstance(info.value, OSError) and open_fds() == before - 1
+    os.close(other)
 
 
 def test_a_multiprocessing_pickle_keeps_the_segment_until_it_is_received():

@@ -61,7 +61,6 @@ import numpy as np
 import torch
 
 from .._compat import torch_reduce_storage
-from ..errors import AttachError, TooManyOpenFilesError
 from ..storage import shared_tensor
 from ..storage._capacity import named_os_errors
 from ..storage._linux import (
@@ -73,6 +72,7 @@ from ..storage._linux import (
     map_fd,
     unmap,
 )
+from ..storage._segment import open_sent
 from ..storage._tensor import describe_failure, raise_send_error
 
 __all__ = [
@@ -171,29 +171,17 @@ def _release_queued() -> None:
         unmap(mapping[0], mapping[1])
 
 
+_NOT_HELD = (
+    f"the worker exited, or closed it after making more than {MAX_UNRECEIVED} batch memfds "
+    "that were not received. Receive batches as they come, or lower prefetch_factor."
+)
+
+
 def _map_batch(pid: int, fd: int, ident: tuple[int, int], total: int) -> int:
     """Map ``total`` bytes of the memfd ``fd`` of process ``pid``; its address."""
-    path = f"/proc/{pid}/fd/{fd}"
     what = f"a batch from DataLoader worker {pid}"
+    new_fd = open_sent(pid, fd, ident, what, _NOT_HELD, writable=True)
     try:
-        with named_os_errors(what):
-            new_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except TooManyOpenFilesError:
-        raise
-    except OSError as e:
-        raise AttachError(
-            f"cannot receive a batch from DataLoader worker {pid}: opening {path} failed ({e}). "
-            "The worker exited before the batch was received, or /proc is restricted "
-            "(receiving needs the same user and ptrace read access to the worker)."
-        ) from e
-    try:
-        if file_identity(new_fd) != tuple(ident):
-            raise AttachError(
-                f"cannot receive a batch from DataLoader worker {pid}: {path} now refers to "
-                f"another file: the worker made more than {MAX_UNRECEIVED} batch memfds that "
-                "were not received and closed the oldest. Receive batches as they come, or "
-                "lower prefetch_factor."
-            )
         with named_os_errors(what, total):
             return map_fd(new_fd, total)
     finally:

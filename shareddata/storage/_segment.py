@@ -42,6 +42,7 @@ from ._capacity import (
     FULL_ERRNOS,
     available_memory,
     check_capacity,
+    descriptor_error,
     fallocate,
     full_error,
     named_os_errors,
@@ -434,38 +435,45 @@ def attach(
 def _open(
     pid: int, fd: int, ident: tuple[int, int], size: int, token: str, drawn: Any, writable: bool
 ) -> Segment:
-    path = f"/proc/{pid}/fd/{fd}"
     what = f"shared segment {token} sent by process {pid}"
+    why = (
+        f"the sender closed it, exited or was killed before this process received it, or "
+        f"{_handoff.HOLD:.0f} s passed. Keep the dataset or SharedArray alive in the sending "
+        "process until every receiver has unpickled it."
+    )
+    new_fd = open_sent(pid, fd, ident, what, why, writable=writable)
     try:
-        with named_os_errors(what):
-            new_fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
-    except FileNotFoundError as e:
-        holder = "this process" if pid == os.getpid() else f"process {pid}, which sent it,"
-        raise AttachError(
-            f"cannot attach shared segment {token}: {holder} no longer holds it "
-            f"({path} is gone: the sender exited or was killed before this process "
-            f"received it, or {_handoff.HOLD:.0f} s passed). Keep the dataset or "
-            "SharedArray alive in the sending process until every receiver has "
-            "unpickled it."
-        ) from e
-    except PermissionError as e:
-        raise AttachError(
-            f"cannot attach shared segment {token}: opening {path} was refused ({e}). "
-            f"Attaching needs the same user as process {pid} and read access to its /proc "
-            "entry (ptrace read); a hardened /proc (hidepid) or a setuid/non-dumpable "
-            "sender prevents it."
-        ) from e
-    try:
-        if file_identity(new_fd) != tuple(ident):
-            raise AttachError(
-                f"cannot attach shared segment {token}: {path} now refers to another "
-                "file (the sender closed the segment and reused the descriptor)."
-            )
         _handoff.acknowledge(pid, drawn)  # the file is held here: the sender may let go
         return Segment(new_fd, size, token, writable, what=what)
     except BaseException:
         os.close(new_fd)
         raise
+
+
+def open_sent(
+    pid: int, fd: int, ident: tuple[int, int], what: str, why: str, *, writable: bool = False
+) -> int:
+    """Open ``/proc/<pid>/fd/<fd>`` (read-only unless ``writable``), checked to be ``ident``."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        new_fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise AttachError(
+            f"cannot receive {what}: the sender no longer holds it ({path} is gone): {why}"
+        ) from e
+    except OSError as e:  # the descriptor limit, or access to /proc
+        raise descriptor_error(e, what) or AttachError(
+            f"cannot receive {what}: opening {path} failed ({e}). Receiving needs the "
+            f"same user as process {pid} and read access to its /proc entry (ptrace read); a "
+            "hardened /proc (hidepid) or a setuid/non-dumpable sender prevents it."
+        ) from e
+    if file_identity(new_fd) == tuple(ident):
+        return new_fd
+    os.close(new_fd)
+    raise AttachError(
+        f"cannot receive {what}: the sender no longer holds it ({path} now refers to "
+        f"another file): {why}"
+    )
 
 
 def attached_segments() -> list[Segment]:
