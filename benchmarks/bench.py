@@ -46,7 +46,7 @@ QUICK_NOTE = ", QUICK smoke run: sizes too small for the figures to mean anythin
 # A/B scripts that write their own section of docs/benchmarks.md: kept when it is rewritten
 EXTERNAL = (
     "bench_ipc.py", "bench_conversations.py", "bench_compare.py", "bench_wrap_path.py",
-    "bench_images.py", "bench_hdf5_readers.py",
+    "bench_images.py", "bench_hdf5_readers.py", "bench_suite_compare.py",
 )  # fmt: skip
 ALIASES = {"build": "load"}  # bench_suite's old section name: the load topic builds too
 
