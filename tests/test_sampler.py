@@ -200,6 +200,7 @@ def test_the_state_holds_seed_epoch_and_position_and_a_bad_one_is_named():
     order = list(nodes)
     it = iter(nodes)
     next(it), next(it)
+    assert nodes.state_dict() == {"seed": 3, "epoch": 2, "indices": 2}  # the saved format
     fresh = sd.NodeShardSampler(range(20))
     fresh.load_state_dict(nodes.state_dict())
     assert list(fresh) == order[2:]

@@ -8,9 +8,9 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
 
 from .._compat import disabled_torch_function
+from .._resume import ResumableSampler
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["IndexBatchSampler"]
@@ -39,14 +39,15 @@ def _reduce_indices(t: BatchIndices) -> Any:
 ForkingPickler.register(BatchIndices, _reduce_indices)
 
 
-class IndexBatchSampler(Sampler[torch.Tensor]):
+class IndexBatchSampler(ResumableSampler[torch.Tensor]):
     """Yields each batch of indices as one int64 tensor, with no per-sample Python work.
 
     The ``sampler`` of a DataLoader with ``batch_size=None``: the dataset gathers each
     column once per batch (``dataset[indices]``). Without ``seed``, the base seed is
     drawn from ``generator`` (torch's default) at the first pass, as ``RandomSampler``
     does, so ``torch.manual_seed`` makes runs reproducible; each epoch's order comes
-    from the base seed and the epoch. ``Stateful`` for torchdata's
+    from the base seed and the epoch, the next one each pass unless :meth:`set_epoch`
+    fixes it. ``Stateful`` for torchdata's
     ``StatefulDataLoader``: a loader resumed from :meth:`state_dict` gives exactly the
     remaining batches, then the next epochs.
 
@@ -74,6 +75,8 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         False
     """
 
+    UNIT = "batches"
+
     def __init__(
         self,
         data_source: Sized | int,
@@ -100,41 +103,9 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         self.drop_last = drop_last
         self.seed = seed
         self.generator = generator
-        self.epoch = 0  # of the next pass
-        self._epoch_set = False
-        self._pass: list[int] | None = None  # [epoch, batches given] of the pass under way
-        self._resume: list[int] | None = None  # a loaded pass, continued by the next iter()
 
-    def set_epoch(self, epoch: int) -> None:
-        """Fix the shuffle to that of ``epoch`` (without it, each pass takes the next epoch)."""
-        self.epoch = epoch
-        self._epoch_set = True
-
-    def _base_seed(self) -> int:
-        if self.seed is None:  # drawn once, as RandomSampler draws its seed
-            self.seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator))
-        return self.seed
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        # Note [A pass starts when it is first read]: a DataLoader with workers calls
-        # iter() twice per epoch and reads only the second iterator, so a pass takes its
-        # epoch, or a loaded position, when its first batch is read. But a loaded
-        # position at the END of a pass is taken by iter() itself: StatefulDataLoader
-        # restores a finished epoch into an iterator it may not read, then calls iter().
-        self._pass = None
-        if self._resume is not None and self._resume[1] >= len(self):
-            self._pass, self._resume = self._resume, None
-            return iter(())
-        return self._batches()
-
-    def _batches(self) -> Iterator[torch.Tensor]:
-        if self._resume is not None:  # a loaded pass (load_state_dict set the next epoch)
-            position, self._resume = self._resume, None
-        else:
-            position = [self.epoch, 0]
-            if not self._epoch_set:
-                self.epoch += 1
-        self._pass = position
+    def _items(self) -> Iterator[torch.Tensor]:
+        position = self._position()
         epoch, start = position
         if self.shuffle:
             g = torch.Generator().manual_seed(epoch_seed(self._base_seed(), epoch))
@@ -146,34 +117,6 @@ class IndexBatchSampler(Sampler[torch.Tensor]):
         for batch in rest.split(self.batch_size) if len(rest) else ():  # split(empty): 1 batch
             position[1] += 1  # before the yield: state_dict() is read while it waits there
             yield batch.as_subclass(BatchIndices)  # sent to workers by value
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position: base seed, the epoch under way (or to come), the batches given."""
-        epoch, given = self._resume or self._pass or (self.epoch, 0)
-        seed = self._base_seed() if self.shuffle else self.seed
-        return {"seed": seed, "epoch": epoch, "batches": given}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the next pass gives the rest of its epoch.
-
-        Raises:
-            InvalidArgumentError: ``state`` is not such a state, or counts more batches
-                than this sampler has.
-        """
-        got = state if isinstance(state, dict) else {}
-        seed, epoch, given = got.get("seed"), got.get("epoch"), got.get("batches")
-        if not (isinstance(epoch, int) and isinstance(given, int) and epoch >= 0):
-            epoch, given = 0, -1
-        if not 0 <= given <= len(self):
-            raise InvalidArgumentError(
-                f"IndexBatchSampler.load_state_dict needs a state_dict() of a sampler with "
-                f"{len(self)} batches ({{'seed', 'epoch', 'batches'}}), got {state!r}"
-            )
-        if isinstance(seed, int):
-            self.seed = seed
-        self._resume = [epoch, given]
-        if not self._epoch_set:
-            self.epoch = epoch + 1
 
     def __len__(self) -> int:
         return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)

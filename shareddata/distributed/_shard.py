@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
 
+from .._resume import ResumableSampler
 from ..errors import InvalidArgumentError
 from ._context import ALONE, node_context
 
@@ -46,7 +46,7 @@ def node_rows(total: int, node: int, num_nodes: int) -> tuple[int, int]:
     return node * total // num_nodes, (node + 1) * total // num_nodes
 
 
-class NodeShardSampler(Sampler[int]):
+class NodeShardSampler(ResumableSampler[int]):
     """A ``DistributedSampler`` for node-sharded data: each node samples its own rows.
 
     Node ``g`` of ``G`` owns rows ``node_rows(N, g, G)`` of the whole dataset (the rows
@@ -76,6 +76,9 @@ class NodeShardSampler(Sampler[int]):
         >>> list(sampler)
         [0, 1, 2, 3, 4, 5, 6, 7]
     """
+
+    UNIT = "indices"
+    _epoch_set = True  # the epoch is set_epoch's, as for DistributedSampler
 
     def __init__(
         self,
@@ -111,9 +114,6 @@ class NodeShardSampler(Sampler[int]):
         self.total, self.offset, self.node_size = total, offset, rows
         self.local_rank, self.local_world_size = local, size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.epoch = 0
-        self._pass: list[int] | None = None  # [epoch, indices given] of the pass under way
-        self._resume: list[int] | None = None  # a loaded pass, continued by the next iter()
         if drop_last:
             self.num_samples = (total // nodes) // size
         else:
@@ -125,26 +125,13 @@ class NodeShardSampler(Sampler[int]):
                 )
         self.total_size = self.num_samples * size
 
-    def set_epoch(self, epoch: int) -> None:
-        """Use the shuffle of ``epoch`` (call it before every epoch, as for DistributedSampler)."""
-        self.epoch = int(epoch)
-
-    def __iter__(self) -> Iterator[int]:
-        # as IndexBatchSampler's (Note [A pass starts when it is first read])
-        self._pass = None
-        if self._resume is not None and self._resume[1] >= self.num_samples:
-            self._pass, self._resume = self._resume, None
-            return iter(())
-        return self._indices()
-
-    def _indices(self) -> Iterator[int]:
-        position, self._resume = self._resume or [self.epoch, 0], None
-        self._pass = position
+    def _items(self) -> Iterator[int]:
+        position = self._position()
         epoch, start = position
         # int32 while it fits: the order lives in the main process for the whole epoch
         dtype = torch.int32 if self.total < 2**31 else torch.int64
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
+            generator = torch.Generator().manual_seed(self._base_seed() + epoch)
             order = torch.randperm(self.node_size, generator=generator, dtype=dtype)
         else:
             order = torch.arange(self.node_size, dtype=dtype)
@@ -158,31 +145,6 @@ class NodeShardSampler(Sampler[int]):
             for index in chunk.tolist():
                 position[1] += 1  # before the yield: state_dict() is read while it waits there
                 yield index
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position: seed, the epoch under way (or to come) and the indices given."""
-        epoch, given = self._resume or self._pass or (self.epoch, 0)
-        return {"seed": self.seed, "epoch": epoch, "indices": given}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: the next pass gives the rest of its epoch.
-
-        Raises:
-            InvalidArgumentError: ``state`` is not such a state, or counts more indices
-                than this rank takes per epoch.
-        """
-        got = state if isinstance(state, dict) else {}
-        seed, epoch, given = got.get("seed"), got.get("epoch"), got.get("indices")
-        if not (isinstance(seed, int) and isinstance(epoch, int) and isinstance(given, int)):
-            seed, epoch, given = 0, 0, -1
-        if not 0 <= given <= self.num_samples:
-            raise InvalidArgumentError(
-                f"NodeShardSampler.load_state_dict needs a state_dict() of a sampler with "
-                f"{self.num_samples} indices per epoch ({{'seed', 'epoch', 'indices'}}), "
-                f"got {state!r}"
-            )
-        self.seed = seed
-        self._resume = [epoch, given]
 
     def __len__(self) -> int:
         return self.num_samples

@@ -107,6 +107,7 @@ def test_no_private_name_imported_across_modules():
 
 LAYERS = [
     ["shareddata.errors", "shareddata._text", "shareddata._compat"],
+    ["shareddata._resume"],
     ["shareddata.storage"],
     ["shareddata.columns"],
     ["shareddata.sources", "shareddata.crossing", "shareddata.distributed"],
