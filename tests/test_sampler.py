@@ -210,3 +210,5 @@ def test_the_state_holds_seed_epoch_and_position_and_a_bad_one_is_named():
         assert isinstance(info.value, sd.SharedDataError)
     with pytest.raises(ValueError, match="20 indices per epoch"):
         fresh.load_state_dict({"seed": 0, "epoch": 0, "indices": 21})
+    with pytest.raises(ValueError, match="NodeShardSampler.load_state_dict"):  # not a seed
+        fresh.load_state_dict({"seed": "3", "epoch": 0, "indices": 1})
