@@ -156,7 +156,7 @@ def test_the_package_does_not_grow():
     texts = [pathlib.Path(path).read_text() for path in _modules().values()]
     lines = sum(text.count("\n") for text in texts)
     code = sum(code_lines(text) for text in texts)
-    assert lines <= 16_450 and code <= 11_050, f"{lines} lines, {code} of code"
+    assert lines <= 16_420 and code <= 11_000, f"{lines} lines, {code} of code"
 
 
 def _module_map() -> dict[str, set[str]]:
