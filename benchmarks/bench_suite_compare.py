@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,8 +93,8 @@ def compare(base: dict[str, Any], ours: dict[str, Any]) -> list[list[str]]:
         worse = lo_o > hi_b * SAME if lower else hi_o * SAME < lo_b
         better = hi_o * SAME < lo_b if lower else lo_o > hi_b * SAME
         call = "worse beyond the spread" if worse else "better" if better else "within the spread"
-        ratio = o["median"] / b["median"] if b["median"] else float("nan")
-        rows.append([name, o["goal"], fmt(b), fmt(o), f"{ratio:.2f}", call])
+        ratio = f"{o['median'] / b['median']:.2f}" if b["median"] else "-"
+        rows.append([name, o["goal"], fmt(b), fmt(o), ratio, call])
     return rows
 
 
@@ -125,9 +126,16 @@ def main() -> int:
     p.add_argument("--only", nargs="+", default=SUITE, help="topics (the suite's page's)")
     p.add_argument("--quick", action="store_true", help="small sizes: checks that it runs")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--render", metavar="JSON", help="only rewrite the table from a saved run")
     args = p.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            saved = json.load(f)
+        return write(saved, {k: saved[k] for k in ("baseline", "this")}, args.out_dir)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                           capture_output=True).stdout.strip()  # fmt: skip
+    run = {"revs": [args.baseline, head], "reps": args.reps, "quick": args.quick,
+           "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     results: dict[str, dict[str, Any]] = {"baseline": {}, "this": {}}
     with tempfile.TemporaryDirectory(prefix="sd-suite-") as tmp:
         base_tree = os.path.join(tmp, "tree")
@@ -143,28 +151,34 @@ def main() -> int:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", base_tree], cwd=REPO,
                            capture_output=True)  # fmt: skip
-    base, ours = (scored(results[k], args.reps) for k in ("baseline", "this"))
+    return write(run, results, args.out_dir)
+
+
+def write(run: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str) -> int:
+    """Score both trees, write ``suite-compare.{md,json}``; 1 if a topic failed."""
+    (baseline, head), reps = run["revs"], run["reps"]
+    base, ours = (scored(results[k], reps) for k in ("baseline", "this"))
     failed = [f"{k} {t}: {r['failed']}" for k in results for t, r in results[k].items()
               if "failed" in r]  # fmt: skip
     text = "\n".join(
         [
-            f"# The suite's targets: this tree ({head}) against {args.baseline}",
+            f"# The suite's targets: this tree ({head}) against {baseline}",
             "",
-            f"Produced by `benchmarks/bench_suite_compare.py --baseline {args.baseline}`"
-            f"{' --quick' if args.quick else ''}: each tree ran its own suite, topic by "
-            f"topic alternated, {args.reps} repetition(s) each. Medians, with the range "
-            "over the repetitions; ratio = this tree / baseline.",
+            f"Produced by `benchmarks/bench_suite_compare.py --baseline {baseline}`"
+            f"{' --quick' if run['quick'] else ''} ({run['started']}): each tree ran its own "
+            f"suite, topic by topic alternated, {reps} repetition(s) each. Medians, with the "
+            "range over the repetitions; ratio = this tree / baseline.",
             "",
-            table(["target", "goal", args.baseline, head, "ratio", "call"], compare(base, ours)),
+            table(["target", "goal", baseline, head, "ratio", "call"], compare(base, ours)),
             "",
             *(f"FAILED: {f}" for f in failed),
         ]
     )
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "suite-compare.md"), "w") as f:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "suite-compare.md"), "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(args.out_dir, "suite-compare.json"), "w") as f:
-        json.dump({"baseline": args.baseline, "this": head, **results}, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "suite-compare.json"), "w") as f:
+        json.dump({**run, **results}, f, indent=1, default=str)
     print(text)
     return 1 if failed else 0
 
