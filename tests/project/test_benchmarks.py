@@ -202,3 +202,35 @@ def test_every_topic_is_a_harness_module_and_the_suite_calls_the_harness():
     assert set(SUITE) == {"limits", "throughput", "memory", "ttfb", "load", "analysis"}
     assert {"wrap", "distributed", "handoff", "verify"} <= set(TOPICS)
     assert "bench.main(" in Path(BENCH, "bench_suite.py").read_text()
+
+
+def test_the_suite_comparison_scores_each_repetition_and_calls_worse_only_beyond_both_spreads():
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_suite_compare as cmp
+    finally:
+        sys.path.remove(BENCH)
+    saved = {"limits": {"ways": {"x": {"s": 2.0, "runs": [1.0, 2.0, 3.0]}}},
+             "by_size": {"1": {"median": {"a|1/0": 5.0}, "runs": {"a|1/0": [4.0, 5.0, 6.0]}}},
+             "ttfb": {"median_s": 1.5, "runs": [1.5, 1.0]}}  # fmt: skip
+    first = cmp.repetition(saved, 0)  # each median replaced by that repetition's run
+    assert first["limits"]["ways"]["x"]["s"] == 1.0 and first["ttfb"]["median_s"] == 1.5
+    assert first["by_size"]["1"]["median"] == {"a|1/0": 4.0}
+    assert cmp.repetition(saved, 2)["ttfb"]["median_s"] == 1.0  # fewer runs: the last
+    assert saved["limits"]["ways"]["x"]["s"] == 2.0  # the results themselves are kept
+
+    def target(median, runs, goal="<= 1.2x"):
+        return {"goal": goal, "median": median, "runs": runs}
+
+    base = {"t": target(1.0, [0.9, 1.1]), "u": target(1.0, [0.9, 1.1], ">= 0.5x")}
+    calls = {
+        "t": [(1.3, [1.2, 1.4], "worse beyond the spread"), (1.1, [1.05, 1.3], "within"),
+              (0.8, [0.7, 0.85], "better"), (1.12, [1.11, 1.12], "within")],
+        "u": [(0.8, [0.7, 0.85], "worse beyond the spread"), (1.3, [1.2, 1.4], "better")],
+    }  # fmt: skip
+    for name, cases in calls.items():
+        for median, runs, call in cases:
+            row = cmp.compare(base, {name: target(median, runs, base[name]["goal"])})[0]
+            assert row[-1].startswith(call), (name, median, runs, row)
+    row = cmp.compare({}, {"v": target(1.0, [1.0])})[0]
+    assert row[-1] == "only in this tree"
