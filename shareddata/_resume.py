@@ -81,8 +81,12 @@ class ResumableSampler(Sampler[T]):
         """
         got = state if isinstance(state, dict) else {}
         seed, epoch, given = got.get("seed"), got.get("epoch"), got.get(self.UNIT)
-        counts = isinstance(epoch, int) and isinstance(given, int) and 0 <= given <= len(self)
-        if not (counts and (seed is None or isinstance(seed, int))):
+        if not (
+            isinstance(epoch, int)
+            and isinstance(given, int)
+            and 0 <= given <= len(self)
+            and (seed is None or isinstance(seed, int))
+        ):
             raise InvalidArgumentError(
                 f"{type(self).__name__}.load_state_dict needs a state_dict() of a sampler with "
                 f"{len(self)} {self.UNIT} per epoch ({{'seed', 'epoch', '{self.UNIT}'}}), "
