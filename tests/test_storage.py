@@ -458,23 +458,26 @@ def test_a_segment_holds_one_descriptor():
     """Note [One descriptor per segment]: the mapping holds none (Python's mmap held a
     duplicate: 2 per array, 4 per SharedList), and every view keeps the mapping alive."""
 
-    def segment_fds() -> int:  # by name: an earlier test's pipes may close meanwhile
-        return sum(link == "/memfd:shareddata (deleted)" for link in fd_links().values())
+    def segment_fds() -> set[tuple[str, int]]:  # by name and inode, new ones only: an
+        # earlier test's segments (held by a ticket) or pipes may close meanwhile
+        links = fd_links().items()
+        memfds = [fd for fd, link in links if link == "/memfd:shareddata (deleted)"]
+        return {(fd, os.stat(f"/proc/self/fd/{fd}").st_ino) for fd in memfds}
 
     gc.collect()
     fds = segment_fds()
     arrays = [sd.SharedArray.from_array(np.arange(1000) + k) for k in range(20)]
-    assert segment_fds() - fds == 20
+    assert len(segment_fds() - fds) == 20
     names = [sd.SharedList([{"k": k}] * 10, progress=False) for k in range(20)]
-    assert segment_fds() - fds == 40
+    assert len(segment_fds() - fds) == 40
     views = [a.torch()[10:20] for a in arrays]  # the views alone keep the memory
     del arrays, names
     gc.collect()
-    assert segment_fds() - fds == 20
+    assert len(segment_fds() - fds) == 20
     assert [int(v[0]) for v in views] == [10 + k for k in range(20)]
     del views
     gc.collect()
-    assert segment_fds() == fds
+    assert not segment_fds() - fds
 
 
 _LIMITS_SCRIPT = """
