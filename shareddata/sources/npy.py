@@ -194,9 +194,10 @@ class _NpyFile(_Entry):
             return
         row_bytes = self.row_bytes()
         for a, b in _blocks(out):
-            rows = out.view(np.ndarray)[a:b]  # read_into needs no page ready, and leaves
+            # read_into needs no page ready, and leaves the rows' pages allocated
+            rows = out.view(np.ndarray)[a:b]
             read_into(self.path, self.offset + (start + a) * row_bytes, rows, progress, self.path)
-            _byteswap_if_needed(rows, self.dtype)  # its pages allocated
+            _byteswap_if_needed(rows, self.dtype)
 
 
 _ZIP_ERRORS = (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error)
