@@ -10,6 +10,9 @@ Only the public API is used, so the same code runs on both trees.
     .venv/bin/python benchmarks/bench_compare.py --quick         # smoke run, ~1 min
     .venv/bin/python benchmarks/bench_compare.py --baseline HEAD~5 --reps 5
 
+Each case starts after ``--settle`` GiB (3) were touched and freed here (Note [Settling
+memory] in ``harness/runner.py``: the machine's memory alternates between two speeds).
+
 Writes ``benchmarks/results/compare.md`` and ``.json`` (``--out-dir`` to change):
 medians per case, and the ratio this tree / baseline (for times < 1 is faster; for
 samples/s > 1 is faster; duplication should stay ~1.0 on both).
@@ -28,6 +31,9 @@ import textwrap
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from harness.runner import settle  # noqa: E402
+
 BASELINE = "0bcb8bd"  # main before the one-loading-path redesign (issue 13)
 
 # Each case: (name, unit, higher_is_better, code). The code runs in a fresh interpreter
@@ -232,7 +238,8 @@ def prepare(folder: str, rows: int) -> None:
                    os.path.join(folder, "text.parquet"), row_group_size=16384)  # fmt: skip
 
 
-def run_case(tree: str, code: str, data: str, scale: int, timeout: float) -> float:
+def run_case(tree: str, code: str, data: str, scale: int, timeout: float, gib: float = 0) -> float:
+    settle(gib)
     script = PRELUDE.format(data=data, scale=scale) + textwrap.dedent(code)
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -291,6 +298,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, 1 repetition")
     parser.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"))
     parser.add_argument("--only", nargs="*", help="substrings of case names to run")
+    parser.add_argument("--settle", type=float, default=3.0, help="GiB touched before each")
     args = parser.parse_args()
     rows = 16384 if args.quick else 262144  # 16 MiB / 256 MiB
     scale = 16 if args.quick else 1
@@ -318,7 +326,8 @@ def main() -> None:
                 for rep in range(reps):
                     order = [("baseline", base_tree), ("current", REPO)]
                     for label, tree in order if rep % 2 == 0 else order[::-1]:
-                        entry[label].append(run_case(tree, code, data, scale, timeout=600))
+                        run = run_case(tree, code, data, scale, 600, args.settle)
+                        entry[label].append(run)
                 print(f"{name}: baseline {entry['baseline']} current {entry['current']}")
                 out.append(entry)
         finally:
@@ -329,6 +338,7 @@ def main() -> None:
         "baseline": args.baseline,
         "current": current,
         "reps": reps,
+        "settle_gib": args.settle,
         "rows": rows,
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cases": out,

@@ -12,6 +12,11 @@ the medians, and once per repetition, which gives each tree's spread. A target i
 worse only when this tree's spread lies wholly on the worse side of the other's (by
 more than 2%). Writes ``suite-compare.md`` and ``.json`` to ``--out-dir``
 (``benchmarks/results``).
+
+Every measurement of both trees starts after the runner touched and freed ``--settle``
+GiB (3; Note [Settling memory] in ``harness/runner.py``): the other tree runs with this
+tree's ``harness/runner.py`` (the process machinery, the same file at 527c53a), or the
+machine's alternating memory states would favour one tree by the order of its runs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -110,7 +116,7 @@ def fmt(t: dict[str, Any]) -> str:
 def run_topic(tree: str, topic: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, os.path.join(tree, "benchmarks", "bench.py"), "--topics", topic]
     cmd += ["--out-dir", out, "--reps", str(args.reps)] + (["--quick"] if args.quick else [])
-    env = {**os.environ, "PYTHONPATH": tree}
+    env = {**os.environ, "PYTHONPATH": tree, "BENCH_SETTLE_GIB": str(args.settle)}
     with open(os.path.join(out, f"{topic}.log"), "w") as log:
         done = subprocess.run(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
@@ -125,6 +131,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3, help="repetitions per topic and tree")
     p.add_argument("--only", nargs="+", default=SUITE, help="topics (the suite's page's)")
     p.add_argument("--quick", action="store_true", help="small sizes: checks that it runs")
+    p.add_argument("--settle", type=float, default=3.0, help="GiB touched before each run")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     p.add_argument("--render", metavar="JSON", help="only rewrite the table from a saved run")
     args = p.parse_args()
@@ -135,12 +142,15 @@ def main() -> int:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                           capture_output=True).stdout.strip()  # fmt: skip
     run = {"revs": [args.baseline, head], "reps": args.reps, "quick": args.quick,
+           "settle_gib": args.settle,
            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     results: dict[str, dict[str, Any]] = {"baseline": {}, "this": {}}
     with tempfile.TemporaryDirectory(prefix="sd-suite-") as tmp:
         base_tree = os.path.join(tmp, "tree")
         subprocess.run(["git", "worktree", "add", "--detach", base_tree, args.baseline],
                        cwd=REPO, check=True, capture_output=True)  # fmt: skip
+        runner = os.path.join("benchmarks", "harness", "runner.py")  # the same settling
+        shutil.copyfile(os.path.join(REPO, runner), os.path.join(base_tree, runner))
         try:
             for topic in args.only:
                 for label, tree in (("baseline", base_tree), ("this", REPO)):
@@ -166,8 +176,10 @@ def write(run: dict[str, Any], results: dict[str, dict[str, Any]], out_dir: str)
             "",
             f"Produced by `benchmarks/bench_suite_compare.py --baseline {baseline}`"
             f"{' --quick' if run['quick'] else ''} ({run['started']}): each tree ran its own "
-            f"suite, topic by topic alternated, {reps} repetition(s) each. Medians, with the "
-            "range over the repetitions; ratio = this tree / baseline.",
+            f"suite, topic by topic alternated, {reps} repetition(s) each, every run after "
+            f"{run.get('settle_gib', 0)} GiB touched and freed (Note [Settling memory] in "
+            "`benchmarks/harness/runner.py`). Medians, with the range over the "
+            "repetitions; ratio = this tree / baseline.",
             "",
             table(["target", "goal", baseline, head, "ratio", "call"], compare(base, ours)),
             "",

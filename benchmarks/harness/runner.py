@@ -12,6 +12,15 @@ Note [Why a zygote]: a fresh interpreter costs ~2-3 s of imports here; the forma
 loads alone are ~80 measurements. A fork of a process that only imported modules
 holds no heap of an earlier measurement. ``Runner(pythonpath=tree)`` runs another
 checkout's library (``topics/compare.py``).
+
+Note [Settling memory]: on this VM the first touch of fresh memory costs about 0.35 s
+per GiB or about 0.8 s, and the two alternate from one process to the next (a 1 GiB
+``MADV_POPULATE_WRITE`` in 12 fresh processes: 1.08 0.35 0.83 0.35 0.83 ... s; every
+run slow with 2 s between runs): the host takes back memory the guest freed. Two
+trees alternated in that rhythm get opposite states: ``NumpyDataset`` of 1 GiB, 527c53a
+then aaf2c1a, 7 times: 0.41 s against 1.26 s (medians), the same code. With
+``BENCH_SETTLE_GIB=3`` every measurement starts after this process touched and freed
+3 GiB (:func:`settle`, 1-2 s), and the two were 0.49 and 0.47 s.
 """
 
 from __future__ import annotations
@@ -82,6 +91,20 @@ while True:
 """
 
 PRELOAD = "numpy,torch,torch.utils.data,h5py,pyarrow,pyarrow.parquet,shareddata"
+SETTLE_GIB = float(os.environ.get("BENCH_SETTLE_GIB", "0"))
+
+
+def settle(gib: float = SETTLE_GIB) -> None:
+    """Touch and free ``gib`` GiB, so the next process starts in one memory state.
+
+    Note [Settling memory]; 0 (the default, ``BENCH_SETTLE_GIB`` unset) does nothing.
+    """
+    if gib > 0:
+        import numpy as np
+
+        touched = np.empty(int(gib * (1 << 30)), np.uint8)
+        touched[::4096] = 1
+        del touched
 
 
 def go() -> None:
@@ -189,6 +212,7 @@ class Runner:
         from harness.memory import Sampler
 
         job = json.dumps({"module": module, "fn": fn, "kwargs": kwargs})
+        settle()
         if interpreter or self.zygote is None:
             pipe = self._start(["", job])
         else:
