@@ -187,6 +187,24 @@ def test_the_runner_reports_failures_and_timeouts(zygote):
         assert r.run("json", "loads", s='{"b": 2}') == {"b": 2}
 
 
+def test_the_runner_settles_memory_before_a_run_only_when_asked():
+    # Note [Settling memory]: BENCH_SETTLE_GIB makes the runner touch and free that much
+    code = (
+        "import resource, sys; sys.path.insert(0, sys.argv[1]); from harness import runner; "
+        "runner.Runner(preload='').run('json', 'loads', s='1'); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+
+    def peak_mib(gib: float) -> float:
+        env = {**os.environ, "BENCH_SETTLE_GIB": str(gib)}
+        done = subprocess.run([sys.executable, "-c", code, BENCH], env=env, text=True,
+                              capture_output=True, timeout=120, check=True)  # fmt: skip
+        return int(done.stdout) / 1024
+
+    unset, settled = peak_mib(0), peak_mib(0.5)
+    assert settled > 512 > unset, (unset, settled)  # a 0.5 GiB array was touched
+
+
 def test_every_topic_is_a_harness_module_and_the_suite_calls_the_harness():
     sys.path.insert(0, BENCH)
     try:
