@@ -150,7 +150,8 @@ def main() -> int:
         subprocess.run(["git", "worktree", "add", "--detach", base_tree, args.baseline],
                        cwd=REPO, check=True, capture_output=True)  # fmt: skip
         runner = os.path.join("benchmarks", "harness", "runner.py")  # the same settling
-        shutil.copyfile(os.path.join(REPO, runner), os.path.join(base_tree, runner))
+        if os.path.exists(os.path.join(base_tree, runner)):  # a commit with this harness
+            shutil.copyfile(os.path.join(REPO, runner), os.path.join(base_tree, runner))
         try:
             for topic in args.only:
                 for label, tree in (("baseline", base_tree), ("this", REPO)):

@@ -16,9 +16,9 @@ checkout's library (``topics/compare.py``).
 Note [Settling memory]: on this VM the first touch of fresh memory costs about 0.35 s
 per GiB or about 0.8 s, and the two alternate from one process to the next (a 1 GiB
 ``MADV_POPULATE_WRITE`` in 12 fresh processes: 1.08 0.35 0.83 0.35 0.83 ... s; every
-run slow with 2 s between runs): the host takes back memory the guest freed. Two
-trees alternated in that rhythm get opposite states: ``NumpyDataset`` of 1 GiB, 527c53a
-then aaf2c1a, 7 times: 0.41 s against 1.26 s (medians), the same code. With
+run slow with 2 s between runs; likely the host taking back memory the guest freed,
+not checked). Two trees alternated in that rhythm get opposite states: ``NumpyDataset``
+of 1 GiB, 527c53a then aaf2c1a, 7 times: 0.41 s against 1.26 s (medians). With
 ``BENCH_SETTLE_GIB=3`` every measurement starts after this process touched and freed
 3 GiB (:func:`settle`, 1-2 s), and the two were 0.49 and 0.47 s.
 """
